@@ -1,0 +1,12 @@
+"""peft_slim: memory-lean fine-tuning methods as first-class PEFT tuner types.
+
+Importing this package registers ``PeftType.TOKENTUNE`` with PEFT, so ``get_peft_model``,
+``PeftConfig.from_pretrained``, ``PeftModel.from_pretrained`` and ``AutoPeftModel*`` know it.
+"""
+
+from .export import export_lora
+from .tokentune import TokenTuneConfig, TokenTuneModel
+
+__version__ = "0.1.0"
+
+__all__ = ["TokenTuneConfig", "TokenTuneModel", "export_lora", "__version__"]

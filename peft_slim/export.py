@@ -1,0 +1,34 @@
+"""Export a stacked LoRA adapter as a plain PEFT LoRA adapter."""
+
+from __future__ import annotations
+
+import os
+
+from peft import PeftModel
+from peft.utils import SAFETENSORS_WEIGHTS_NAME, get_peft_model_state_dict
+from safetensors.torch import save_file
+
+
+def export_lora(model: PeftModel, out_dir: str, adapter_name: str = "default") -> str:
+    """Write ``model``'s LoRA adapter to ``out_dir`` as vanilla PEFT would save a LoraConfig adapter.
+
+    The result loads with ``peft.PeftModel.from_pretrained`` in a process that never imports peft_slim.
+    Returns ``out_dir``.
+    """
+    if not isinstance(model, PeftModel):
+        raise ValueError(f"export_lora expects a peft.PeftModel, got {type(model).__name__}.")
+    if adapter_name not in model.peft_config:
+        raise ValueError(f"export_lora: no adapter named {adapter_name!r}; have {sorted(model.peft_config)}.")
+    config = model.peft_config[adapter_name]
+    if getattr(config, "lora", None) is None:
+        raise ValueError(
+            f"export_lora: adapter {adapter_name!r} ({config.peft_type}) has no `lora` config; it trained base "
+            "weights. Use save_pretrained, or merge_and_unload() and save the merged model."
+        )
+    lora_config = config.lora_export_config()
+    state_dict = get_peft_model_state_dict(model, adapter_name=adapter_name, save_embedding_layers=False)
+    os.makedirs(out_dir, exist_ok=True)
+    lora_config.save_pretrained(out_dir)
+    tensors = {key: value.detach().contiguous().cpu() for key, value in state_dict.items()}
+    save_file(tensors, os.path.join(out_dir, SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
+    return out_dir

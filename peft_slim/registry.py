@@ -1,0 +1,37 @@
+"""Make peft_slim's methods first-class PEFT types.
+
+PEFT's ``PeftType`` is a closed ``(str, Enum)`` and ``register_peft_method`` only accepts names that are
+already members, so a new member is added through the enum's internal maps before registering. Both
+steps are idempotent: importing ``peft_slim`` twice, or after PEFT has loaded configs, changes nothing.
+"""
+
+from __future__ import annotations
+
+from peft.utils import register_peft_method
+from peft.utils.peft_types import PeftType
+
+
+def add_peft_type(name: str) -> PeftType:
+    """Return ``PeftType[name]``, adding the member first if PEFT does not know it."""
+    if name in PeftType.__members__:
+        return PeftType[name]
+    member = str.__new__(PeftType, name)
+    member._name_ = name
+    member._value_ = name
+    member.__objclass__ = PeftType
+    PeftType._member_map_[name] = member
+    PeftType._value2member_map_[name] = member
+    PeftType._member_names_.append(name)
+    type.__setattr__(PeftType, name, member)
+    return member
+
+
+def register_method(name: str, config_cls: type, model_cls: type) -> PeftType:
+    """Register ``config_cls``/``model_cls`` with PEFT under ``name`` (lower case), once."""
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
+
+    peft_type = add_peft_type(name.upper())
+    if peft_type in PEFT_TYPE_TO_CONFIG_MAPPING or peft_type in PEFT_TYPE_TO_TUNER_MAPPING:
+        return peft_type
+    register_peft_method(name=name, config_cls=config_cls, model_cls=model_cls, prefix=f"{name}_")
+    return peft_type

@@ -1,0 +1,100 @@
+"""TokenTune's entries in transformers' attention-function registry.
+
+During a TokenTune training forward the model's ``_attn_implementation`` is switched to one of the
+names below. The registered function receives the per-block :class:`BlockPass` through the layer's
+keyword arguments (transformers forwards them from the layer down to the attention function, also
+when gradient checkpointing replays the layer), so no global state is needed:
+
+* full pass (no grad, every token): record the keys/values, then attend as usual;
+* selected pass (grad, selected queries only): put the selected keys/values into the recorded
+  ones, whose other positions stay constants, and attend over all positions.
+
+With no ``BlockPass`` in the arguments the original implementation runs unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .selection import TokenSelection
+
+PASS_KWARG = "tokentune_pass"
+SUPPORTED_IMPLEMENTATIONS = ("sdpa", "eager")
+REGISTERED_NAMES = {impl: f"peft_slim_tokentune_{impl}" for impl in SUPPORTED_IMPLEMENTATIONS}
+
+
+@dataclass
+class BlockPass:
+    """What one block's two passes share."""
+
+    selection: TokenSelection
+    block_name: str
+    phase: str = "full"  # "full" or "selected"
+    key: Optional[torch.Tensor] = None  # all positions, recorded by the full pass
+    value: Optional[torch.Tensor] = None
+    full_calls: int = 0  # attention calls seen by the full pass; TokenTune supports exactly one
+    full_output: Any = None  # the block's no-grad output for every position
+
+
+def _original_attention(module: torch.nn.Module, implementation: str) -> Callable:
+    if implementation == "sdpa":
+        return ALL_ATTENTION_FUNCTIONS["sdpa"]
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError(
+            f"TokenTune: {type(module).__name__} has no module-level `eager_attention_forward`; "
+            "use attn_implementation='sdpa' for this model."
+        )
+    return eager
+
+
+def _causal_rows(selection: TokenSelection, key_length: int) -> torch.Tensor:
+    """Boolean causal mask [B, 1, n, L] for the selected queries (used when the model passed none)."""
+    keys = torch.arange(key_length, device=selection.index.device)
+    return (keys[None, None, :] <= selection.index[:, :, None]).unsqueeze(1)
+
+
+def _make_attention(implementation: str) -> Callable:
+    def tokentune_attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        **kwargs,
+    ):
+        block_pass: Optional[BlockPass] = kwargs.pop(PASS_KWARG, None)
+        original = _original_attention(module, implementation)
+        if block_pass is None:
+            return original(module, query, key, value, attention_mask, **kwargs)
+        if block_pass.phase == "full":
+            block_pass.full_calls += 1
+            block_pass.key, block_pass.value = key, value
+            return original(module, query, key, value, attention_mask, **kwargs)
+        selection = block_pass.selection
+        key = selection.scatter(block_pass.key, key, dim=2)
+        value = selection.scatter(block_pass.value, value, dim=2)
+        if attention_mask is None and getattr(module, "is_causal", False):
+            attention_mask = _causal_rows(selection, key.shape[2])
+            if implementation == "eager":
+                attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                    ~attention_mask, torch.finfo(query.dtype).min
+                )
+        kwargs["is_causal"] = False
+        return original(module, query, key, value, attention_mask, **kwargs)
+
+    tokentune_attention.__name__ = f"tokentune_{implementation}_attention"
+    return tokentune_attention
+
+
+_MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}
+for _impl, _name in REGISTERED_NAMES.items():
+    AttentionInterface.register(_name, _make_attention(_impl))
+    AttentionMaskInterface.register(_name, _MASKS[_impl])

@@ -1,0 +1,146 @@
+"""Running one transformer block on all tokens without grad, then on the selected tokens with grad.
+
+Forward hooks do this around each block, so the model keeps its structure and state-dict keys:
+
+* the pre-hook runs the block's ``forward`` under ``torch.no_grad()`` on every token (exact outputs
+  for all positions, keys/values recorded by the attention function), then hands the block only the
+  selected hidden states, with per-position arguments (mask rows, rotary embeddings, position ids)
+  cut to the same positions;
+* the block then runs normally (with grad, gradient checkpointing included) on the selected tokens;
+* the forward hook scatters those outputs back into the no-grad outputs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from .attention import PASS_KWARG, BlockPass
+from .selection import TokenSelection
+
+# Per-position block arguments and the dimension that indexes the query position.
+_PER_POSITION_ARGS = {"attention_mask": -2, "position_embeddings": 1, "position_ids": 1}
+
+
+def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The model's stack of transformer blocks: the largest ModuleList of identical layers."""
+    best, best_size = None, 0
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if size > best_size:
+            best, best_size = (name, module), size
+    if best is None:
+        raise ValueError(
+            f"TokenTune could not find the transformer blocks of {type(model).__name__}: it looks for an "
+            "nn.ModuleList of identical layers (e.g. `model.layers`, `encoder.layer`)."
+        )
+    return best
+
+
+def _cut(value: Any, selection: TokenSelection, dim: int, name: str, block_name: str) -> Any:
+    """``value`` restricted to the selected query positions along ``dim``."""
+    if value is None:
+        return None
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cut(v, selection, dim, name, block_name) for v in value)
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"TokenTune: unexpected {type(value).__name__} for argument `{name}` of {block_name}.")
+    dim = dim % value.dim()
+    batch = selection.index.shape[0]
+    if value.shape[0] != batch:
+        value = value.expand((batch,) + tuple(value.shape[1:]))
+    return selection.gather(value, dim)
+
+
+class BlockRunner:
+    """Installs the two hooks on every block; ``current`` returns the active selection or None."""
+
+    def __init__(self, blocks: nn.ModuleList, current: Callable[[torch.Tensor], Optional[TokenSelection]]):
+        self.current = current
+        self.handles = []
+        for block in blocks:
+            self.handles.append(block.register_forward_pre_hook(self._before, with_kwargs=True))
+            self.handles.append(block.register_forward_hook(self._after, with_kwargs=True))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _before(self, block: nn.Module, args: tuple, kwargs: dict):
+        if PASS_KWARG in kwargs:  # already prepared (e.g. a wrapper that calls the block again)
+            return None
+        bound = inspect.signature(block.forward).bind(*args, **kwargs)
+        params = list(bound.signature.parameters.values())
+        hidden_name = params[0].name
+        hidden = bound.arguments[hidden_name]
+        selection = self.current(hidden)
+        if selection is None:
+            return None
+        block_name = type(block).__name__
+        block_pass = BlockPass(selection=selection, block_name=block_name)
+        extra_name = next((p.name for p in params if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+        if extra_name is None:
+            raise ValueError(
+                f"TokenTune: {block_name}.forward takes no **kwargs, so the attention function cannot receive "
+                "TokenTune's per-block state. This architecture is not supported."
+            )
+        extra = dict(bound.arguments.get(extra_name, {}))
+        extra[PASS_KWARG] = block_pass
+        bound.arguments[extra_name] = extra
+
+        with torch.no_grad():
+            full_output = block.forward(*bound.args, **bound.kwargs)
+        full_hidden = full_output[0] if isinstance(full_output, (tuple, list)) else full_output
+        if block_pass.full_calls != 1 or not isinstance(full_hidden, torch.Tensor):
+            found = "no call" if block_pass.full_calls == 0 else f"{block_pass.full_calls} calls"
+            raise ValueError(
+                f"TokenTune cannot train {block_name} on a token subset: it needs exactly one self-attention "
+                f"call through transformers' attention-function registry per block, and saw {found}. "
+                "Unselected tokens would silently receive gradients, so this architecture is not supported."
+            )
+        if full_hidden.shape[:2] != hidden.shape[:2]:
+            raise ValueError(f"TokenTune: {block_name} changed the sequence shape; it cannot be supported.")
+
+        for name, value in list(bound.arguments.items()):
+            if name in (hidden_name, extra_name) or value is None or not _has_tensor(value):
+                continue
+            if name not in _PER_POSITION_ARGS:
+                raise ValueError(
+                    f"TokenTune does not know how to restrict argument `{name}` of {block_name} to the selected "
+                    "tokens; this use of the block (e.g. cross-attention or a cache) is not supported in training."
+                )
+            bound.arguments[name] = _cut(value, selection, _PER_POSITION_ARGS[name], name, block_name)
+        for name, dim in _PER_POSITION_ARGS.items():
+            if name in extra and extra[name] is not None:
+                extra[name] = _cut(extra[name], selection, dim, name, block_name)
+        bound.arguments[hidden_name] = selection.gather(hidden, 1)
+        block_pass.phase = "selected"
+        block_pass.full_output = full_output
+        return bound.args, bound.kwargs
+
+    def _after(self, block: nn.Module, args: tuple, kwargs: dict, output: Any):
+        block_pass: Optional[BlockPass] = kwargs.get(PASS_KWARG)
+        if block_pass is None:
+            return None
+        # Keys/values stay on the pass: gradient checkpointing replays the selected pass in backward.
+        full, block_pass.full_output = block_pass.full_output, None
+        if isinstance(output, (tuple, list)):
+            merged = block_pass.selection.scatter(full[0], output[0], dim=1)
+            return type(output)((merged, *full[1:]))
+        return block_pass.selection.scatter(full, output, dim=1)
+
+
+def _has_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(_has_tensor(v) for v in value)
+    return False

@@ -1,0 +1,53 @@
+"""The selected-token loss.
+
+For a causal LM, selected position i is scored on predicting token i+1; for per-position heads
+(token classification, masked LM), position i on its own label. The loss is the mean over selected
+positions that have a valid label (not -100).
+
+Under ``transformers.Trainer`` the model receives ``num_items_in_batch``: the number of labelled
+positions in the whole accumulated batch, over all processes. Each micro-batch's selected-token mean
+then stands for that micro-batch's labelled positions, weight ``labelled_here / num_items_in_batch``.
+Summed over micro-batches (Trainer's gradient accumulation) and over processes (Trainer multiplies by
+the process count, DDP averages), this is again a mean: with one micro-batch on one process it is
+exactly the selected-token mean, and it never counts a token twice.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from .selection import TokenSelection
+
+IGNORE_INDEX = -100
+
+
+def selected_targets(labels: torch.Tensor, selection: TokenSelection, shift: bool) -> torch.Tensor:
+    """Labels [B, n] for the selection's slots; -100 where a slot has no selected, labelled target."""
+    length = labels.shape[1]
+    positions = selection.index + 1 if shift else selection.index
+    in_range = selection.valid & (positions < length)
+    targets = labels.gather(1, positions.clamp(max=length - 1))
+    return torch.where(in_range, targets, IGNORE_INDEX)
+
+
+def selected_token_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    selection: TokenSelection,
+    shift: bool,
+    num_items_in_batch: Optional[Union[torch.Tensor, int]] = None,
+) -> torch.Tensor:
+    """Mean cross-entropy over selected, labelled positions; ``logits`` are [B, n, V] over the slots."""
+    targets = selected_targets(labels, selection, shift)
+    total = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    count = (targets != IGNORE_INDEX).sum()
+    loss = total / count.clamp(min=1)
+    if num_items_in_batch is not None:
+        labelled = labels[:, 1:] if shift else labels
+        loss = loss * (labelled != IGNORE_INDEX).sum() / num_items_in_batch
+    return loss

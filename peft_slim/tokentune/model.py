@@ -1,0 +1,294 @@
+"""The TokenTune tuner: PEFT's entry point for token-subset training."""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from peft.tuners.lora import LoraLayer, LoraModel
+from peft.tuners.tuners_utils import BaseTuner
+from peft.utils.other import AuxiliaryTrainingWrapper
+from torch import nn
+
+from .attention import REGISTERED_NAMES, SUPPORTED_IMPLEMENTATIONS
+from .blocks import BlockRunner, find_blocks
+from .config import TokenTuneConfig
+from .loss import IGNORE_INDEX, selected_token_loss
+from .selection import TokenSelection, draw_selection, forced_positions
+
+# Which positions a model's head reads, by the transformers naming convention of its class.
+_HEADS = {
+    "causal_lm": ("ForCausalLM", "LMHeadModel"),
+    "per_position": ("ForTokenClassification", "ForMaskedLM"),
+    "classification": ("ForSequenceClassification", "ForImageClassification"),
+}
+
+
+def head_kind(model: nn.Module) -> str:
+    """'causal_lm', 'per_position', 'classification' or 'none' (a bare encoder/decoder)."""
+    name = type(model).__name__
+    for kind, suffixes in _HEADS.items():
+        if name.endswith(suffixes):
+            return kind
+    if "For" not in name and name.endswith("Model"):
+        return "none"
+    raise ValueError(
+        f"TokenTune does not know which positions the head of {name} reads, so it cannot keep them selected. "
+        "Supported heads: *ForCausalLM / *LMHeadModel, *ForSequenceClassification, *ForImageClassification, "
+        "*ForTokenClassification, *ForMaskedLM, and bare *Model classes."
+    )
+
+
+def _is_decoder(model: nn.Module) -> bool:
+    return any(getattr(module, "is_causal", False) is True for module in model.modules())
+
+
+@dataclass
+class _TrainingForward:
+    """What one training forward carries from the model's pre-hook to its blocks and its end."""
+
+    padding_mask: Optional[torch.Tensor]
+    labels: Optional[torch.Tensor]
+    token_mask: Optional[torch.Tensor]
+    num_items_in_batch: Any
+    attn_implementation: str
+    selection: Optional[TokenSelection] = None
+
+
+class TokenTuneModel(BaseTuner):
+    """Backpropagate through a subset of tokens (Simoulin et al., EMNLP 2024), optionally into LoRA.
+
+    Every block runs on all tokens without gradient tracking, then again on the selected tokens with
+    it; unselected keys and values enter attention as constants. The loss covers selected positions
+    only, and a causal LM's head runs only on them. Outside training (eval mode or no grad) the model
+    is untouched.
+    """
+
+    prefix: str = "tokentune_"
+    tuner_layer_cls = LoraLayer
+    target_module_mapping: dict = {}
+
+    def _pre_injection_hook(self, model: nn.Module, config: TokenTuneConfig, adapter_name: str) -> None:
+        self._forward_state: Optional[_TrainingForward] = None
+        self._handles: list = []
+        self._runner: Optional[BlockRunner] = None
+        self.last_token_mask: Optional[torch.Tensor] = None
+
+    def inject_adapter(
+        self,
+        model: nn.Module,
+        adapter_name: str,
+        autocast_adapter_dtype: bool = True,
+        low_cpu_mem_usage: bool = False,
+        state_dict: Optional[dict[str, torch.Tensor]] = None,
+    ) -> None:
+        if len(self.peft_config) > 1:
+            raise ValueError("TokenTune supports a single adapter per model.")
+        config: TokenTuneConfig = self.peft_config[adapter_name]
+        implementation = getattr(model.config, "_attn_implementation", None)
+        if implementation not in SUPPORTED_IMPLEMENTATIONS:
+            raise ValueError(
+                f"TokenTune needs attn_implementation in {SUPPORTED_IMPLEMENTATIONS}; "
+                f"{type(model).__name__} uses {implementation!r}. Load it with attn_implementation='sdpa'."
+            )
+        self._head = head_kind(model)
+        self._decoder = _is_decoder(model)
+        _, blocks = find_blocks(model)
+        seed = config.seed if config.seed is not None else int(torch.randint(2**62, (1,)).item())
+        self._generator = torch.Generator().manual_seed(seed)
+
+        if config.lora is not None:
+            lora = copy.deepcopy(config.lora)
+            lora.modules_to_save = config.modules_to_save  # keeps LoRA off the heads PEFT wraps
+            LoraModel(model, lora, adapter_name, low_cpu_mem_usage=low_cpu_mem_usage, state_dict=state_dict)
+        self._mark_only_adapters_as_trainable(model)
+        if config.inference_mode:
+            model.requires_grad_(False)
+
+        self._runner = BlockRunner(blocks, self._selection_for)
+        self._handles.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True))
+        if self._head == "causal_lm":
+            head = model.get_output_embeddings()
+            self._handles.append(head.register_forward_pre_hook(self._before_head))
+
+    def _create_and_replace(self, *args, **kwargs):
+        raise NotImplementedError("TokenTune wraps blocks with hooks; it replaces no module.")
+
+    def _prepare_adapter_config(self, peft_config: TokenTuneConfig, model_config: dict) -> TokenTuneConfig:
+        return peft_config
+
+    def _mark_only_adapters_as_trainable(self, model: nn.Module) -> None:
+        config: TokenTuneConfig = self.peft_config[self.active_adapters[0]]
+        if config.lora is not None:
+            super()._mark_only_adapters_as_trainable(model)
+            return
+        trainable = set(_trainable_parameter_names(model, config))
+        for name, param in model.named_parameters():
+            param.requires_grad = name in trainable
+
+    # ------------------------------------------------------------------ forward path
+
+    @property
+    def tokentune_active(self) -> bool:
+        return self.model.training and torch.is_grad_enabled()
+
+    def _before_forward(self, model: nn.Module, args: tuple, kwargs: dict):
+        token_mask = kwargs.pop("token_mask", None)
+        self._forward_state = None
+        if not self.tokentune_active:
+            return args, kwargs
+        implementation = model.config._attn_implementation
+        if implementation not in SUPPORTED_IMPLEMENTATIONS:
+            raise ValueError(
+                f"TokenTune needs attn_implementation in {SUPPORTED_IMPLEMENTATIONS}, got {implementation!r}."
+            )
+        padding_mask = kwargs.get("attention_mask")
+        if args and isinstance(args[0], torch.Tensor) and padding_mask is None and len(args) > 1:
+            padding_mask = args[1]
+        labels = kwargs.get("labels")
+        num_items = None
+        if self._head in ("causal_lm", "per_position") and labels is not None:
+            kwargs.pop("labels")
+            num_items = kwargs.pop("num_items_in_batch", None)
+        if "use_cache" in kwargs or self._head in ("causal_lm", "none"):
+            kwargs["use_cache"] = False
+        self._forward_state = _TrainingForward(
+            padding_mask=padding_mask if isinstance(padding_mask, torch.Tensor) and padding_mask.dim() == 2 else None,
+            labels=labels,
+            token_mask=token_mask,
+            num_items_in_batch=num_items,
+            attn_implementation=implementation,
+        )
+        model.config._attn_implementation = REGISTERED_NAMES[implementation]
+        return args, kwargs
+
+    def _selection_for(self, hidden: torch.Tensor) -> Optional[TokenSelection]:
+        state = self._forward_state
+        if state is None:
+            return None
+        if state.selection is None:
+            state.selection = TokenSelection.from_mask(self._select(state, hidden))
+            self.last_token_mask = state.selection.mask
+        return state.selection
+
+    def _select(self, state: _TrainingForward, hidden: torch.Tensor) -> torch.Tensor:
+        batch, length = hidden.shape[:2]
+        device = hidden.device
+        real = torch.ones(batch, length, dtype=torch.bool, device=device)
+        if state.padding_mask is not None and tuple(state.padding_mask.shape) == (batch, length):
+            real = state.padding_mask.to(device=device).bool()
+        forced = torch.zeros_like(real)
+        if self._head != "causal_lm" or self._decoder:
+            forced = forced_positions(real, keep_first=True, keep_last=self._decoder)
+        if state.token_mask is not None:
+            return _check_token_mask(state.token_mask, real, forced if self._head == "classification" else None)
+        labelled = None
+        labels = state.labels
+        if labels is not None and labels.dim() == 2 and tuple(labels.shape) == (batch, length):
+            labelled = labels.to(device) != IGNORE_INDEX
+            if self._head == "causal_lm":
+                labelled = torch.cat([labelled[:, 1:], torch.zeros_like(labelled[:, :1])], dim=1)
+        config: TokenTuneConfig = self.peft_config[self.active_adapters[0]]
+        return draw_selection(config, real, forced, labelled, self._generator)
+
+    def _before_head(self, head: nn.Module, args: tuple):
+        state = self._forward_state
+        if state is None or state.selection is None:
+            return None
+        hidden = args[0]
+        if hidden.shape[1] != state.selection.mask.shape[1]:
+            raise ValueError("TokenTune: the LM head must see every position in training (logits_to_keep=0).")
+        return (state.selection.gather(hidden, 1), *args[1:])
+
+    def _after_forward(self, model: nn.Module, args: tuple, kwargs: dict, output: Any):
+        state, self._forward_state = self._forward_state, None
+        if state is None:
+            return None
+        model.config._attn_implementation = state.attn_implementation
+        if state.selection is None or state.labels is None or self._head not in ("causal_lm", "per_position"):
+            return None
+        if output is None:  # the forward raised; always_call hooks still run
+            return None
+        logits = output["logits"] if isinstance(output, dict) else output[0]
+        if self._head == "per_position":
+            logits = state.selection.gather(logits, 1)
+        loss = selected_token_loss(
+            logits,
+            state.labels.to(logits.device),
+            state.selection,
+            shift=self._head == "causal_lm",
+            num_items_in_batch=state.num_items_in_batch,
+        )
+        if isinstance(output, dict):
+            fields = {key: value for key, value in output.items() if key != "loss"}
+            return type(output)(loss=loss, **fields)
+        return (loss, *output)
+
+    # ------------------------------------------------------------------ unloading and saving
+
+    def _unload_and_optionally_merge(self, *args, **kwargs):
+        self.remove_hooks()
+        return super()._unload_and_optionally_merge(*args, **kwargs)
+
+    def remove_hooks(self) -> None:
+        """Detach TokenTune from the model (done by unload / merge_and_unload)."""
+        if self._runner is not None:
+            self._runner.remove()
+            self._runner = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    @classmethod
+    def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
+        if config.lora is not None:
+            return super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
+        # Standalone TokenTune trains base tensors in place: save exactly those.
+        names = set(_trainable_parameter_names(model, config))
+        return {key: value for key, value in state_dict.items() if key in names}
+
+
+def _trainable_parameter_names(model: nn.Module, config: TokenTuneConfig) -> list[str]:
+    """Base parameters trained by standalone TokenTune (those under PEFT's own wrappers excluded)."""
+    wrapped = [name for name, module in model.named_modules() if isinstance(module, AuxiliaryTrainingWrapper)]
+    targets = config.trainable_modules
+    selected = []
+    for module_name, module in model.named_modules():
+        if targets is not None and not _matches(module_name, targets):
+            continue
+        for param_name, _ in module.named_parameters(prefix=module_name, recurse=True):
+            if not any(param_name == w or param_name.startswith(w + ".") for w in wrapped):
+                selected.append(param_name)
+    if targets is not None and not selected:
+        raise ValueError(f"TokenTuneConfig.trainable_modules={targets!r} matched no module of the model.")
+    return list(dict.fromkeys(selected))
+
+
+def _matches(module_name: str, targets) -> bool:
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module_name) is not None
+    return any(module_name == t or module_name.endswith("." + t) for t in targets)
+
+
+def _check_token_mask(token_mask: Any, real: torch.Tensor, required: Optional[torch.Tensor]) -> torch.Tensor:
+    if not isinstance(token_mask, torch.Tensor) or token_mask.dtype != torch.bool:
+        raise ValueError(f"token_mask must be a bool tensor of shape {tuple(real.shape)} [batch, seq].")
+    if tuple(token_mask.shape) != tuple(real.shape):
+        raise ValueError(
+            f"token_mask has shape {tuple(token_mask.shape)}; it must be [batch, seq] = {tuple(real.shape)}."
+        )
+    token_mask = token_mask.to(real.device)
+    if not token_mask.any():
+        raise ValueError("token_mask selects no position; select at least one token.")
+    if (token_mask & ~real).any():
+        raise ValueError("token_mask selects padding positions (attention_mask == 0); padding cannot be trained.")
+    if required is not None and (required & ~token_mask).any():
+        raise ValueError(
+            "token_mask must select the position the classification head reads in every row "
+            "(the first real token for encoders, the last real token for decoders)."
+        )
+    return token_mask

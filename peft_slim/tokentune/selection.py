@@ -1,0 +1,109 @@
+"""Which token positions receive gradients.
+
+A selection is a boolean mask ``[batch, seq]``. Blocks work on a padded index form of it
+(:class:`TokenSelection`): every row lists its selected positions first, in order, then distinct
+unselected positions up to the widest row, so all rows have the same width and no position repeats.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .config import TokenTuneConfig
+
+# Tiers added to a uniform [0, 1) draw: a position of a higher tier is always chosen before a lower one.
+_FORCED, _LABELLED, _OTHER = 3.0, 2.0, 1.0
+
+
+@dataclass
+class TokenSelection:
+    """A selection mask and its padded index form."""
+
+    mask: torch.Tensor  # [B, L] bool, True where gradients flow
+    index: torch.Tensor  # [B, n] long, selected positions first, then distinct unselected ones
+    valid: torch.Tensor  # [B, n] bool, True for slots that hold a selected position
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor) -> TokenSelection:
+        counts = mask.sum(dim=1)
+        width = max(int(counts.max()), 1)
+        # A stable sort on "not selected" puts selected positions first, each group in position order.
+        order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices
+        index = order[:, :width]
+        valid = torch.arange(width, device=mask.device)[None, :] < counts[:, None]
+        return cls(mask=mask, index=index, valid=valid)
+
+    def gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """``tensor`` at the slot positions along ``dim`` (batch is dim 0)."""
+        return tensor.gather(dim, _expand_index(self.index, tensor, dim))
+
+    def scatter(self, full: torch.Tensor, part: torch.Tensor, dim: int) -> torch.Tensor:
+        """``full`` with its slot positions replaced by ``part`` where the slot is valid.
+
+        Gradients reach ``part`` only at valid slots; ``full`` is used as a constant.
+        """
+        index = _expand_index(self.index, full, dim)
+        valid = self.valid.view(self.valid.shape + (1,) * (part.dim() - 2))
+        if dim != 1:
+            valid = valid.movedim(1, dim)
+        source = torch.where(valid, part.to(full.dtype), full.gather(dim, index))
+        return full.scatter(dim, index, source)
+
+
+def _expand_index(index: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
+    """Broadcast ``index`` [B, n] to gather/scatter ``like`` along ``dim``."""
+    shape = list(like.shape)
+    shape[dim] = index.shape[1]
+    view = [index.shape[0]] + [1] * (like.dim() - 1)
+    view[dim] = index.shape[1]
+    return index.view(view).expand(shape)
+
+
+def forced_positions(real: torch.Tensor, keep_first: bool, keep_last: bool) -> torch.Tensor:
+    """Mask of positions that are always selected: the first and/or last real token of each row."""
+    forced = torch.zeros_like(real)
+    has_real = real.any(dim=1)
+    rows = torch.arange(real.shape[0], device=real.device)[has_real]
+    positions = torch.arange(real.shape[1], device=real.device)
+    if keep_first:
+        first = torch.where(real, positions, real.shape[1]).min(dim=1).values
+        forced[rows, first[has_real]] = True
+    if keep_last:
+        last = torch.where(real, positions, -1).max(dim=1).values
+        forced[rows, last[has_real]] = True
+    return forced
+
+
+def draw_selection(
+    config: TokenTuneConfig,
+    real: torch.Tensor,
+    forced: torch.Tensor,
+    labelled: Optional[torch.Tensor],
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """Draw a selection mask [B, L] as ``config`` asks.
+
+    ``real`` marks non-padding positions, ``forced`` the positions a head reads, ``labelled`` the
+    positions that carry a loss label (used by ``selection="supervised"``).
+    """
+    n_real = real.sum(dim=1)
+    if config.num_tokens is not None:
+        wanted = torch.clamp(n_real, max=config.num_tokens)
+    else:
+        wanted = torch.ceil(n_real.to(torch.float64) * config.token_ratio).to(n_real.dtype)
+        wanted = torch.minimum(torch.clamp(wanted, min=1), n_real)
+    wanted = torch.maximum(wanted, forced.sum(dim=1))
+
+    draw = torch.rand(real.shape, generator=generator, device=generator.device).to(real.device)
+    tier = torch.full(real.shape, _OTHER, device=real.device)
+    if config.selection == "supervised" and labelled is not None:
+        tier = torch.where(labelled & real, _LABELLED, tier)
+    tier = torch.where(forced, _FORCED, tier)
+    score = torch.where(real, tier + draw, -math.inf)
+    order = torch.argsort(score, dim=1, descending=True)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(real.shape[1], device=real.device).expand_as(order))
+    return (rank < wanted[:, None]) & real
