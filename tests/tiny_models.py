@@ -1,0 +1,121 @@
+"""Tiny, randomly initialised models of every architecture TokenTune supports (fast tests only)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    RobertaConfig,
+    RobertaForSequenceClassification,
+    ViTConfig,
+    ViTForImageClassification,
+)
+
+VOCAB = 97
+_TEXT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB)
+_NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def _decoder(config_cls, model_cls, **extra):
+    def build(attn_implementation="sdpa"):
+        config = config_cls(**_TEXT, num_key_value_heads=2, pad_token_id=0, **extra)
+        return model_cls._from_config(config, attn_implementation=attn_implementation)
+
+    return build
+
+
+def _bert(attn_implementation="sdpa"):
+    config = BertConfig(**_TEXT, **_NO_DROPOUT, num_labels=3, pad_token_id=0)
+    return BertForSequenceClassification._from_config(config, attn_implementation=attn_implementation)
+
+
+def _roberta(attn_implementation="sdpa"):
+    config = RobertaConfig(**_TEXT, **_NO_DROPOUT, num_labels=3, pad_token_id=1, max_position_embeddings=64)
+    return RobertaForSequenceClassification._from_config(config, attn_implementation=attn_implementation)
+
+
+def _vit(attn_implementation="sdpa"):
+    config = ViTConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        image_size=16,
+        patch_size=4,
+        num_labels=3,
+        **_NO_DROPOUT,
+    )
+    return ViTForImageClassification._from_config(config, attn_implementation=attn_implementation)
+
+
+def _gpt2(attn_implementation="sdpa"):
+    config = GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    return GPT2LMHeadModel._from_config(config, attn_implementation=attn_implementation)
+
+
+BUILDERS = {
+    "bert": _bert,
+    "roberta": _roberta,
+    "vit": _vit,
+    "gpt2": _gpt2,
+    "llama": _decoder(LlamaConfig, LlamaForCausalLM),
+    "qwen2": _decoder(Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": _decoder(Qwen3Config, Qwen3ForCausalLM, head_dim=8),
+    "mistral": _decoder(MistralConfig, MistralForCausalLM),
+}
+CAUSAL_LM = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
+CLASSIFIERS = ("bert", "roberta", "vit")
+# Modules LoRA targets on each architecture.
+LORA_TARGETS = {
+    "bert": ["query", "value"],
+    "roberta": ["query", "value"],
+    "vit": ["q_proj", "v_proj"],
+    "gpt2": ["c_attn", "c_fc"],
+    "llama": ["q_proj", "v_proj", "down_proj"],
+    "qwen2": ["q_proj", "v_proj", "down_proj"],
+    "qwen3": ["q_proj", "v_proj", "down_proj"],
+    "mistral": ["q_proj", "v_proj", "down_proj"],
+}
+
+
+def build(arch: str, attn_implementation: str = "sdpa", seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return BUILDERS[arch](attn_implementation)
+
+
+def make_batch(arch: str, batch: int = 3, length: int = 10, seed: int = 0) -> dict:
+    """A padded batch (left padding for decoders, right padding for encoders) with labels."""
+    generator = torch.Generator().manual_seed(seed)
+    if arch == "vit":
+        return {
+            "pixel_values": torch.randn(batch, 3, 16, 16, generator=generator),
+            "labels": torch.randint(0, 3, (batch,), generator=generator),
+        }
+    input_ids = torch.randint(3, VOCAB, (batch, length), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    if batch > 1:
+        if arch in CAUSAL_LM:
+            attention_mask[1, :3] = 0
+        else:
+            attention_mask[1, -3:] = 0
+    pad = 1 if arch == "roberta" else 0
+    input_ids = input_ids.masked_fill(attention_mask == 0, pad)
+    if arch in CAUSAL_LM:
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+    else:
+        labels = torch.randint(0, 3, (batch,), generator=generator)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
