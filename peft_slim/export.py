@@ -27,8 +27,14 @@ def export_lora(model: PeftModel, out_dir: str, adapter_name: str = "default") -
         )
     lora_config = config.lora_export_config()
     state_dict = get_peft_model_state_dict(model, adapter_name=adapter_name, save_embedding_layers=False)
+    if lora_config.base_model_name_or_path is None:
+        lora_config.base_model_name_or_path = model.get_base_model().__dict__.get("name_or_path", None) or None
+    auto_mapping = None
+    if lora_config.task_type is None:  # as PeftModel.save_pretrained does, so AutoPeftModel* can load it
+        base_cls = model._get_base_model_class()
+        auto_mapping = {"base_model_class": base_cls.__name__, "parent_library": base_cls.__module__}
     os.makedirs(out_dir, exist_ok=True)
-    lora_config.save_pretrained(out_dir)
+    lora_config.save_pretrained(out_dir, auto_mapping_dict=auto_mapping)
     tensors = {key: value.detach().contiguous().cpu() for key, value in state_dict.items()}
     save_file(tensors, os.path.join(out_dir, SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
     return out_dir

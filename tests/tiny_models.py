@@ -61,8 +61,17 @@ def _vit(attn_implementation="sdpa"):
 
 def _gpt2(attn_implementation="sdpa"):
     config = GPT2Config(
-        n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     return GPT2LMHeadModel._from_config(config, attn_implementation=attn_implementation)
 

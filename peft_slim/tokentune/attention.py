@@ -15,8 +15,9 @@ With no ``BlockPass`` in the arguments the original implementation runs unchange
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
@@ -37,8 +38,8 @@ class BlockPass:
     selection: TokenSelection
     block_name: str
     phase: str = "full"  # "full" or "selected"
-    key: Optional[torch.Tensor] = None  # all positions, recorded by the full pass
-    value: Optional[torch.Tensor] = None
+    key: torch.Tensor | None = None  # all positions, recorded by the full pass
+    value: torch.Tensor | None = None
     full_calls: int = 0  # attention calls seen by the full pass; TokenTune supports exactly one
     full_output: Any = None  # the block's no-grad output for every position
 
@@ -67,10 +68,10 @@ def _make_attention(implementation: str) -> Callable:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        attention_mask: Optional[torch.Tensor],
+        attention_mask: torch.Tensor | None,
         **kwargs,
     ):
-        block_pass: Optional[BlockPass] = kwargs.pop(PASS_KWARG, None)
+        block_pass: BlockPass | None = kwargs.pop(PASS_KWARG, None)
         original = _original_attention(module, implementation)
         if block_pass is None:
             return original(module, query, key, value, attention_mask, **kwargs)

@@ -13,7 +13,8 @@ Forward hooks do this around each block, so the model keeps its structure and st
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,8 +63,14 @@ def _cut(value: Any, selection: TokenSelection, dim: int, name: str, block_name:
 class BlockRunner:
     """Installs the two hooks on every block; ``current`` returns the active selection or None."""
 
-    def __init__(self, blocks: nn.ModuleList, current: Callable[[torch.Tensor], Optional[TokenSelection]]):
+    def __init__(
+        self,
+        blocks: nn.ModuleList,
+        current: Callable[[torch.Tensor], TokenSelection | None],
+        config: Any = None,
+    ):
         self.current = current
+        self.config = config  # the model config whose `_attn_implementation` routes attention to TokenTune
         self.handles = []
         for block in blocks:
             self.handles.append(block.register_forward_pre_hook(self._before, with_kwargs=True))
@@ -124,10 +131,23 @@ class BlockRunner:
         bound.arguments[hidden_name] = selection.gather(hidden, 1)
         block_pass.phase = "selected"
         block_pass.full_output = full_output
+        self._route_checkpoint_replay(block)
         return bound.args, bound.kwargs
 
+    def _route_checkpoint_replay(self, block: nn.Module) -> None:
+        """Make a gradient-checkpointing replay of the selected pass use TokenTune's attention too.
+
+        transformers checkpoints the block's ``forward`` through ``block._gradient_checkpointing_func``; the
+        replay runs in backward, after the model forward has restored ``config._attn_implementation``, so
+        the attention function would be looked up under the original name and miss the recorded keys/values.
+        """
+        checkpoint_func = getattr(block, "_gradient_checkpointing_func", None)
+        if self.config is None or checkpoint_func is None or getattr(checkpoint_func, "_tokentune_replay", False):
+            return
+        block._gradient_checkpointing_func = _replaying_under_same_attention(checkpoint_func, self.config)
+
     def _after(self, block: nn.Module, args: tuple, kwargs: dict, output: Any):
-        block_pass: Optional[BlockPass] = kwargs.get(PASS_KWARG)
+        block_pass: BlockPass | None = kwargs.get(PASS_KWARG)
         if block_pass is None:
             return None
         # Keys/values stay on the pass: gradient checkpointing replays the selected pass in backward.
@@ -136,6 +156,27 @@ class BlockRunner:
             merged = block_pass.selection.scatter(full[0], output[0], dim=1)
             return type(output)((merged, *full[1:]))
         return block_pass.selection.scatter(full, output, dim=1)
+
+
+def _replaying_under_same_attention(checkpoint_func: Callable, config: Any) -> Callable:
+    """``checkpoint_func`` whose function (first run and backward replay) sees today's attention name."""
+
+    def checkpoint_with_attention(function, *args, **kwargs):
+        name = config._attn_implementation
+
+        def run(*run_args, **run_kwargs):
+            saved = config._attn_implementation
+            config._attn_implementation = name
+            try:
+                return function(*run_args, **run_kwargs)
+            finally:
+                config._attn_implementation = saved
+
+        return checkpoint_func(run, *args, **kwargs)
+
+    checkpoint_with_attention._tokentune_replay = True
+    checkpoint_with_attention.__wrapped__ = checkpoint_func
+    return checkpoint_with_attention
 
 
 def _has_tensor(value: Any) -> bool:

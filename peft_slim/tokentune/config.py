@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any
 
 from peft import LoraConfig, PeftConfig
 from peft.utils.peft_types import PeftType
@@ -32,11 +32,11 @@ class TokenTuneConfig(PeftConfig):
     without it, the base model's own weights are (all of them, or those named by `trainable_modules`).
     """
 
-    token_ratio: Optional[float] = field(
+    token_ratio: float | None = field(
         default=None,
         metadata={"help": "Fraction in (0, 1] of each sequence's real tokens that receive gradients."},
     )
-    num_tokens: Optional[int] = field(
+    num_tokens: int | None = field(
         default=None,
         metadata={"help": "Absolute number (>= 1) of tokens per sequence that receive gradients."},
     )
@@ -48,21 +48,21 @@ class TokenTuneConfig(PeftConfig):
             "last real token) are always selected; padding never is."
         },
     )
-    seed: Optional[int] = field(
+    seed: int | None = field(
         default=None, metadata={"help": "Seed of the selection generator, for reproducible selections."}
     )
-    lora: Optional[Union[LoraConfig, dict]] = field(
+    lora: LoraConfig | dict | None = field(
         default=None,
         metadata={"help": "A peft.LoraConfig: train this LoRA adapter. None: train the base model's weights."},
     )
-    trainable_modules: Optional[Union[list[str], str]] = field(
+    trainable_modules: list[str] | str | None = field(
         default=None,
         metadata={
             "help": "Without `lora` only: module names (suffix match, like LoRA's target_modules) or one regex "
             "(full match) whose parameters train. None trains every parameter (full fine-tuning)."
         },
     )
-    modules_to_save: Optional[list[str]] = field(
+    modules_to_save: list[str] | None = field(
         default=None,
         metadata={"help": "Extra modules (e.g. a new classification head) trained and saved in full, as in LoRA."},
     )

@@ -14,8 +14,6 @@ exactly the selected-token mean, and it never counts a token twice.
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import torch
 import torch.nn.functional as F
 
@@ -38,7 +36,7 @@ def selected_token_loss(
     labels: torch.Tensor,
     selection: TokenSelection,
     shift: bool,
-    num_items_in_batch: Optional[Union[torch.Tensor, int]] = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy over selected, labelled positions; ``logits`` are [B, n, V] over the slots."""
     targets = selected_targets(labels, selection, shift)

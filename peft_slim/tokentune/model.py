@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from peft.tuners.lora import LoraLayer, LoraModel
@@ -50,12 +50,12 @@ def _is_decoder(model: nn.Module) -> bool:
 class _TrainingForward:
     """What one training forward carries from the model's pre-hook to its blocks and its end."""
 
-    padding_mask: Optional[torch.Tensor]
-    labels: Optional[torch.Tensor]
-    token_mask: Optional[torch.Tensor]
+    padding_mask: torch.Tensor | None
+    labels: torch.Tensor | None
+    token_mask: torch.Tensor | None
     num_items_in_batch: Any
     attn_implementation: str
-    selection: Optional[TokenSelection] = None
+    selection: TokenSelection | None = None
 
 
 class TokenTuneModel(BaseTuner):
@@ -72,10 +72,10 @@ class TokenTuneModel(BaseTuner):
     target_module_mapping: dict = {}
 
     def _pre_injection_hook(self, model: nn.Module, config: TokenTuneConfig, adapter_name: str) -> None:
-        self._forward_state: Optional[_TrainingForward] = None
+        self._forward_state: _TrainingForward | None = None
         self._handles: list = []
-        self._runner: Optional[BlockRunner] = None
-        self.last_token_mask: Optional[torch.Tensor] = None
+        self._runner: BlockRunner | None = None
+        self.last_token_mask: torch.Tensor | None = None
 
     def inject_adapter(
         self,
@@ -83,7 +83,7 @@ class TokenTuneModel(BaseTuner):
         adapter_name: str,
         autocast_adapter_dtype: bool = True,
         low_cpu_mem_usage: bool = False,
-        state_dict: Optional[dict[str, torch.Tensor]] = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
     ) -> None:
         if len(self.peft_config) > 1:
             raise ValueError("TokenTune supports a single adapter per model.")
@@ -108,7 +108,7 @@ class TokenTuneModel(BaseTuner):
         if config.inference_mode:
             model.requires_grad_(False)
 
-        self._runner = BlockRunner(blocks, self._selection_for)
+        self._runner = BlockRunner(blocks, self._selection_for, model.config)
         self._handles.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True))
         if self._head == "causal_lm":
@@ -154,7 +154,9 @@ class TokenTuneModel(BaseTuner):
         if self._head in ("causal_lm", "per_position") and labels is not None:
             kwargs.pop("labels")
             num_items = kwargs.pop("num_items_in_batch", None)
-        if "use_cache" in kwargs or self._head in ("causal_lm", "none"):
+        # No KV cache in training: the full pass would write every key/value into it and the selected pass
+        # would then attend over a cache longer than the sequence (decoders default to use_cache=True).
+        if "use_cache" in kwargs or self._head in ("causal_lm", "none") or self._decoder:
             kwargs["use_cache"] = False
         self._forward_state = _TrainingForward(
             padding_mask=padding_mask if isinstance(padding_mask, torch.Tensor) and padding_mask.dim() == 2 else None,
@@ -166,7 +168,7 @@ class TokenTuneModel(BaseTuner):
         model.config._attn_implementation = REGISTERED_NAMES[implementation]
         return args, kwargs
 
-    def _selection_for(self, hidden: torch.Tensor) -> Optional[TokenSelection]:
+    def _selection_for(self, hidden: torch.Tensor) -> TokenSelection | None:
         state = self._forward_state
         if state is None:
             return None
@@ -256,16 +258,18 @@ def _trainable_parameter_names(model: nn.Module, config: TokenTuneConfig) -> lis
     """Base parameters trained by standalone TokenTune (those under PEFT's own wrappers excluded)."""
     wrapped = [name for name, module in model.named_modules() if isinstance(module, AuxiliaryTrainingWrapper)]
     targets = config.trainable_modules
-    selected = []
+    selected = set()
     for module_name, module in model.named_modules():
         if targets is not None and not _matches(module_name, targets):
             continue
-        for param_name, _ in module.named_parameters(prefix=module_name, recurse=True):
+        for param_name, param in module.named_parameters(prefix=module_name, recurse=True):
             if not any(param_name == w or param_name.startswith(w + ".") for w in wrapped):
-                selected.append(param_name)
+                selected.add(id(param))
     if targets is not None and not selected:
         raise ValueError(f"TokenTuneConfig.trainable_modules={targets!r} matched no module of the model.")
-    return list(dict.fromkeys(selected))
+    # A tied tensor (e.g. GPT-2's lm_head and wte) is one parameter: name it once, by its canonical name, so
+    # that it is marked trainable and saved once whichever of its modules was named.
+    return [name for name, param in model.named_parameters() if id(param) in selected]
 
 
 def _matches(module_name: str, targets) -> bool:
@@ -274,7 +278,7 @@ def _matches(module_name: str, targets) -> bool:
     return any(module_name == t or module_name.endswith("." + t) for t in targets)
 
 
-def _check_token_mask(token_mask: Any, real: torch.Tensor, required: Optional[torch.Tensor]) -> torch.Tensor:
+def _check_token_mask(token_mask: Any, real: torch.Tensor, required: torch.Tensor | None) -> torch.Tensor:
     if not isinstance(token_mask, torch.Tensor) or token_mask.dtype != torch.bool:
         raise ValueError(f"token_mask must be a bool tensor of shape {tuple(real.shape)} [batch, seq].")
     if tuple(token_mask.shape) != tuple(real.shape):

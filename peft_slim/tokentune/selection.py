@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -82,7 +81,7 @@ def draw_selection(
     config: TokenTuneConfig,
     real: torch.Tensor,
     forced: torch.Tensor,
-    labelled: Optional[torch.Tensor],
+    labelled: torch.Tensor | None,
     generator: torch.Generator,
 ) -> torch.Tensor:
     """Draw a selection mask [B, L] as ``config`` asks.

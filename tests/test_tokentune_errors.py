@@ -1,0 +1,244 @@
+"""Bad input to TokenTune fails with a clear ValueError, never with silent full-token (or wrong) training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import IA3Config, LoraConfig, get_peft_model
+from tiny_models import VOCAB, build, make_batch
+from tokentune_cases import tokentune_config, tokentune_model
+from transformers import (
+    BertConfig,
+    BertForQuestionAnswering,
+    BloomConfig,
+    BloomForCausalLM,
+    DebertaV2Config,
+    DebertaV2ForSequenceClassification,
+    GPTNeoConfig,
+    GPTNeoForCausalLM,
+    LlamaConfig,
+    LlamaForSequenceClassification,
+)
+
+from peft_slim import TokenTuneConfig
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"token_ratio": 0}, "token_ratio"),
+        ({"token_ratio": 0.0}, "token_ratio"),
+        ({"token_ratio": 1.5}, "token_ratio"),
+        ({"token_ratio": -1}, "token_ratio"),
+        ({"token_ratio": "0.3"}, "token_ratio"),
+        ({"token_ratio": True}, "token_ratio"),
+        ({"token_ratio": float("nan")}, "token_ratio"),
+        ({"num_tokens": 0}, "num_tokens"),
+        ({"num_tokens": -3}, "num_tokens"),
+        ({"num_tokens": 2.5}, "num_tokens"),
+        ({"num_tokens": True}, "num_tokens"),
+        ({"num_tokens": "4"}, "num_tokens"),
+        ({"token_ratio": 0.3, "num_tokens": 4}, "num_tokens"),
+        ({"selection": "foo"}, "selection"),
+        ({"selection": None}, "selection"),
+        ({"seed": "x"}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"lora": 42}, "lora"),
+        ({"lora": IA3Config(target_modules=["q_proj"])}, "lora"),
+        ({"lora": LoraConfig(r=4, target_modules=["q_proj"]), "trainable_modules": ["q_proj"]}, "trainable_modules"),
+    ],
+    ids=lambda value: repr(value) if not isinstance(value, dict) else None,
+)
+def test_invalid_config_values(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        TokenTuneConfig(**kwargs)
+
+
+def test_valid_config_values_are_normalised():
+    assert TokenTuneConfig().token_ratio == pytest.approx(0.3)  # the paper's default
+    assert TokenTuneConfig(token_ratio=1).token_ratio == 1.0
+    assert TokenTuneConfig(num_tokens=16).num_tokens == 16
+    config = TokenTuneConfig(lora={"r": 4, "target_modules": ["q_proj"]})
+    assert isinstance(config.lora, LoraConfig) and config.lora.r == 4
+
+
+def test_trainable_modules_matching_nothing():
+    with pytest.raises(ValueError, match="trainable_modules"):
+        tokentune_model("llama", lora=False, trainable_modules=["no_such_module"])
+
+
+# ---------------------------------------------------------------------------------------------- token_mask
+
+
+def _decoder_mask(batch: dict) -> torch.Tensor:
+    return batch["attention_mask"].bool().clone()
+
+
+@pytest.mark.parametrize(
+    ("make_mask", "message"),
+    [
+        (lambda real: real[:, :-1], "shape"),
+        (lambda real: real[:1], "shape"),
+        (lambda real: real.T, "shape"),
+        (lambda real: real.long(), "bool"),
+        (lambda real: real.float(), "bool"),
+        (lambda real: real.tolist(), "bool"),
+        (lambda real: torch.zeros_like(real), "selects no position"),
+        (lambda real: torch.ones_like(real), "padding"),
+    ],
+    ids=["short", "batch", "transposed", "long", "float", "list", "nothing", "padding"],
+)
+def test_bad_token_mask(make_mask, message):
+    model = tokentune_model("llama")
+    batch = make_batch("llama")
+    model.train()
+    with pytest.raises(ValueError, match=message):
+        model(**batch, token_mask=make_mask(batch["attention_mask"].bool()))
+    assert model.get_base_model().config._attn_implementation == "sdpa"
+
+
+def test_token_mask_must_select_cls_for_encoder_classification():
+    model = tokentune_model("bert")
+    batch = make_batch("bert")
+    token_mask = batch["attention_mask"].bool().clone()
+    token_mask[1, 0] = False  # row 1 misses [CLS]
+    model.train()
+    with pytest.raises(ValueError, match="classification head"):
+        model(**batch, token_mask=token_mask)
+    token_mask[1, 0] = True
+    model(**batch, token_mask=token_mask).loss.backward()  # the same mask with [CLS] is fine
+
+
+def test_token_mask_must_select_last_token_for_decoder_classification():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        pad_token_id=0,
+        num_labels=3,
+    )
+    base = LlamaForSequenceClassification._from_config(config, attn_implementation="sdpa")
+    model = get_peft_model(
+        base, TokenTuneConfig(task_type="SEQ_CLS", token_ratio=0.5, lora=LoraConfig(r=4, target_modules=["q_proj"]))
+    )
+    batch = make_batch("llama")  # left padding: the last position is every row's last real token
+    batch["labels"] = torch.tensor([0, 1, 2])
+    token_mask = batch["attention_mask"].bool().clone()
+    token_mask[2, -1] = False
+    model.train()
+    with pytest.raises(ValueError, match="classification head"):
+        model(**batch, token_mask=token_mask)
+    # the drawn selection always keeps it
+    model(**batch)
+    assert model.base_model.last_token_mask[:, -1].all()
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+@pytest.mark.parametrize("implementation", ["flex_attention", "flash_attention_2"])
+def test_unsupported_attention_implementation_at_wrap_time(implementation):
+    base = build("llama")
+    base.config._attn_implementation = implementation  # (flash-attn is not installed; set it directly)
+    with pytest.raises(ValueError, match=f"(?s)LlamaForCausalLM.*{implementation}"):
+        get_peft_model(base, tokentune_config("llama"))
+
+
+def test_unsupported_attention_implementation_built_with_flex():
+    base = build("llama", "flex_attention")
+    with pytest.raises(ValueError, match="attn_implementation"):
+        get_peft_model(base, tokentune_config("llama"))
+
+
+def test_attention_implementation_switched_after_wrapping():
+    model = tokentune_model("llama")
+    model.get_base_model().set_attn_implementation("flex_attention")
+    model.train()
+    with pytest.raises(ValueError, match="flex_attention"):
+        model(**make_batch("llama"))
+    assert model.get_base_model().config._attn_implementation == "flex_attention"
+
+
+def _gpt_neo():
+    config = GPTNeoConfig(
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        attention_types=[[["global"], 2]],
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return GPTNeoForCausalLM._from_config(config, attn_implementation="eager")
+
+
+def _bloom():
+    return BloomForCausalLM._from_config(BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=VOCAB))
+
+
+def _deberta():
+    config = DebertaV2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB
+    )
+    return DebertaV2ForSequenceClassification._from_config(config, attn_implementation="eager")
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["standalone", "lora"])
+@pytest.mark.parametrize(
+    ("builder", "block_class", "lora_targets"),
+    [
+        (_gpt_neo, "GPTNeoBlock", ["q_proj"]),
+        (_bloom, "BloomBlock", ["query_key_value"]),
+        (_deberta, "DebertaV2Layer", ["query_proj"]),
+    ],
+    ids=["gpt_neo", "bloom", "deberta_v2"],
+)
+def test_blocks_without_registry_attention_are_refused(builder, block_class, lora_targets, lora):
+    """Models whose attention bypasses transformers' attention registry: an error naming the block class.
+
+    GPT-Neo and BLOOM call their own attention code (no registry call: TokenTune could not make unselected
+    keys/values constants); DeBERTa-v2's layer takes no **kwargs. Without the check, the selected pass would
+    silently let gradients reach unselected tokens.
+    """
+    torch.manual_seed(0)
+    classifier = block_class == "DebertaV2Layer"
+    config = TokenTuneConfig(
+        task_type="SEQ_CLS" if classifier else "CAUSAL_LM",
+        lora=LoraConfig(r=4, target_modules=lora_targets) if lora else None,
+    )
+    model = get_peft_model(builder(), config)
+    batch = {"input_ids": torch.randint(3, VOCAB, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    batch["labels"] = torch.tensor([0, 1]) if classifier else batch["input_ids"]
+    model.train()
+    with pytest.raises(ValueError, match=f"(?s){block_class}.*not supported"):
+        model(**batch)
+    assert all(p.grad is None for p in model.parameters())  # nothing was trained
+    assert model.get_base_model().config._attn_implementation == "eager"
+    # Inference is unaffected.
+    model.eval()
+    with torch.no_grad():
+        assert model(**batch).logits.isfinite().all()
+
+
+def test_unknown_head_class_refused_at_get_peft_model():
+    torch.manual_seed(0)
+    config = BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB
+    )
+    base = BertForQuestionAnswering._from_config(config, attn_implementation="sdpa")
+    for task_type in (None, "QUESTION_ANS"):
+        with pytest.raises(ValueError, match="BertForQuestionAnswering"):
+            get_peft_model(base, TokenTuneConfig(task_type=task_type, lora=LoraConfig(r=4, target_modules=["query"])))
+
+
+def test_second_adapter_refused():
+    model = tokentune_model("llama")
+    with pytest.raises(ValueError, match="single adapter"):
+        model.add_adapter("other", tokentune_config("llama"))

@@ -1,0 +1,323 @@
+"""TokenTune gradients equal the "equivalent definition" of methods.md, on every supported architecture.
+
+The equivalent definition (implemented independently in tests/reference.py): the gradient of the
+selected-position loss in an ordinary forward in which, at every block input, hidden states at unselected
+positions are detached, and inside attention, keys and values at unselected positions are detached.
+Every batch is padded (one row has 3 padding positions) and has batch size 3, so the selection rows have
+different widths and exercise the padded-index form.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import get_peft_model
+from reference import reference_forward
+from tiny_models import CAUSAL_LM, build, make_batch
+from tokentune_cases import (
+    ARCHS,
+    IMPLEMENTATIONS,
+    assert_grads_match,
+    build_decoder_classifier,
+    lora_config,
+    max_grad_error,
+    reference_loss_and_grads,
+    tokentune_config,
+    tokentune_model,
+    training_step,
+)
+
+from peft_slim.tokentune.blocks import find_blocks
+
+
+def _eval_logits(model, batch: dict) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    model.train()
+    return logits
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "standalone"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gradient_and_loss_match_equivalent_definition(arch, implementation, lora):
+    model = tokentune_model(arch, implementation, lora=lora)
+    batch = make_batch(arch)
+    output, mask, grads = training_step(model, batch)
+
+    # The mask is a genuine subset (otherwise TokenTune would equal full training and prove nothing).
+    real = batch.get("attention_mask", torch.ones(mask.shape, dtype=torch.long)).bool()
+    assert mask.dtype == torch.bool and mask.shape == real.shape
+    assert 0 < mask.sum() < real.sum()
+    assert not (mask & ~real).any()
+
+    ref_loss, ref_grads = reference_loss_and_grads(model, arch, batch, mask)
+    torch.testing.assert_close(output.loss.detach(), ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_match(grads, ref_grads)
+    # Every trainable tensor that the reference gradient reaches is reached by TokenTune too.
+    for name, grad in ref_grads.items():
+        if grad.abs().max() > 0:
+            assert grads[name].abs().max() > 0, name
+
+    # The forward itself is exact: the logits of the training forward equal an ordinary forward's.
+    eval_logits = _eval_logits(model, batch)
+    if arch in CAUSAL_LM:
+        # In training the LM head runs only on the selection's slots [B, width, V]; valid slots are exact.
+        width = int(mask.sum(dim=1).max())
+        assert output.logits.shape == (mask.shape[0], width, eval_logits.shape[-1])
+        for row in range(mask.shape[0]):
+            positions = mask[row].nonzero().flatten()
+            torch.testing.assert_close(
+                output.logits[row, : len(positions)].detach(), eval_logits[row, positions], rtol=1e-5, atol=1e-5
+            )
+    else:
+        torch.testing.assert_close(output.logits.detach(), eval_logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_decoder_sequence_classification_gradient(arch, implementation):
+    """Decoder + classification head (reads the last real token; the KV cache must stay off in training)."""
+    base = build_decoder_classifier(arch, implementation)
+    config = tokentune_config(arch, task_type="SEQ_CLS")
+    model = get_peft_model(base, config)
+    batch = make_batch(arch)  # left padding
+    batch["labels"] = torch.tensor([0, 1, 2])
+    output, mask, grads = training_step(model, batch)
+    assert mask[:, -1].all() and (mask.sum(dim=1) < batch["attention_mask"].sum(dim=1)).all()
+    ref_loss, ref_grads = reference_loss_and_grads(model, "seq_cls", batch, mask)
+    torch.testing.assert_close(output.loss.detach(), ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_match(grads, ref_grads)
+    torch.testing.assert_close(output.logits.detach(), _eval_logits(model, batch), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head", ["BertForTokenClassification", "BertForMaskedLM"])
+def test_per_position_head_gradient(head):
+    """Per-position heads: loss = mean CE over selected positions with a valid label (no shift)."""
+    import transformers
+
+    torch.manual_seed(0)
+    base = getattr(transformers, head)._from_config(build("bert").config, attn_implementation="eager")
+    model = get_peft_model(base, tokentune_config("bert", task_type=None))
+    batch = make_batch("bert")
+    n_classes = 3 if head == "BertForTokenClassification" else base.config.vocab_size
+    labels = torch.randint(0, n_classes, batch["input_ids"].shape, generator=torch.Generator().manual_seed(1))
+    labels = labels.masked_fill(batch["attention_mask"] == 0, -100)
+    labels[:, 4] = -100
+    batch["labels"] = labels
+    output, mask, grads = training_step(model, batch)
+
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    _, blocks = find_blocks(model.get_base_model())
+    with reference_forward(model.get_base_model(), blocks, mask):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        targets = labels.masked_fill(~mask, -100)
+        ref_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    torch.testing.assert_close(output.loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    assert_grads_match(grads, ref_grads)
+
+
+def test_full_token_training_would_fail_the_reference_check():
+    """Sanity check of the check: plain LoRA training (all tokens) differs from the reference gradient."""
+    model = tokentune_model("llama", lora=True)
+    batch = make_batch("llama")
+    _, mask, _ = training_step(model, batch)
+    # Full-token gradient of the same selected-position loss: ordinary forward, no detaching.
+    model.eval()
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets = torch.full_like(batch["labels"], -100)
+    targets[:, :-1] = torch.where(mask[:, :-1], batch["labels"][:, 1:], -100)
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100).backward()
+    full = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    _, ref = reference_loss_and_grads(model, "llama", batch, mask)
+    error, scale = max_grad_error(full, ref)
+    assert error > 1e-3 * scale
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "standalone"])
+def test_task_type_none_with_explicit_token_mask(arch, lora):
+    """Plain PeftModel (task_type=None) bypasses the tuner's forward; an explicit token_mask overrides the draw."""
+    model = tokentune_model(arch, lora=lora, task_type=None)
+    assert type(model).__name__ == "PeftModel"
+    batch = make_batch(arch, length=12)
+    real = batch["attention_mask"].bool()
+    token_mask = torch.zeros_like(real)
+    for row in range(real.shape[0]):
+        positions = real[row].nonzero().flatten()
+        # first real token ([CLS] for BERT) + every third real token
+        token_mask[row, positions[0]] = True
+        token_mask[row, positions[::3]] = True
+    # What the seeded draw would have chosen: must differ, so the override is observable.
+    drawn = tokentune_model(arch, lora=lora, task_type=None)
+    training_step(drawn, batch)
+    assert not torch.equal(drawn.base_model.last_token_mask, token_mask)
+
+    output, mask, grads = training_step(model, batch, token_mask=token_mask)
+    assert torch.equal(mask, token_mask)
+    ref_loss, ref_grads = reference_loss_and_grads(model, arch, batch, token_mask)
+    torch.testing.assert_close(output.loss.detach(), ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_match(grads, ref_grads)
+
+
+def _embedding_module(model, arch: str) -> torch.nn.Module:
+    inner = model.get_base_model()
+    if arch in CAUSAL_LM:
+        return inner.get_input_embeddings()
+    return getattr(inner, arch).embeddings  # bert.embeddings / roberta.embeddings / vit.embeddings
+
+
+def _embedding_grad(model, arch: str, batch: dict, **kwargs) -> torch.Tensor:
+    """Gradient of the loss w.r.t. the embedding output [B, L, H] (made a leaf by a forward hook)."""
+    captured = []
+
+    def make_leaf(module, args, output):
+        leaf = output.detach().requires_grad_(True)
+        captured.append(leaf)
+        return leaf
+
+    handle = _embedding_module(model, arch).register_forward_hook(make_leaf)
+    try:
+        model.train()
+        model.zero_grad(set_to_none=True)
+        model(**batch, **kwargs).loss.backward()
+    finally:
+        handle.remove()
+    assert len(captured) == 1
+    return captured[0].grad
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3", "bert", "vit"])
+def test_gradient_reaches_only_selected_positions(arch):
+    """Nothing flows back into unselected positions; plain LoRA training (control) does send gradient there."""
+    model = tokentune_model(arch, lora=True)
+    batch = make_batch(arch, length=12)
+    grad = _embedding_grad(model, arch, batch)
+    mask = model.base_model.last_token_mask
+    assert grad is not None and grad.shape[:2] == mask.shape
+    per_position = grad.abs().amax(dim=-1)
+    assert torch.all(per_position[~mask] == 0), "gradient leaked into unselected positions"
+    assert (per_position[mask] > 0).sum() >= mask.shape[0], "no gradient reached the selected positions"
+
+    # Control: the same weights under vanilla LoRA (every token trains) do send gradient to unselected tokens.
+    base = build(arch)
+    vanilla = get_peft_model(base, lora_config(arch))
+    vanilla.load_state_dict(model.state_dict())
+    control = _embedding_grad(vanilla, arch, batch).abs().amax(dim=-1)
+    real = batch.get("attention_mask", torch.ones(mask.shape, dtype=torch.long)).bool()
+    assert (control[~mask & real] > 0).any()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_causal_lm_loss_is_selected_next_token_mean(arch):
+    """The training loss = mean over selected i with a valid label at i+1 of CE(logits[i], labels[i+1]).
+
+    Computed by hand from the full logits of an eval-mode forward with the same weights. (The logits
+    returned by a training forward cover only the selection's slots, so they cannot be used directly.)
+    """
+    model = tokentune_model(arch, lora=True, token_ratio=0.6)
+    batch = make_batch(arch, length=12)
+    labels = batch["labels"].clone()
+    labels[:, 5:7] = -100  # a masked span in the middle: some selected positions have no valid target
+    batch["labels"] = labels
+    model.train()
+    loss = model(**batch).loss
+    mask = model.base_model.last_token_mask
+
+    logits = _eval_logits(model, batch)
+    terms = []
+    for row in range(labels.shape[0]):
+        for i in range(labels.shape[1] - 1):
+            if mask[row, i] and labels[row, i + 1] != -100:
+                terms.append(F.cross_entropy(logits[row, i][None].float(), labels[row, i + 1][None]))
+    # the case is not degenerate: some selected positions are dropped for lack of a label
+    n_selected_with_next = int(mask[:, :-1].sum())
+    assert 0 < len(terms) < n_selected_with_next
+    expected = torch.stack(terms).mean()
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
+
+    # ... and it is not the full-token loss of the same batch.
+    full = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    assert abs(full.item() - loss.item()) > 1e-4
+
+
+def _attention_call_counter(model):
+    _, blocks = find_blocks(model.get_base_model())
+    attention = next(m for n, m in blocks[0].named_modules() if n.endswith(("self_attn", "attention.self")))
+    calls = []
+    handle = attention.register_forward_hook(lambda *args: calls.append(1))
+    return calls, handle
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "standalone"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_gradient_checkpointing_gives_same_gradients(arch, implementation, lora, reentrant):
+    batch = make_batch(arch, length=12)
+    plain = tokentune_model(arch, implementation, lora=lora)
+    calls, handle = _attention_call_counter(plain)
+    output, mask, grads = training_step(plain, batch)
+    handle.remove()
+    assert len(calls) == 2  # full no-grad pass + selected pass
+
+    base = build(arch, implementation)
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    checkpointed = get_peft_model(base, tokentune_config(arch, lora=lora))
+    assert checkpointed.get_base_model().is_gradient_checkpointing
+    calls, handle = _attention_call_counter(checkpointed)
+    output_ckpt, mask_ckpt, grads_ckpt = training_step(checkpointed, batch)
+    handle.remove()
+    assert len(calls) == 3  # ... + the selected pass replayed in backward: checkpointing is really active
+    assert torch.equal(mask_ckpt, mask)  # same seed, same draw
+    torch.testing.assert_close(output_ckpt.loss, output.loss)
+    assert_grads_match(grads_ckpt, grads, rtol=1e-6)
+    _, ref_grads = reference_loss_and_grads(checkpointed, arch, batch, mask)
+    assert_grads_match(grads_ckpt, ref_grads)
+
+
+def test_gradient_checkpointing_enabled_on_peft_model():
+    batch = make_batch("llama", length=12)
+    _, mask, grads = training_step(tokentune_model("llama", lora=True), batch)
+    model = tokentune_model("llama", lora=True)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert model.get_base_model().is_gradient_checkpointing
+    calls, handle = _attention_call_counter(model)
+    _, mask_ckpt, grads_ckpt = training_step(model, batch)
+    handle.remove()
+    assert len(calls) == 3
+    assert torch.equal(mask_ckpt, mask)
+    assert_grads_match(grads_ckpt, grads, rtol=1e-6)
+
+
+@pytest.mark.parametrize("targets", [["q_proj"], r"model\.layers\.0\.self_attn\.q_proj"], ids=["names", "regex"])
+def test_standalone_trainable_modules(targets):
+    model = tokentune_model("llama", lora=False, trainable_modules=targets)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    expected = {name for name, _ in model.named_parameters() if ".q_proj." in name}
+    if isinstance(targets, str):
+        expected = {name for name in expected if ".layers.0." in name}
+    assert trainable == expected and expected
+
+    batch = make_batch("llama")
+    model.train()
+    model(**batch).loss.backward()
+    mask = model.base_model.last_token_mask
+    with_grad = {name for name, p in model.named_parameters() if p.grad is not None}
+    assert with_grad == expected  # frozen parameters receive no gradient at all
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+    _, ref_grads = reference_loss_and_grads(model, "llama", batch, mask)
+    assert_grads_match(grads, ref_grads)
+
+
+def test_standalone_default_trains_every_base_parameter():
+    model = tokentune_model("llama", lora=False)
+    params = dict(model.named_parameters())
+    assert params and all(p.requires_grad for p in params.values())
+    assert not any("lora" in name for name in params)
