@@ -49,8 +49,9 @@ class SavedActivationBytes(saved_tensors_hooks):
 def peak_memory_bytes(step: Callable[[], object]) -> int:
     """Peak bytes held by PyTorch's allocator during ``step()``, above what was held before it.
 
-    On CUDA this is ``torch.cuda.max_memory_allocated``; on CPU the profiler's allocation events are
-    replayed in order and the highest running total is taken.
+    On CUDA this is ``torch.cuda.max_memory_allocated``; on CPU the profiler's allocation and free events
+    are replayed in order and the highest running total is taken (an operator's temporary buffers that it
+    frees before returning are not seen).
     """
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -61,12 +62,14 @@ def peak_memory_bytes(step: Callable[[], object]) -> int:
         return torch.cuda.max_memory_allocated() - before
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events = sorted(
-        (e for e in prof.events() if e.cpu_memory_usage != 0),
-        key=lambda e: e.time_range.start,
+    # Each allocation is reported by the operator that made it (its *self* usage, children excluded) and
+    # each free outside an operator as a "[memory]" event; replay both in time order.
+    changes = sorted(
+        (e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
+        for e in prof.events()
     )
     running = peak = 0
-    for event in events:
-        running += event.cpu_memory_usage
+    for _, change in changes:
+        running += change
         peak = max(peak, running)
     return peak

@@ -62,6 +62,30 @@ def _causal_rows(selection: TokenSelection, key_length: int) -> torch.Tensor:
     return (keys[None, None, :] <= selection.index[:, :, None]).unsqueeze(1)
 
 
+# Arguments that only transformers' own sdpa wrapper handles (e.g. T5 position bias, softcapping).
+_SDPA_EXTRAS = ("position_bias", "softcap", "s_aux", "sinks")
+
+
+def _sdpa_selected(module, query, key, value, attention_mask, kwargs):
+    """SDPA for the selected queries over all keys, with grouped-query attention done by the kernel.
+
+    transformers' sdpa wrapper repeats grouped keys/values to every query head whenever a mask is
+    given, and the repeated [B, heads, L, d] copies are what autograd then saves; ``enable_gqa`` keeps
+    the [B, kv_heads, L, d] originals instead (the same result, a third of the bytes on SmolLM2).
+    """
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=kwargs.get("dropout", 0.0),
+        scale=kwargs.get("scaling"),
+        is_causal=False,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return output.transpose(1, 2).contiguous(), None
+
+
 def _make_attention(implementation: str) -> Callable:
     def tokentune_attention(
         module: torch.nn.Module,
@@ -88,6 +112,8 @@ def _make_attention(implementation: str) -> Callable:
                 attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
                     ~attention_mask, torch.finfo(query.dtype).min
                 )
+        if implementation == "sdpa" and not any(kwargs.get(name) is not None for name in _SDPA_EXTRAS):
+            return _sdpa_selected(module, query, key, value, attention_mask, kwargs)
         kwargs["is_causal"] = False
         return original(module, query, key, value, attention_mask, **kwargs)
 

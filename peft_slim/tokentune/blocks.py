@@ -71,15 +71,21 @@ class BlockRunner:
     ):
         self.current = current
         self.config = config  # the model config whose `_attn_implementation` routes attention to TokenTune
+        self.blocks = blocks
         self.handles = []
         for block in blocks:
             self.handles.append(block.register_forward_pre_hook(self._before, with_kwargs=True))
             self.handles.append(block.register_forward_hook(self._after, with_kwargs=True))
 
     def remove(self) -> None:
+        """Remove the hooks and undo ``_route_checkpoint_replay``: the blocks are as they were."""
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        for block in self.blocks:
+            checkpoint_func = getattr(block, "_gradient_checkpointing_func", None)
+            if getattr(checkpoint_func, "_tokentune_replay", False):
+                block._gradient_checkpointing_func = checkpoint_func.__wrapped__
 
     def _before(self, block: nn.Module, args: tuple, kwargs: dict):
         if PASS_KWARG in kwargs:  # already prepared (e.g. a wrapper that calls the block again)

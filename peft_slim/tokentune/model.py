@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -146,9 +147,10 @@ class TokenTuneModel(BaseTuner):
             raise ValueError(
                 f"TokenTune needs attn_implementation in {SUPPORTED_IMPLEMENTATIONS}, got {implementation!r}."
             )
+        # Name every argument, so that a positional attention mask or labels are found (and labels removed).
+        kwargs = _named_arguments(model, args, kwargs)
+        args = ()
         padding_mask = kwargs.get("attention_mask")
-        if args and isinstance(args[0], torch.Tensor) and padding_mask is None and len(args) > 1:
-            padding_mask = args[1]
         labels = kwargs.get("labels")
         num_items = None
         if self._head in ("causal_lm", "per_position") and labels is not None:
@@ -156,7 +158,7 @@ class TokenTuneModel(BaseTuner):
             num_items = kwargs.pop("num_items_in_batch", None)
         # No KV cache in training: the full pass would write every key/value into it and the selected pass
         # would then attend over a cache longer than the sequence (decoders default to use_cache=True).
-        if "use_cache" in kwargs or self._head in ("causal_lm", "none") or self._decoder:
+        if "use_cache" in inspect.signature(model.forward).parameters:
             kwargs["use_cache"] = False
         self._forward_state = _TrainingForward(
             padding_mask=padding_mask if isinstance(padding_mask, torch.Tensor) and padding_mask.dim() == 2 else None,
@@ -276,6 +278,22 @@ def _matches(module_name: str, targets) -> bool:
     if isinstance(targets, str):
         return re.fullmatch(targets, module_name) is not None
     return any(module_name == t or module_name.endswith("." + t) for t in targets)
+
+
+def _named_arguments(model: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """``args`` and ``kwargs`` of ``model.forward`` as one dict of keyword arguments."""
+    if not args:
+        return kwargs
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    named = {}
+    for name, value in bound.arguments.items():
+        if bound.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif bound.signature.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL:
+            raise ValueError(f"TokenTune: {type(model).__name__}.forward takes *args; pass inputs by keyword.")
+        else:
+            named[name] = value
+    return named
 
 
 def _check_token_mask(token_mask: Any, real: torch.Tensor, required: torch.Tensor | None) -> torch.Tensor:
