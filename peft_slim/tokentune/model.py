@@ -4,47 +4,21 @@ from __future__ import annotations
 
 import copy
 import inspect
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from peft.tuners.lora import LoraLayer, LoraModel
 from peft.tuners.tuners_utils import BaseTuner
-from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 
+from ..trainable import trainable_parameter_names
 from .attention import REGISTERED_NAMES, SUPPORTED_IMPLEMENTATIONS
 from .blocks import BlockRunner, find_blocks
 from .config import TokenTuneConfig
+from .heads import head_kind, is_decoder
 from .loss import IGNORE_INDEX, selected_token_loss
-from .selection import TokenSelection, draw_selection, forced_positions
-
-# Which positions a model's head reads, by the transformers naming convention of its class.
-_HEADS = {
-    "causal_lm": ("ForCausalLM", "LMHeadModel"),
-    "per_position": ("ForTokenClassification", "ForMaskedLM"),
-    "classification": ("ForSequenceClassification", "ForImageClassification"),
-}
-
-
-def head_kind(model: nn.Module) -> str:
-    """'causal_lm', 'per_position', 'classification' or 'none' (a bare encoder/decoder)."""
-    name = type(model).__name__
-    for kind, suffixes in _HEADS.items():
-        if name.endswith(suffixes):
-            return kind
-    if "For" not in name and name.endswith("Model"):
-        return "none"
-    raise ValueError(
-        f"TokenTune does not know which positions the head of {name} reads, so it cannot keep them selected. "
-        "Supported heads: *ForCausalLM / *LMHeadModel, *ForSequenceClassification, *ForImageClassification, "
-        "*ForTokenClassification, *ForMaskedLM, and bare *Model classes."
-    )
-
-
-def _is_decoder(model: nn.Module) -> bool:
-    return any(getattr(module, "is_causal", False) is True for module in model.modules())
+from .selection import TokenSelection, check_token_mask, draw_selection, forced_positions
 
 
 @dataclass
@@ -96,7 +70,7 @@ class TokenTuneModel(BaseTuner):
                 f"{type(model).__name__} uses {implementation!r}. Load it with attn_implementation='sdpa'."
             )
         self._head = head_kind(model)
-        self._decoder = _is_decoder(model)
+        self._decoder = is_decoder(model)
         _, blocks = find_blocks(model)
         seed = config.seed if config.seed is not None else int(torch.randint(2**62, (1,)).item())
         self._generator = torch.Generator().manual_seed(seed)
@@ -127,7 +101,7 @@ class TokenTuneModel(BaseTuner):
         if config.lora is not None:
             super()._mark_only_adapters_as_trainable(model)
             return
-        trainable = set(_trainable_parameter_names(model, config))
+        trainable = set(_standalone_trainable(model, config))
         for name, param in model.named_parameters():
             param.requires_grad = name in trainable
 
@@ -189,7 +163,7 @@ class TokenTuneModel(BaseTuner):
         if self._head != "causal_lm" or self._decoder:
             forced = forced_positions(real, keep_first=True, keep_last=self._decoder)
         if state.token_mask is not None:
-            return _check_token_mask(state.token_mask, real, forced if self._head == "classification" else None)
+            return check_token_mask(state.token_mask, real, forced if self._head == "classification" else None)
         labelled = None
         labels = state.labels
         if labels is not None and labels.dim() == 2 and tuple(labels.shape) == (batch, length):
@@ -252,32 +226,8 @@ class TokenTuneModel(BaseTuner):
         if config.lora is not None:
             return super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
         # Standalone TokenTune trains base tensors in place: save exactly those.
-        names = set(_trainable_parameter_names(model, config))
+        names = set(_standalone_trainable(model, config))
         return {key: value for key, value in state_dict.items() if key in names}
-
-
-def _trainable_parameter_names(model: nn.Module, config: TokenTuneConfig) -> list[str]:
-    """Base parameters trained by standalone TokenTune (those under PEFT's own wrappers excluded)."""
-    wrapped = [name for name, module in model.named_modules() if isinstance(module, AuxiliaryTrainingWrapper)]
-    targets = config.trainable_modules
-    selected = set()
-    for module_name, module in model.named_modules():
-        if targets is not None and not _matches(module_name, targets):
-            continue
-        for param_name, param in module.named_parameters(prefix=module_name, recurse=True):
-            if not any(param_name == w or param_name.startswith(w + ".") for w in wrapped):
-                selected.add(id(param))
-    if targets is not None and not selected:
-        raise ValueError(f"TokenTuneConfig.trainable_modules={targets!r} matched no module of the model.")
-    # A tied tensor (e.g. GPT-2's lm_head and wte) is one parameter: name it once, by its canonical name, so
-    # that it is marked trainable and saved once whichever of its modules was named.
-    return [name for name, param in model.named_parameters() if id(param) in selected]
-
-
-def _matches(module_name: str, targets) -> bool:
-    if isinstance(targets, str):
-        return re.fullmatch(targets, module_name) is not None
-    return any(module_name == t or module_name.endswith("." + t) for t in targets)
 
 
 def _named_arguments(model: nn.Module, args: tuple, kwargs: dict) -> dict:
@@ -296,21 +246,6 @@ def _named_arguments(model: nn.Module, args: tuple, kwargs: dict) -> dict:
     return named
 
 
-def _check_token_mask(token_mask: Any, real: torch.Tensor, required: torch.Tensor | None) -> torch.Tensor:
-    if not isinstance(token_mask, torch.Tensor) or token_mask.dtype != torch.bool:
-        raise ValueError(f"token_mask must be a bool tensor of shape {tuple(real.shape)} [batch, seq].")
-    if tuple(token_mask.shape) != tuple(real.shape):
-        raise ValueError(
-            f"token_mask has shape {tuple(token_mask.shape)}; it must be [batch, seq] = {tuple(real.shape)}."
-        )
-    token_mask = token_mask.to(real.device)
-    if not token_mask.any():
-        raise ValueError("token_mask selects no position; select at least one token.")
-    if (token_mask & ~real).any():
-        raise ValueError("token_mask selects padding positions (attention_mask == 0); padding cannot be trained.")
-    if required is not None and (required & ~token_mask).any():
-        raise ValueError(
-            "token_mask must select the position the classification head reads in every row "
-            "(the first real token for encoders, the last real token for decoders)."
-        )
-    return token_mask
+def _standalone_trainable(model: nn.Module, config: TokenTuneConfig) -> list[str]:
+    """Base parameters that standalone TokenTune trains (and saves)."""
+    return trainable_parameter_names(model, config.trainable_modules, "TokenTuneConfig.trainable_modules")

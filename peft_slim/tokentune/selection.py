@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -106,3 +107,24 @@ def draw_selection(
     order = torch.argsort(score, dim=1, descending=True)
     rank = torch.empty_like(order).scatter_(1, order, torch.arange(real.shape[1], device=real.device).expand_as(order))
     return (rank < wanted[:, None]) & real
+
+
+def check_token_mask(token_mask: Any, real: torch.Tensor, required: torch.Tensor | None) -> torch.Tensor:
+    """A user's ``token_mask``, validated against the padding (``real``) and the positions a head reads."""
+    if not isinstance(token_mask, torch.Tensor) or token_mask.dtype != torch.bool:
+        raise ValueError(f"token_mask must be a bool tensor of shape {tuple(real.shape)} [batch, seq].")
+    if tuple(token_mask.shape) != tuple(real.shape):
+        raise ValueError(
+            f"token_mask has shape {tuple(token_mask.shape)}; it must be [batch, seq] = {tuple(real.shape)}."
+        )
+    token_mask = token_mask.to(real.device)
+    if not token_mask.any():
+        raise ValueError("token_mask selects no position; select at least one token.")
+    if (token_mask & ~real).any():
+        raise ValueError("token_mask selects padding positions (attention_mask == 0); padding cannot be trained.")
+    if required is not None and (required & ~token_mask).any():
+        raise ValueError(
+            "token_mask must select the position the classification head reads in every row "
+            "(the first real token for encoders, the last real token for decoders)."
+        )
+    return token_mask
