@@ -56,12 +56,6 @@ def _original_attention(module: torch.nn.Module, implementation: str) -> Callabl
     return eager
 
 
-def _causal_rows(selection: TokenSelection, key_length: int) -> torch.Tensor:
-    """Boolean causal mask [B, 1, n, L] for the selected queries (used when the model passed none)."""
-    keys = torch.arange(key_length, device=selection.index.device)
-    return (keys[None, None, :] <= selection.index[:, :, None]).unsqueeze(1)
-
-
 # Arguments that only transformers' own sdpa wrapper handles (e.g. T5 position bias, softcapping).
 _SDPA_EXTRAS = ("position_bias", "softcap", "s_aux", "sinks")
 
@@ -107,7 +101,7 @@ def _make_attention(implementation: str) -> Callable:
         key = selection.scatter(block_pass.key, key, dim=2)
         value = selection.scatter(block_pass.value, value, dim=2)
         if attention_mask is None and getattr(module, "is_causal", False):
-            attention_mask = _causal_rows(selection, key.shape[2])
+            attention_mask = selection.causal_mask(key.shape[2])
             if implementation == "eager":
                 attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
                     ~attention_mask, torch.finfo(query.dtype).min

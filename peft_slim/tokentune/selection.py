@@ -8,7 +8,7 @@ unselected positions up to the widest row, so all rows have the same width and n
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +26,8 @@ class TokenSelection:
     mask: torch.Tensor  # [B, L] bool, True where gradients flow
     index: torch.Tensor  # [B, n] long, selected positions first, then distinct unselected ones
     valid: torch.Tensor  # [B, n] bool, True for slots that hold a selected position
+    all_valid: bool = False  # every row selects the same number of positions: no padded slots
+    _causal: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_mask(cls, mask: torch.Tensor) -> TokenSelection:
@@ -35,7 +37,7 @@ class TokenSelection:
         order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices
         index = order[:, :width]
         valid = torch.arange(width, device=mask.device)[None, :] < counts[:, None]
-        return cls(mask=mask, index=index, valid=valid)
+        return cls(mask=mask, index=index, valid=valid, all_valid=bool(valid.all()))
 
     def gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """``tensor`` at the slot positions along ``dim`` (batch is dim 0)."""
@@ -47,11 +49,20 @@ class TokenSelection:
         Gradients reach ``part`` only at valid slots; ``full`` is used as a constant.
         """
         index = _expand_index(self.index, full, dim)
-        valid = self.valid.view(self.valid.shape + (1,) * (part.dim() - 2))
-        if dim != 1:
-            valid = valid.movedim(1, dim)
-        source = torch.where(valid, part.to(full.dtype), full.gather(dim, index))
+        source = part.to(full.dtype)
+        if not self.all_valid:
+            valid = self.valid.view(self.valid.shape + (1,) * (part.dim() - 2))
+            if dim != 1:
+                valid = valid.movedim(1, dim)
+            source = torch.where(valid, source, full.gather(dim, index))
         return full.scatter(dim, index, source)
+
+    def causal_mask(self, key_length: int) -> torch.Tensor:
+        """Boolean causal mask [B, 1, n, key_length] for the slots' queries; built once per selection."""
+        if key_length not in self._causal:
+            keys = torch.arange(key_length, device=self.index.device)
+            self._causal[key_length] = (keys[None, None, :] <= self.index[:, :, None]).unsqueeze(1)
+        return self._causal[key_length]
 
 
 def _expand_index(index: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
