@@ -60,13 +60,24 @@ def _original_attention(module: torch.nn.Module, implementation: str) -> Callabl
 _SDPA_EXTRAS = ("position_bias", "softcap", "s_aux", "sinks")
 
 
-def _sdpa_selected(module, query, key, value, attention_mask, kwargs):
+def _sdpa_selected(module, query, key, value, attention_mask, selection, kwargs):
     """SDPA for the selected queries over all keys, with grouped-query attention done by the kernel.
 
     transformers' sdpa wrapper repeats grouped keys/values to every query head whenever a mask is
     given, and the repeated [B, heads, L, d] copies are what autograd then saves; ``enable_gqa`` keeps
     the [B, kv_heads, L, d] originals instead (the same result, a third of the bytes on SmolLM2).
     """
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        # The CPU kernels turn a boolean mask into an additive one and save that for backward: build it
+        # once per forward (in the query dtype) so all layers save the same tensor.
+        boolean = attention_mask
+        attention_mask = selection.memo(
+            ("additive", id(boolean), query.dtype),
+            lambda: torch.zeros(boolean.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~boolean, torch.finfo(query.dtype).min
+            ),
+            source=boolean,
+        )
     output = torch.nn.functional.scaled_dot_product_attention(
         query,
         key,
@@ -107,7 +118,7 @@ def _make_attention(implementation: str) -> Callable:
                     ~attention_mask, torch.finfo(query.dtype).min
                 )
         if implementation == "sdpa" and not any(kwargs.get(name) is not None for name in _SDPA_EXTRAS):
-            return _sdpa_selected(module, query, key, value, attention_mask, kwargs)
+            return _sdpa_selected(module, query, key, value, attention_mask, selection, kwargs)
         kwargs["is_causal"] = False
         return original(module, query, key, value, attention_mask, **kwargs)
 

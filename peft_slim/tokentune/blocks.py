@@ -55,9 +55,12 @@ def _cut(value: Any, selection: TokenSelection, dim: int, name: str, block_name:
         raise ValueError(f"TokenTune: unexpected {type(value).__name__} for argument `{name}` of {block_name}.")
     dim = dim % value.dim()
     batch = selection.index.shape[0]
-    if value.shape[0] != batch:
-        value = value.expand((batch,) + tuple(value.shape[1:]))
-    return selection.gather(value, dim)
+
+    def cut() -> torch.Tensor:
+        full = value.expand((batch,) + tuple(value.shape[1:])) if value.shape[0] != batch else value
+        return selection.gather(full, dim)
+
+    return selection.memo(("cut", id(value), dim), cut, source=value)
 
 
 class BlockRunner:

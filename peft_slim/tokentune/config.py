@@ -9,6 +9,7 @@ from typing import Any
 from peft import LoraConfig, PeftConfig
 from peft.utils.peft_types import PeftType
 
+from ..compression import ActivationCompressionConfig
 from ..registry import add_peft_type
 
 SELECTION_STRATEGIES = ("random", "supervised")
@@ -66,6 +67,13 @@ class TokenTuneConfig(PeftConfig):
         default=None,
         metadata={"help": "Extra modules (e.g. a new classification head) trained and saved in full, as in LoRA."},
     )
+    activation_compression: ActivationCompressionConfig | dict | None = field(
+        default=None,
+        metadata={
+            "help": "A peft_slim.ActivationCompressionConfig (or its dict): compress the activations saved for "
+            "backward inside every training forward. None: no compression."
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -107,10 +115,21 @@ class TokenTuneConfig(PeftConfig):
             self.trainable_modules = sorted(self.trainable_modules)
         if self.modules_to_save is not None:
             self.modules_to_save = list(self.modules_to_save)
+        if isinstance(self.activation_compression, dict):
+            self.activation_compression = ActivationCompressionConfig.from_dict(self.activation_compression)
+        if self.activation_compression is not None and not isinstance(
+            self.activation_compression, ActivationCompressionConfig
+        ):
+            raise ValueError(
+                "TokenTuneConfig.activation_compression must be a peft_slim.ActivationCompressionConfig, a dict or "
+                f"None, got {type(self.activation_compression).__name__}."
+            )
 
     def to_dict(self) -> dict[str, Any]:
         config = super().to_dict()
         config["lora"] = None if self.lora is None else _lora_to_dict(self.lora)
+        compression = self.activation_compression
+        config["activation_compression"] = None if compression is None else compression.to_dict()
         return config
 
     def lora_export_config(self) -> LoraConfig:

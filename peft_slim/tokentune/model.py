@@ -12,6 +12,7 @@ from peft.tuners.lora import LoraLayer, LoraModel
 from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 
+from ..compression import ActivationCompression, CompressionStats, compress_activations
 from ..trainable import trainable_parameter_names
 from .attention import REGISTERED_NAMES, SUPPORTED_IMPLEMENTATIONS
 from .blocks import BlockRunner, find_blocks
@@ -31,6 +32,7 @@ class _TrainingForward:
     num_items_in_batch: Any
     attn_implementation: str
     selection: TokenSelection | None = None
+    compression: ActivationCompression | None = None  # entered by the pre-hook, exited by the post-hook
 
 
 class TokenTuneModel(BaseTuner):
@@ -51,6 +53,7 @@ class TokenTuneModel(BaseTuner):
         self._handles: list = []
         self._runner: BlockRunner | None = None
         self.last_token_mask: torch.Tensor | None = None
+        self.last_compression_stats: CompressionStats | None = None
 
     def inject_adapter(
         self,
@@ -142,6 +145,10 @@ class TokenTuneModel(BaseTuner):
             attn_implementation=implementation,
         )
         model.config._attn_implementation = REGISTERED_NAMES[implementation]
+        compression = self.peft_config[self.active_adapters[0]].activation_compression
+        if compression is not None:  # entered last: the always_call post-hook exits it, after an exception too
+            self._forward_state.compression = compress_activations(compression).__enter__()
+            self.last_compression_stats = self._forward_state.compression.stats
         return args, kwargs
 
     def _selection_for(self, hidden: torch.Tensor) -> TokenSelection | None:
@@ -186,6 +193,13 @@ class TokenTuneModel(BaseTuner):
         state, self._forward_state = self._forward_state, None
         if state is None:
             return None
+        try:
+            return self._finish_forward(model, state, output)
+        finally:  # after the selected-token loss, whose saved tensors are compressed too
+            if state.compression is not None:
+                state.compression.__exit__(None, None, None)
+
+    def _finish_forward(self, model: nn.Module, state: _TrainingForward, output: Any):
         model.config._attn_implementation = state.attn_implementation
         if state.selection is None or state.labels is None or self._head not in ("causal_lm", "per_position"):
             return None

@@ -8,6 +8,7 @@ unselected positions up to the widest row, so all rows have the same width and n
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ class TokenSelection:
     index: torch.Tensor  # [B, n] long, selected positions first, then distinct unselected ones
     valid: torch.Tensor  # [B, n] bool, True for slots that hold a selected position
     all_valid: bool = False  # every row selects the same number of positions: no padded slots
-    _causal: dict = field(default_factory=dict, repr=False)
+    _memo: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_mask(cls, mask: torch.Tensor) -> TokenSelection:
@@ -58,11 +59,20 @@ class TokenSelection:
         return full.scatter(dim, index, source)
 
     def causal_mask(self, key_length: int) -> torch.Tensor:
-        """Boolean causal mask [B, 1, n, key_length] for the slots' queries; built once per selection."""
-        if key_length not in self._causal:
-            keys = torch.arange(key_length, device=self.index.device)
-            self._causal[key_length] = (keys[None, None, :] <= self.index[:, :, None]).unsqueeze(1)
-        return self._causal[key_length]
+        """Boolean causal mask [B, 1, n, key_length] for the slots' queries."""
+        keys = torch.arange(key_length, device=self.index.device)
+        return self.memo(("causal", key_length), lambda: (keys[None, None, :] <= self.index[:, :, None]).unsqueeze(1))
+
+    def memo(self, key: Any, make: Callable[[], torch.Tensor], source: Any = None) -> torch.Tensor:
+        """``make()``, computed once per selection (one forward) and shared by every block.
+
+        Blocks receive the same mask and rotary tensors; deriving them once means autograd saves one
+        copy for the whole model instead of one per layer. ``source`` (the tensor the result is derived
+        from) is kept alive with it, so that keying on ``id(source)`` stays sound.
+        """
+        if key not in self._memo:
+            self._memo[key] = (source, make())
+        return self._memo[key][1]
 
 
 def _expand_index(index: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
