@@ -4,9 +4,17 @@ Importing this package registers ``PeftType.TOKENTUNE`` with PEFT, so ``get_peft
 ``PeftConfig.from_pretrained``, ``PeftModel.from_pretrained`` and ``AutoPeftModel*`` know it.
 """
 
+from .compression import ActivationCompressionConfig, compress_activations
 from .export import export_lora
 from .tokentune import TokenTuneConfig, TokenTuneModel
 
 __version__ = "0.1.0"
 
-__all__ = ["TokenTuneConfig", "TokenTuneModel", "export_lora", "__version__"]
+__all__ = [
+    "ActivationCompressionConfig",
+    "TokenTuneConfig",
+    "TokenTuneModel",
+    "compress_activations",
+    "export_lora",
+    "__version__",
+]

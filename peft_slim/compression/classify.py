@@ -1,0 +1,110 @@
+"""What a saved tensor is: a weight (never compressed) or an activation, and then of which kind.
+
+A pack hook sees only the tensor, not the operation saving it. The module running at that moment is
+known, though: global forward hooks keep a stack of the modules entered, and a saved tensor takes the
+kind of the innermost one (see ``ActivationCompressionConfig.kinds``). Classifying by module works for
+any model built from ``nn.Module``s, including code that calls functional ops inside them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm, nn.modules.batchnorm._NormBase)
+_LINEAR = (nn.Linear, nn.modules.conv._ConvNd)
+_ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")
+
+
+@functools.cache
+def module_kind(module_type: type) -> str:
+    """The kind of the tensors saved directly inside modules of this type."""
+    name = module_type.__name__
+    if issubclass(module_type, _LINEAR) or name == "Conv1D":
+        return "linear"
+    if issubclass(module_type, _NORMS) or name.endswith("Norm"):
+        return "norm"
+    if "Attention" in name:
+        return "attention"
+    if module_type.__module__ in _ACTIVATION_MODULES:
+        return "activation"
+    return "other"
+
+
+class ModuleStack:
+    """The modules running right now, innermost last, while ``start()``ed (global forward hooks)."""
+
+    def __init__(self):
+        self.modules: list[nn.Module] = []
+        self._handles = []
+
+    def start(self) -> None:
+        self._handles = [
+            register_module_forward_pre_hook(self._enter),
+            register_module_forward_hook(self._leave, always_call=True),
+        ]
+
+    def stop(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.modules.clear()
+
+    @property
+    def innermost(self) -> nn.Module | None:
+        return self.modules[-1] if self.modules else None
+
+    def kind(self) -> str:
+        module = self.innermost
+        return "other" if module is None else module_kind(type(module))
+
+    def _enter(self, module: nn.Module, args) -> None:
+        self.modules.append(module)
+
+    def _leave(self, module: nn.Module, args, output) -> None:
+        # A module entered before start() (e.g. the one whose pre-hook started us) was never pushed.
+        if self.modules and self.modules[-1] is module:
+            self.modules.pop()
+
+
+def is_weight(tensor: torch.Tensor, module: nn.Module | None) -> bool:
+    """Whether a saved tensor is a parameter, a view of one, or a dtype copy of one (autocast).
+
+    A frozen layer saves its weight (or a transposed view) for the input gradient: its root ``_base`` is
+    the Parameter. Autocast casts weights to the lower precision: the copy of a trainable weight is a
+    ``ToCopyBackward`` of the parameter's accumulator; that of a frozen weight has no history at all, and is
+    recognised by having the shape, but not the dtype, of one of the saving module's own parameters.
+    """
+    root = tensor if tensor._base is None else tensor._base
+    if isinstance(root, nn.Parameter):
+        return True
+    grad_fn = root.grad_fn
+    if grad_fn is not None:
+        if type(grad_fn).__name__ != "ToCopyBackward0":
+            return False
+        source = grad_fn.next_functions[0][0]
+        return isinstance(getattr(source, "variable", None), nn.Parameter)
+    # (Autocast's own state cannot be asked here: its dispatch key is excluded while it runs the op.)
+    if module is None or root.requires_grad:
+        return False
+    return any(p.shape == root.shape and p.dtype != root.dtype for p in module.parameters(recurse=False))
+
+
+def is_compressible(tensor: torch.Tensor, min_numel: int) -> bool:
+    """Whether an activation can be stored compressed: a plain floating tensor worth it (not a statistic)."""
+    return (
+        type(tensor) is torch.Tensor  # subclasses (DTensor, quantized weights, ...) are left alone
+        and tensor.layout == torch.strided
+        and tensor.dtype in _FLOATS
+        and tensor.device.type != "meta"
+        and tensor.numel() >= max(1, min_numel)
+        # per-row statistics (keepdim reductions, e.g. a norm's inverse RMS): tiny, yet each scales a whole row
+        and tensor.dim() > 0
+        and tensor.shape[-1] != 1
+        # an expanded (overlapping) view would grow when copied out
+        and tensor.numel() * tensor.element_size() <= tensor.untyped_storage().nbytes()
+    )

@@ -1,0 +1,142 @@
+"""``compress_activations``: keep what autograd saves for backward in fewer bytes, through saved-tensor hooks.
+
+Saved-tensor hooks nest and only the innermost pair is active: inside ``torch.utils.checkpoint``
+(non-reentrant) or ``save_on_cpu`` entered within this context, those mechanisms handle their tensors
+and this one sees none of them; entered around this context, they see nothing. The reentrant
+checkpoint saves only its inputs, which are compressed like any activation. Call ``backward`` after
+leaving the context, so that a checkpoint's recomputation is not compressed for nothing.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from .classify import ModuleStack, is_compressible, is_weight, module_kind
+from .config import ActivationCompressionConfig
+from .tensor import CompressedTensor, compress
+
+
+@dataclass
+class CompressionStats:
+    """Bytes autograd would have kept for the activations saved in the context, and bytes kept instead.
+
+    Weights are not activations and are not counted. A storage saved several times counts once in
+    ``original_bytes`` (like ``peft_slim.memory.SavedActivationBytes``); ``stored_bytes`` adds the storages
+    kept as they are and the packed storages actually held by each distinct compressed tensor.
+    """
+
+    original_bytes: int = 0
+    stored_bytes: int = 0
+    compressed: int = 0  # distinct tensors compressed
+    kept: int = 0  # distinct storages kept as they are
+
+    @property
+    def ratio(self) -> float:
+        return self.stored_bytes / self.original_bytes if self.original_bytes else 1.0
+
+
+@dataclass(eq=False)
+class _Storage:
+    """One storage seen in the context. ``owner`` (the root tensor) dies with it: then its address may be reused."""
+
+    owner: weakref.ref
+    kept: bool = False
+    packed: dict = field(default_factory=dict)  # view key -> weakref to its CompressedTensor
+
+
+class ActivationCompression(saved_tensors_hooks):
+    """The context manager returned by [`compress_activations`]; ``stats`` accumulates over its uses."""
+
+    def __init__(self, config: ActivationCompressionConfig):
+        self.config = config
+        self.stats = CompressionStats()
+        self._modules = ModuleStack()
+        self._storages: dict[int, _Storage] = {}
+        self._active = False
+        super().__init__(self._pack, _unpack)
+
+    def __enter__(self) -> ActivationCompression:
+        if self._active:
+            raise RuntimeError("This compress_activations context is already active; create another one to nest.")
+        self._active = True
+        self._modules.start()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self._modules.stop()
+        self._storages.clear()  # addresses are meaningless once the forward is over
+        self._active = False
+
+    def _pack(self, tensor: torch.Tensor):
+        module = self._modules.innermost
+        if is_weight(tensor, module) or (tensor.requires_grad and tensor.grad_fn is None):
+            return tensor.detach()  # weights and leaf inputs: held by their owner anyway, not activations
+        entry = self._entry(tensor)
+        config = self.config
+        kind = "other" if module is None else module_kind(type(module))
+        bits = config.bits if kind in config.compressed_kinds else None
+        pruned = kind in config.pruned_kinds
+        offloaded = config.offload and tensor.device.type != "cpu"
+        wanted = bits is not None or pruned or (offloaded and kind in config.compressed_kinds)
+        if not wanted or not is_compressible(tensor, config.min_numel):
+            return self._keep(entry, tensor)
+        key = (tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor._version)
+        key += (bits, pruned)
+        cached = entry.packed.get(key)
+        packed = cached() if cached is not None else None
+        if packed is None:
+            with torch.no_grad():
+                ratio = config.prune_ratio if pruned else None
+                packed = compress(tensor.detach(), bits, config.group_size, ratio, config.offload)
+            if packed is None or (packed.nbytes >= tensor.numel() * tensor.element_size() and not offloaded):
+                return self._keep(entry, tensor)  # not finite, or it would not shrink
+            entry.packed[key] = weakref.ref(packed)
+            self.stats.compressed += 1
+            self.stats.stored_bytes += packed.nbytes
+        return packed
+
+    def _entry(self, tensor: torch.Tensor) -> _Storage:
+        storage = tensor.untyped_storage()
+        entry = self._storages.get(storage.data_ptr())
+        if entry is None or entry.owner() is None:
+            entry = _Storage(weakref.ref(tensor if tensor._base is None else tensor._base))
+            self._storages[storage.data_ptr()] = entry
+            self.stats.original_bytes += storage.nbytes()
+        return entry
+
+    def _keep(self, entry: _Storage, tensor: torch.Tensor) -> torch.Tensor:
+        if not entry.kept:
+            entry.kept = True
+            self.stats.kept += 1
+            self.stats.stored_bytes += tensor.untyped_storage().nbytes()
+        return tensor.detach()  # a detached alias: the graph must not hold the tensor itself (a cycle)
+
+
+def _unpack(packed):
+    return packed.decompress() if isinstance(packed, CompressedTensor) else packed
+
+
+def compress_activations(config: ActivationCompressionConfig | dict | None = None, **fields) -> ActivationCompression:
+    """A context manager that compresses the activations saved for backward by the code run inside it.
+
+    ``with compress_activations(ActivationCompressionConfig(bits=4)) as compression: loss = model(**batch).loss``
+    then ``loss.backward()``; ``compression.stats`` says how many bytes were saved. ``fields`` override
+    ``config`` (``compress_activations(bits=4)`` uses the defaults otherwise).
+    """
+    if config is None:
+        config = ActivationCompressionConfig()
+    elif isinstance(config, dict):
+        config = ActivationCompressionConfig.from_dict(config)
+    elif not isinstance(config, ActivationCompressionConfig):
+        raise ValueError(
+            f"compress_activations takes an ActivationCompressionConfig, a dict or None, got {type(config).__name__}."
+        )
+    if fields:
+        config = ActivationCompressionConfig.from_dict({**config.to_dict(), **fields})
+    return ActivationCompression(config)

@@ -1,0 +1,83 @@
+"""One saved activation in its stored form, and the way back to a tensor of the same dtype, shape and strides.
+
+A tensor is flattened in its own memory order (a permutation of its dimensions makes a dense tensor
+contiguous), so restoring it gives back the same strides and no copy is made to reorder it; others
+(slices, overlapping views) are copied contiguous first. Then, in this order: pruning, quantization,
+offload to the CPU. Restoring undoes them in reverse, on the original device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .prune import Positions, prune, unprune
+from .quant import Quantized, dequantize, move, quantize
+
+
+class CompressedTensor:
+    """What autograd keeps instead of a saved activation; ``decompress()`` rebuilds it."""
+
+    __slots__ = ("shape", "dtype", "device", "order", "values", "positions", "__weakref__")
+
+    def __init__(self, shape, dtype, device, order, values, positions):
+        self.shape: torch.Size = shape
+        self.dtype: torch.dtype = dtype
+        self.device: torch.device = device
+        self.order: list[int] | None = order  # the permutation that made the tensor contiguous
+        self.values: torch.Tensor | Quantized = values  # kept values, flat, in memory order
+        self.positions: Positions | None = positions  # where the kept values go, if pruned
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes actually stored: the storages of every tensor held."""
+        values = self.values
+        stored = values.nbytes if isinstance(values, Quantized) else values.untyped_storage().nbytes()
+        return stored + (self.positions.nbytes if self.positions is not None else 0)
+
+    def decompress(self) -> torch.Tensor:
+        values, positions = self.values, self.positions
+        if values.device != self.device:  # offloaded: bring the (small) stored form back first
+            values = values.to(self.device, non_blocking=True)
+            positions = positions.to(self.device, non_blocking=True) if positions is not None else None
+        flat = dequantize(values, self.dtype) if isinstance(values, Quantized) else values
+        if positions is not None:
+            flat = unprune(flat, positions)
+        if self.order is None:
+            return flat.view(self.shape)
+        permuted = flat.view([self.shape[d] for d in self.order])
+        return permuted.permute(sorted(range(len(self.order)), key=self.order.__getitem__))
+
+
+def compress(
+    tensor: torch.Tensor, bits: int | None, group_size: int, prune_ratio: float | None, offload: bool
+) -> CompressedTensor | None:
+    """Compress a floating-point ``tensor`` (under ``torch.no_grad()``, detached); None if it cannot be quantized."""
+    order = memory_order(tensor)
+    flat = (tensor.permute(order) if order is not None else tensor.contiguous()).view(-1)
+    positions = None
+    if prune_ratio is not None and prune_ratio < 1.0:
+        flat, positions = prune(flat, prune_ratio)
+    row = None
+    if positions is None:  # rows: the innermost dimension in memory (of more than one element)
+        dims = reversed(order) if order is not None else reversed(range(tensor.dim()))
+        row = next((tensor.shape[d] for d in dims if tensor.shape[d] > 1), None)
+    values = quantize(flat, bits, group_size, row) if bits is not None else flat
+    if values is None:
+        return None
+    if offload and tensor.device.type != "cpu":
+        non_blocking = tensor.device.type == "cuda"  # into pinned memory, overlapping the next kernels
+        values = move(values, "cpu", non_blocking) if bits is None else values.to("cpu", non_blocking)
+        positions = positions.to("cpu", non_blocking) if positions is not None else None
+    elif isinstance(values, torch.Tensor) and _same_storage(values, tensor):
+        values = values.clone()  # never keep the original's storage alive
+    return CompressedTensor(tensor.shape, tensor.dtype, tensor.device, order, values, positions)
+
+
+def memory_order(tensor: torch.Tensor) -> list[int] | None:
+    """A permutation of the dimensions under which ``tensor`` is contiguous, or None if there is none."""
+    order = sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), -tensor.size(d)))
+    return order if tensor.permute(order).is_contiguous() else None
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

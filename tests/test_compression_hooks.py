@@ -1,0 +1,259 @@
+"""compress_activations on tiny models: gradient accuracy, exactness when off, what is never compressed, nesting."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from tiny_models import LORA_TARGETS, build, make_batch
+from torch import nn
+from torch.autograd.graph import save_on_cpu
+
+import peft_slim.compression.hooks as hooks
+from peft_slim import compress_activations
+from peft_slim.compression.classify import module_kind
+from peft_slim.compression.tensor import CompressedTensor
+from peft_slim.memory import SavedActivationBytes
+
+# Tiny models have rows (tokens) of 32 values: one group per token, and every saved tensor is considered.
+TINY = dict(group_size=32, min_numel=0)
+
+
+def _model(arch: str, lora: bool, dtype=torch.float32) -> nn.Module:
+    model = build(arch).to(dtype)
+    if lora:
+        # B = 0 at init would leave A without gradient: start from random A and B, so every adapter weight learns.
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=LORA_TARGETS[arch], init_lora_weights=False))
+    return model.train()
+
+
+def _grads(model: nn.Module, batch: dict, context=None) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    with context if context is not None else contextlib.nullcontext():
+        loss = model(**batch).loss
+    loss.backward()
+    return torch.cat([p.grad.flatten().float() for p in model.parameters() if p.requires_grad])
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0).item()
+
+
+def _recording(context):
+    """Record (saved tensor, what the pack hook stored for it) for every tensor autograd saves in ``context``."""
+    calls = []
+    pack = context.pack_hook
+
+    def recording_pack(tensor):
+        packed = pack(tensor)
+        calls.append((tensor.detach(), packed))
+        return packed
+
+    context.pack_hook = recording_pack
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_bits_none_is_exact_and_counts_what_autograd_saves(arch, lora):
+    model = _model(arch, lora)
+    batch = make_batch(arch, batch=4, length=32)
+    reference = _grads(model, batch)
+    context = compress_activations(bits=None, **TINY)
+    assert torch.equal(_grads(model, batch, context), reference)
+    with SavedActivationBytes(model.parameters()) as saved:
+        model(**batch)
+    assert context.stats.original_bytes == context.stats.stored_bytes == saved.bytes
+    assert context.stats.compressed == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("bits, min_cosine, max_ratio", [(8, 0.999, 0.45), (4, 0.99, 0.32)])
+def test_gradients_stay_close_to_uncompressed(arch, lora, bits, min_cosine, max_ratio):
+    model = _model(arch, lora)
+    batch = make_batch(arch, batch=4, length=32)  # padded rows included
+    reference = _grads(model, batch)
+    context = compress_activations(bits=bits, **TINY)
+    cosine = _cosine(_grads(model, batch, context), reference)
+    assert cosine >= min_cosine, cosine
+    # Tiny models save many small integer and statistics tensors, which stay as they are.
+    assert context.stats.compressed > 10
+    assert context.stats.ratio <= max_ratio, context.stats
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_weights_and_their_views_and_casts_are_never_compressed(autocast):
+    model = _model("llama", lora=True)
+    weights = [p.detach() for p in model.parameters()]
+    before = [w.clone() for w in weights]
+    batch = make_batch("llama", batch=4, length=32)
+    context = compress_activations(bits=4, **TINY)
+    calls = _recording(context)
+    cast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with cast, context:
+        loss = model(**batch).loss
+    loss.backward()
+
+    def is_weight_copy(tensor):
+        for weight in weights:
+            copy = weight.to(tensor.dtype)
+            for form in (copy, copy.t()) if copy.dim() == 2 else (copy,):
+                if form.shape == tensor.shape and torch.equal(form, tensor):
+                    return True
+        return False
+
+    seen = [packed for tensor, packed in calls if is_weight_copy(tensor)]
+    assert seen  # frozen base weights (as views, or autocast's bf16 copies) are saved for the input gradient
+    assert not any(isinstance(packed, CompressedTensor) for packed in seen)
+    assert any(isinstance(packed, CompressedTensor) for _, packed in calls)
+    assert all(torch.equal(w, b) for w, b in zip(weights, before))
+
+
+def test_integer_boolean_and_small_tensors_are_left_alone():
+    x = torch.randn(64, 64, requires_grad=True)
+    mask = torch.rand(64, 64) > 0.5
+    index = torch.randint(0, 64, (64,))
+    context = compress_activations(bits=2, group_size=32, min_numel=1000)
+    calls = _recording(context)
+    with context:
+        h = x * 2
+        out = torch.where(mask, h, h * 3)[index].sum() + (h[:2, :2] ** 2).sum()
+    out.backward()
+    for tensor, packed in calls:
+        compressed = isinstance(packed, CompressedTensor)
+        assert compressed == (tensor.is_floating_point() and tensor.numel() >= 1000), tensor.shape
+        if not compressed:
+            assert packed.data_ptr() == tensor.data_ptr()  # the tensor itself, not a copy
+    dtypes = {tensor.dtype for tensor, _ in calls}
+    assert {torch.bool, torch.int64, torch.float32} <= dtypes
+
+
+def test_a_tensor_saved_several_times_is_compressed_once(monkeypatch):
+    compressed = []
+    compress = hooks.compress
+    monkeypatch.setattr(hooks, "compress", lambda tensor, *args: compressed.append(tensor) or compress(tensor, *args))
+    torch.manual_seed(0)
+    layers = [nn.Linear(32, 32) for _ in range(3)]
+    x = torch.randn(64, 32, requires_grad=True)
+    with compress_activations(bits=8, **TINY) as context:
+        h = nn.functional.gelu(x * 1.0)  # gelu saves its input
+        out = sum(layer(h) for layer in layers)  # each layer saves `h` for its weight gradient
+    out.pow(2).sum().backward()
+    assert len(compressed) == context.stats.compressed == 2
+    # two tensors of 64 x 32 values: one byte each, plus an fp32 scale and minimum per row of 32
+    assert context.stats.stored_bytes == 2 * (64 * 32 + 64 * 2 * 4)
+    assert context.stats.original_bytes == 2 * 64 * 32 * 4
+
+
+def test_kinds_select_what_is_compressed():
+    model = _model("llama", lora=False)
+    batch = make_batch("llama", batch=4, length=32)
+    counts = {}
+    for kinds in ("all", "attention", "norm", "activation", "linear", "other"):
+        with compress_activations(bits=8, kinds=kinds, **TINY) as context:
+            model(**batch)
+        counts[kinds] = context.stats.compressed
+    assert counts["activation"] == model.config.num_hidden_layers  # one SiLU input per MLP
+    assert all(counts[kind] > 0 for kind in counts)
+    assert counts["all"] <= sum(count for kind, count in counts.items() if kind != "all")
+
+
+def test_module_kinds_of_the_supported_architectures():
+    llama, bert, gpt2 = build("llama"), build("bert"), build("gpt2")
+    layer = llama.model.layers[0]
+    assert module_kind(type(layer.self_attn)) == "attention"
+    assert module_kind(type(layer.self_attn.q_proj)) == "linear"
+    assert module_kind(type(layer.input_layernorm)) == "norm"
+    assert module_kind(type(layer.mlp.act_fn)) == "activation"
+    assert module_kind(type(layer.mlp)) == "other"
+    assert module_kind(type(bert.bert.encoder.layer[0].attention.self)) == "attention"
+    assert module_kind(type(bert.bert.encoder.layer[0].intermediate.intermediate_act_fn)) == "activation"
+    assert module_kind(type(bert.bert.embeddings.LayerNorm)) == "norm"
+    assert module_kind(type(gpt2.transformer.h[0].attn.c_attn)) == "linear"  # transformers' Conv1D
+    assert module_kind(type(gpt2.transformer.h[0].mlp)) == "other"
+
+
+def test_pruning_applies_to_its_kinds_only():
+    model = _model("llama", lora=False)
+    batch = make_batch("llama", batch=4, length=32)
+    context = compress_activations(bits=None, prune_ratio=0.5, prune_kinds=["norm"], **TINY)
+    calls = _recording(context)
+    gradients = _grads(model, batch, context)
+    pruned = [packed for _, packed in calls if isinstance(packed, CompressedTensor)]
+    assert pruned and all(packed.positions is not None for packed in pruned)
+    assert len({id(p) for p in pruned}) == context.stats.compressed
+    assert torch.isfinite(gradients).all()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_nesting_with_activation_checkpointing(reentrant):
+    model = _model("llama", lora=False)
+    batch = make_batch("llama", batch=4, length=32)
+    reference = _grads(model, batch)
+    plain = compress_activations(bits=8, **TINY)
+    _grads(model, batch, plain)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    context = compress_activations(bits=8, **TINY)
+    assert _cosine(_grads(model, batch, context), reference) >= 0.999
+    # Inside the checkpointed layers, checkpointing's own hooks are the innermost: only what is saved
+    # outside them (and, with the reentrant variant, the layers' inputs) is compressed.
+    assert 0 < context.stats.compressed < plain.stats.compressed
+
+
+def test_nesting_with_save_on_cpu():
+    model = _model("llama", lora=True)
+    batch = make_batch("llama", batch=4, length=32)
+    reference = _grads(model, batch)
+    outer = compress_activations(bits=8, **TINY)
+    with outer, save_on_cpu():  # save_on_cpu is the innermost: it handles every tensor (exactly, on CPU)
+        assert torch.equal(_grads(model, batch), reference)
+    assert outer.stats.compressed == 0
+    inner = compress_activations(bits=8, **TINY)
+    with save_on_cpu():
+        gradients = _grads(model, batch, inner)
+    assert inner.stats.compressed > 0
+    assert _cosine(gradients, reference) >= 0.999
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_activations(dtype):
+    model = _model("llama", lora=True, dtype=dtype)
+    batch = make_batch("llama", batch=4, length=32)
+    reference = _grads(model, batch)
+    context = compress_activations(bits=8, **TINY)
+    gradients = _grads(model, batch, context)
+    assert _cosine(gradients, reference) >= 0.999
+    assert context.stats.compressed > 10 and context.stats.ratio < 0.7
+
+
+def test_an_exception_inside_leaves_nothing_installed():
+    model = _model("llama", lora=True)
+    batch = make_batch("llama", batch=4, length=32)
+    reference = _grads(model, batch)
+    with pytest.raises(RuntimeError, match="boom"), compress_activations(bits=2, **TINY):
+        model(**batch)
+        raise RuntimeError("boom")
+    assert torch.equal(_grads(model, batch), reference)  # no compression hook left behind
+
+
+def test_offload_alone_is_a_no_op_on_cpu():
+    model = _model("llama", lora=True)
+    batch = make_batch("llama", batch=4, length=32)
+    reference = _grads(model, batch)
+    context = compress_activations(bits=None, offload=True, **TINY)
+    assert torch.equal(_grads(model, batch, context), reference)
+    assert context.stats.compressed == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("offload", [False, True])
+def test_cuda(offload):
+    model = _model("llama", lora=True).cuda()
+    batch = {key: value.cuda() for key, value in make_batch("llama", batch=4, length=32).items()}
+    reference = _grads(model, batch)
+    context = compress_activations(bits=8, offload=offload, **TINY)
+    assert _cosine(_grads(model, batch, context), reference) >= 0.999
+    assert context.stats.compressed > 10
