@@ -20,7 +20,10 @@ How each number is measured:
 * step time: median wall time of forward + backward + AdamW step over ``--steps`` steps after a warm-up
   step, the methods alternating step by step so that machine noise hits all alike.
 
-Usage: ``python benchmarks/bench_compression.py`` (full: batch 4, sequence 1024, 30 layers) or ``--quick``.
+Usage: ``python benchmarks/bench_compression.py`` (full: batch 4, sequence 1024, 30 layers) or ``--quick``;
+``--threads 1`` pins PyTorch to one intra-op thread (results in ``compression_1thread.*``): on a shared
+machine every parallel op otherwise waits for a busy core, which hits the many mid-sized ops of
+compression harder than the large matmuls of the model.
 """
 
 from __future__ import annotations
@@ -93,11 +96,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--token-ratio", type=float, default=0.2)
     parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="batch 2, sequence 256, 4 layers, 2 steps")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     if args.quick:
         args.batch, args.seq, args.layers, args.steps = 2, 256, 4, 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
     methods = build_methods(args.layers, args.token_ratio, args.group_size)
@@ -159,7 +165,8 @@ def summarise(results: dict, args) -> dict:
         "sequence": args.seq,
         "lora": f"r=16 on {','.join(LORA_TARGETS)}",
         "compression": f"all kinds, group size {args.group_size}, default min_numel",
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU threads, torch {torch.__version__}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU threads ({torch.get_num_threads()} used), "
+        f"torch {torch.__version__}",
         "steps_timed": args.steps,
     }
     return {"setup": setup, "results": results, "targets": targets}
@@ -169,6 +176,8 @@ def write(report: dict, args) -> None:
     setup, results = report["setup"], report["results"]
     os.makedirs(args.out, exist_ok=True)
     stem = "compression_quick" if args.quick else "compression"
+    if args.threads is not None:
+        stem += f"_{args.threads}thread"
     with open(os.path.join(args.out, f"{stem}.json"), "w") as handle:
         json.dump(report, handle, indent=2)
     lines = [

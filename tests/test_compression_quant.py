@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from peft_slim.compression.packing import pack_bits, unpack_bits
 from peft_slim.compression.prune import prune, unprune
-from peft_slim.compression.quant import dequantize, pack_bits, quantize, row_aligned_group, unpack_bits
+from peft_slim.compression.quant import dequantize, quantize, row_aligned_group
 from peft_slim.compression.tensor import compress
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

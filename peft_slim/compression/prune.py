@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .quant import move, pack_bits, unpack_bits
+from .packing import pack_bits, unpack_bits
+from .quant import move
 
 
 @dataclass(eq=False)

@@ -12,10 +12,11 @@ input): a bf16 scale would add as much error as 8-bit rounding itself.
 from __future__ import annotations
 
 import functools
-import sys
 from dataclasses import dataclass, replace
 
 import torch
+
+from .packing import pack_bits, unpack_bits
 
 
 @dataclass(eq=False)
@@ -129,50 +130,6 @@ def row_aligned_group(row: int, group_size: int) -> int:
         if row % size == 0:
             return size
     return group_size  # no divisor within a factor of 2: keep the size, a few groups straddle rows
-
-
-# Packing works on `8 // bits` codes at once, viewed as one little-endian integer of that many bytes: shifting
-# it by multiples of 8 - bits gathers (or spreads) the codes in a handful of whole-tensor ops.
-_WIDE = {4: torch.int16, 2: torch.int32, 1: torch.int64}
-_SPREAD_MASK = {4: 0x0F0F, 2: 0x03030303, 1: 0x0101010101010101}
-
-
-def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack uint8 codes below ``2**bits`` into bytes, the first code in the lowest bits (zero-padded)."""
-    if bits == 8:
-        return codes
-    per_byte = 8 // bits
-    pad = -codes.numel() % per_byte
-    if pad:
-        codes = torch.cat([codes, codes.new_zeros(pad)])
-    if sys.byteorder != "little":
-        return _pack_slow(codes.view(-1, per_byte), bits)
-    wide = codes.view(_WIDE[bits])  # byte i of each integer holds code i
-    packed = wide.clone()
-    for i in range(1, per_byte):
-        packed |= wide >> (i * (8 - bits))
-    return packed.to(torch.uint8)  # the low byte
-
-
-def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """The first ``count`` uint8 codes of ``pack_bits``' output."""
-    if bits == 8:
-        return packed[:count]
-    if sys.byteorder != "little":
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-        return ((packed.unsqueeze(1) >> shifts) & (2**bits - 1)).view(-1)[:count]
-    byte = packed.to(_WIDE[bits])
-    wide = byte.clone()
-    for i in range(1, 8 // bits):
-        wide |= byte << (i * (8 - bits))
-    return (wide & _SPREAD_MASK[bits]).view(torch.uint8)[:count]  # byte i of each integer: code i
-
-
-def _pack_slow(columns: torch.Tensor, bits: int) -> torch.Tensor:
-    packed = columns[:, 0].clone()
-    for i in range(1, columns.shape[1]):
-        packed |= columns[:, i] << (bits * i)
-    return packed
 
 
 def move(tensor: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
