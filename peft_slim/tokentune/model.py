@@ -3,36 +3,17 @@
 from __future__ import annotations
 
 import copy
-import inspect
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from peft.tuners.lora import LoraLayer, LoraModel
 from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 
-from ..compression import ActivationCompression, CompressionStats, compress_activations
+from ..compression import CompressionStats
 from ..trainable import trainable_parameter_names
-from .attention import REGISTERED_NAMES, SUPPORTED_IMPLEMENTATIONS
-from .blocks import BlockRunner, find_blocks
 from .config import TokenTuneConfig
-from .heads import head_kind, is_decoder
-from .loss import IGNORE_INDEX, selected_token_loss
-from .selection import TokenSelection, check_token_mask, draw_selection, forced_positions
-
-
-@dataclass
-class _TrainingForward:
-    """What one training forward carries from the model's pre-hook to its blocks and its end."""
-
-    padding_mask: torch.Tensor | None
-    labels: torch.Tensor | None
-    token_mask: torch.Tensor | None
-    num_items_in_batch: Any
-    attn_implementation: str
-    selection: TokenSelection | None = None
-    compression: ActivationCompression | None = None  # entered by the pre-hook, exited by the post-hook
+from .forward import TokenTuneForward, check_attention_implementation
+from .heads import head_kind
 
 
 class TokenTuneModel(BaseTuner):
@@ -41,7 +22,8 @@ class TokenTuneModel(BaseTuner):
     Every block runs on all tokens without gradient tracking, then again on the selected tokens with
     it; unselected keys and values enter attention as constants. The loss covers selected positions
     only, and a causal LM's head runs only on them. Outside training (eval mode or no grad) the model
-    is untouched.
+    is untouched. The forward path lives in [`TokenTuneForward`]; this class adds LoRA, trainability
+    and saving.
     """
 
     prefix: str = "tokentune_"
@@ -49,11 +31,7 @@ class TokenTuneModel(BaseTuner):
     target_module_mapping: dict = {}
 
     def _pre_injection_hook(self, model: nn.Module, config: TokenTuneConfig, adapter_name: str) -> None:
-        self._forward_state: _TrainingForward | None = None
-        self._handles: list = []
-        self._runner: BlockRunner | None = None
-        self.last_token_mask: torch.Tensor | None = None
-        self.last_compression_stats: CompressionStats | None = None
+        self._forward_path: TokenTuneForward | None = None
 
     def inject_adapter(
         self,
@@ -66,15 +44,8 @@ class TokenTuneModel(BaseTuner):
         if len(self.peft_config) > 1:
             raise ValueError("TokenTune supports a single adapter per model.")
         config: TokenTuneConfig = self.peft_config[adapter_name]
-        implementation = getattr(model.config, "_attn_implementation", None)
-        if implementation not in SUPPORTED_IMPLEMENTATIONS:
-            raise ValueError(
-                f"TokenTune needs attn_implementation in {SUPPORTED_IMPLEMENTATIONS}; "
-                f"{type(model).__name__} uses {implementation!r}. Load it with attn_implementation='sdpa'."
-            )
-        self._head = head_kind(model)
-        self._decoder = is_decoder(model)
-        _, blocks = find_blocks(model)
+        check_attention_implementation(model)
+        head_kind(model)  # refuse an unknown head before changing the model
         seed = config.seed if config.seed is not None else int(torch.randint(2**62, (1,)).item())
         self._generator = torch.Generator().manual_seed(seed)
 
@@ -85,13 +56,7 @@ class TokenTuneModel(BaseTuner):
         self._mark_only_adapters_as_trainable(model)
         if config.inference_mode:
             model.requires_grad_(False)
-
-        self._runner = BlockRunner(blocks, self._selection_for, model.config)
-        self._handles.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
-        self._handles.append(model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True))
-        if self._head == "causal_lm":
-            head = model.get_output_embeddings()
-            self._handles.append(head.register_forward_pre_hook(self._before_head))
+        self._forward_path = TokenTuneForward(model, config, self._generator, config.activation_compression)
 
     def _create_and_replace(self, *args, **kwargs):
         raise NotImplementedError("TokenTune wraps blocks with hooks; it replaces no module.")
@@ -108,117 +73,19 @@ class TokenTuneModel(BaseTuner):
         for name, param in model.named_parameters():
             param.requires_grad = name in trainable
 
-    # ------------------------------------------------------------------ forward path
-
     @property
     def tokentune_active(self) -> bool:
         return self.model.training and torch.is_grad_enabled()
 
-    def _before_forward(self, model: nn.Module, args: tuple, kwargs: dict):
-        token_mask = kwargs.pop("token_mask", None)
-        self._forward_state = None
-        if not self.tokentune_active:
-            return args, kwargs
-        implementation = model.config._attn_implementation
-        if implementation not in SUPPORTED_IMPLEMENTATIONS:
-            raise ValueError(
-                f"TokenTune needs attn_implementation in {SUPPORTED_IMPLEMENTATIONS}, got {implementation!r}."
-            )
-        # Name every argument, so that a positional attention mask or labels are found (and labels removed).
-        kwargs = _named_arguments(model, args, kwargs)
-        args = ()
-        padding_mask = kwargs.get("attention_mask")
-        labels = kwargs.get("labels")
-        num_items = None
-        if self._head in ("causal_lm", "per_position") and labels is not None:
-            kwargs.pop("labels")
-            num_items = kwargs.pop("num_items_in_batch", None)
-        # No KV cache in training: the full pass would write every key/value into it and the selected pass
-        # would then attend over a cache longer than the sequence (decoders default to use_cache=True).
-        if "use_cache" in inspect.signature(model.forward).parameters:
-            kwargs["use_cache"] = False
-        self._forward_state = _TrainingForward(
-            padding_mask=padding_mask if isinstance(padding_mask, torch.Tensor) and padding_mask.dim() == 2 else None,
-            labels=labels,
-            token_mask=token_mask,
-            num_items_in_batch=num_items,
-            attn_implementation=implementation,
-        )
-        model.config._attn_implementation = REGISTERED_NAMES[implementation]
-        compression = self.peft_config[self.active_adapters[0]].activation_compression
-        if compression is not None:  # entered last: the always_call post-hook exits it, after an exception too
-            self._forward_state.compression = compress_activations(compression).__enter__()
-            self.last_compression_stats = self._forward_state.compression.stats
-        return args, kwargs
+    @property
+    def last_token_mask(self) -> torch.Tensor | None:
+        """The positions selected in the latest training forward ([batch, length], bool)."""
+        return None if self._forward_path is None else self._forward_path.last_token_mask
 
-    def _selection_for(self, hidden: torch.Tensor) -> TokenSelection | None:
-        state = self._forward_state
-        if state is None:
-            return None
-        if state.selection is None:
-            state.selection = TokenSelection.from_mask(self._select(state, hidden))
-            self.last_token_mask = state.selection.mask
-        return state.selection
-
-    def _select(self, state: _TrainingForward, hidden: torch.Tensor) -> torch.Tensor:
-        batch, length = hidden.shape[:2]
-        device = hidden.device
-        real = torch.ones(batch, length, dtype=torch.bool, device=device)
-        if state.padding_mask is not None and tuple(state.padding_mask.shape) == (batch, length):
-            real = state.padding_mask.to(device=device).bool()
-        forced = torch.zeros_like(real)
-        if self._head != "causal_lm" or self._decoder:
-            forced = forced_positions(real, keep_first=True, keep_last=self._decoder)
-        if state.token_mask is not None:
-            return check_token_mask(state.token_mask, real, forced if self._head == "classification" else None)
-        labelled = None
-        labels = state.labels
-        if labels is not None and labels.dim() == 2 and tuple(labels.shape) == (batch, length):
-            labelled = labels.to(device) != IGNORE_INDEX
-            if self._head == "causal_lm":
-                labelled = torch.cat([labelled[:, 1:], torch.zeros_like(labelled[:, :1])], dim=1)
-        config: TokenTuneConfig = self.peft_config[self.active_adapters[0]]
-        return draw_selection(config, real, forced, labelled, self._generator)
-
-    def _before_head(self, head: nn.Module, args: tuple):
-        state = self._forward_state
-        if state is None or state.selection is None:
-            return None
-        hidden = args[0]
-        if hidden.shape[1] != state.selection.mask.shape[1]:
-            raise ValueError("TokenTune: the LM head must see every position in training (logits_to_keep=0).")
-        return (state.selection.gather(hidden, 1), *args[1:])
-
-    def _after_forward(self, model: nn.Module, args: tuple, kwargs: dict, output: Any):
-        state, self._forward_state = self._forward_state, None
-        if state is None:
-            return None
-        try:
-            return self._finish_forward(model, state, output)
-        finally:  # after the selected-token loss, whose saved tensors are compressed too
-            if state.compression is not None:
-                state.compression.__exit__(None, None, None)
-
-    def _finish_forward(self, model: nn.Module, state: _TrainingForward, output: Any):
-        model.config._attn_implementation = state.attn_implementation
-        if state.selection is None or state.labels is None or self._head not in ("causal_lm", "per_position"):
-            return None
-        if output is None:  # the forward raised; always_call hooks still run
-            return None
-        logits = output["logits"] if isinstance(output, dict) else output[0]
-        if self._head == "per_position":
-            logits = state.selection.gather(logits, 1)
-        loss = selected_token_loss(
-            logits,
-            state.labels.to(logits.device),
-            state.selection,
-            shift=self._head == "causal_lm",
-            num_items_in_batch=state.num_items_in_batch,
-        )
-        if isinstance(output, dict):
-            fields = {key: value for key, value in output.items() if key != "loss"}
-            return type(output)(loss=loss, **fields)
-        return (loss, *output)
+    @property
+    def last_compression_stats(self) -> CompressionStats | None:
+        """Saved-activation bytes of the latest training forward, with `activation_compression` set."""
+        return None if self._forward_path is None else self._forward_path.last_compression_stats
 
     # ------------------------------------------------------------------ unloading and saving
 
@@ -228,12 +95,8 @@ class TokenTuneModel(BaseTuner):
 
     def remove_hooks(self) -> None:
         """Detach TokenTune from the model (done by unload / merge_and_unload)."""
-        if self._runner is not None:
-            self._runner.remove()
-            self._runner = None
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        if self._forward_path is not None:
+            self._forward_path.remove()
 
     @classmethod
     def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
@@ -242,22 +105,6 @@ class TokenTuneModel(BaseTuner):
         # Standalone TokenTune trains base tensors in place: save exactly those.
         names = set(_standalone_trainable(model, config))
         return {key: value for key, value in state_dict.items() if key in names}
-
-
-def _named_arguments(model: nn.Module, args: tuple, kwargs: dict) -> dict:
-    """``args`` and ``kwargs`` of ``model.forward`` as one dict of keyword arguments."""
-    if not args:
-        return kwargs
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    named = {}
-    for name, value in bound.arguments.items():
-        if bound.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
-            named.update(value)
-        elif bound.signature.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL:
-            raise ValueError(f"TokenTune: {type(model).__name__}.forward takes *args; pass inputs by keyword.")
-        else:
-            named[name] = value
-    return named
 
 
 def _standalone_trainable(model: nn.Module, config: TokenTuneConfig) -> list[str]:
