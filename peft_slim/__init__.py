@@ -1,17 +1,21 @@
 """peft_slim: memory-lean fine-tuning methods as first-class PEFT tuner types.
 
-Importing this package registers ``PeftType.TOKENTUNE`` with PEFT, so ``get_peft_model``,
+Importing this package registers ``PeftType.TOKENTUNE`` and ``PeftType.SLIMFIT`` with PEFT, so ``get_peft_model``,
 ``PeftConfig.from_pretrained``, ``PeftModel.from_pretrained`` and ``AutoPeftModel*`` know it.
 """
 
 from .compression import ActivationCompressionConfig, compress_activations
 from .export import export_lora
+from .slimfit import SlimFitCallback, SlimFitConfig, SlimFitModel
 from .tokentune import TokenTuneConfig, TokenTuneModel
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ActivationCompressionConfig",
+    "SlimFitCallback",
+    "SlimFitConfig",
+    "SlimFitModel",
     "TokenTuneConfig",
     "TokenTuneModel",
     "compress_activations",

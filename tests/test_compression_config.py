@@ -55,3 +55,15 @@ def test_from_dict_rejects_unknown_fields_and_the_verb_checks_its_argument():
 def test_public_api():
     assert peft_slim.ActivationCompressionConfig is ActivationCompressionConfig
     assert peft_slim.compress_activations is compress_activations
+
+
+def test_kind_bits_override_and_validation():
+    config = ActivationCompressionConfig(bits=8, kinds=["attention"], kind_bits={"activation": 4, "attention": None})
+    assert config.bits_for("activation") == 4
+    assert config.bits_for("attention") is None
+    assert config.bits_for("linear") is None
+    assert config.compressed_kinds == frozenset({"activation"})
+    assert ActivationCompressionConfig.from_dict(config.to_dict()) == config
+    for bad in ({"mlp": 4}, {"activation": 3}, {"activation": True}, [("activation", 4)]):
+        with pytest.raises(ValueError, match="kind_bits"):
+            ActivationCompressionConfig(kind_bits=bad)

@@ -198,7 +198,7 @@ def test_import_after_peft_loaded_configs_in_fresh_process(tmp_path):
     assert out["tokentune_before"] is False
     assert out["lora_loaded_before"] == "LoraConfig"
     assert out["unknown_before"] is True
-    assert out["added_members"] == ["TOKENTUNE"]
+    assert out["added_members"] == ["TOKENTUNE", "SLIMFIT"]
     assert out["config_cls"] and out["tuner_cls"]
     assert out["vanilla_unchanged"] is True
     assert out["lora_reload_equal"] is True
@@ -304,3 +304,13 @@ def test_peft_model_from_pretrained_dispatches_to_tokentune(tmp_path):
     assert isinstance(loaded.peft_config["default"], TokenTuneConfig)
     assert loaded.peft_config["default"].lora.target_modules == {"q_proj"}
     assert torch.is_tensor(loaded.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight)
+
+
+def test_slimfit_is_registered():
+    import peft
+
+    from peft_slim import SlimFitConfig, SlimFitModel
+
+    assert PeftType.SLIMFIT == "SLIMFIT"
+    assert peft.mapping.PEFT_TYPE_TO_CONFIG_MAPPING["SLIMFIT"] is SlimFitConfig
+    assert peft.mapping.PEFT_TYPE_TO_TUNER_MAPPING["SLIMFIT"] is SlimFitModel

@@ -50,6 +50,14 @@ class ActivationCompressionConfig:
         default_factory=lambda: [ALL],
         metadata={"help": f"Which saved tensors to compress, any of {KINDS} or 'all'. {_KINDS_HELP}"},
     )
+    kind_bits: dict[str, int | None] | None = field(
+        default=None,
+        metadata={
+            "help": f"Per-kind override of `bits` (keys among {KINDS}, values 8, 4, 2 or None = kept exact), e.g. "
+            "{'activation': 4} for 4-bit GELU/SiLU inputs. A kind listed here is compressed at its width even if "
+            "`kinds` leaves it out."
+        },
+    )
     prune_ratio: float | None = field(
         default=None,
         metadata={
@@ -90,11 +98,30 @@ class ActivationCompressionConfig:
         if not isinstance(self.offload, bool):
             raise ValueError(f"ActivationCompressionConfig.offload must be True or False, got {self.offload!r}.")
         self.kinds = _kinds("kinds", self.kinds)
+        if self.kind_bits is not None:
+            if not isinstance(self.kind_bits, dict) or any(
+                kind not in KINDS or (bits is not None and (isinstance(bits, bool) or bits not in BITS))
+                for kind, bits in self.kind_bits.items()
+            ):
+                raise ValueError(
+                    f"ActivationCompressionConfig.kind_bits must map kinds in {KINDS} to one of {BITS} or None, "
+                    f"got {self.kind_bits!r}."
+                )
+            self.kind_bits = dict(sorted(self.kind_bits.items()))
         self.prune_kinds = _kinds("prune_kinds", self.prune_kinds)
 
     @property
     def compressed_kinds(self) -> frozenset[str]:
-        return frozenset(KINDS if ALL in self.kinds else self.kinds)
+        """Kinds handled at all (quantized, or offloaded with `bits=None`); `kind_bits` adds and removes kinds."""
+        overrides = self.kind_bits or {}
+        kinds = set(KINDS if ALL in self.kinds else self.kinds) | {k for k, bits in overrides.items() if bits}
+        return frozenset(kinds - {k for k, bits in overrides.items() if bits is None})
+
+    def bits_for(self, kind: str) -> int | None:
+        """The width a saved tensor of ``kind`` is stored at (None: not quantized)."""
+        if self.kind_bits is not None and kind in self.kind_bits:
+            return self.kind_bits[kind]
+        return self.bits if ALL in self.kinds or kind in self.kinds else None
 
     @property
     def pruned_kinds(self) -> frozenset[str]:

@@ -80,7 +80,7 @@ class ActivationCompression(saved_tensors_hooks):
         entry = self._entry(tensor)
         config = self.config
         kind = "other" if module is None else module_kind(type(module))
-        bits = config.bits if kind in config.compressed_kinds else None
+        bits = config.bits_for(kind)
         pruned = kind in config.pruned_kinds
         offloaded = config.offload and tensor.device.type != "cpu"
         wanted = bits is not None or pruned or (offloaded and kind in config.compressed_kinds)

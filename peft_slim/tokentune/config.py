@@ -10,17 +10,13 @@ from peft import LoraConfig, PeftConfig
 from peft.utils.peft_types import PeftType
 
 from ..compression import ActivationCompressionConfig
+from ..nested_lora import lora_export_config, lora_to_dict
 from ..registry import add_peft_type
 
 SELECTION_STRATEGIES = ("random", "supervised")
 DEFAULT_TOKEN_RATIO = 0.3
 
 add_peft_type("TOKENTUNE")
-
-
-def _lora_to_dict(lora: LoraConfig) -> dict[str, Any]:
-    """A JSON-ready dict of a nested LoraConfig (PEFT only converts top-level sets)."""
-    return {key: sorted(value) if isinstance(value, set) else value for key, value in lora.to_dict().items()}
 
 
 @dataclass
@@ -127,21 +123,11 @@ class TokenTuneConfig(PeftConfig):
 
     def to_dict(self) -> dict[str, Any]:
         config = super().to_dict()
-        config["lora"] = None if self.lora is None else _lora_to_dict(self.lora)
+        config["lora"] = None if self.lora is None else lora_to_dict(self.lora)
         compression = self.activation_compression
         config["activation_compression"] = None if compression is None else compression.to_dict()
         return config
 
     def lora_export_config(self) -> LoraConfig:
         """The plain LoraConfig equivalent of this adapter, as vanilla PEFT would save it."""
-        if self.lora is None:
-            raise ValueError("TokenTuneConfig.lora is None: this adapter trains base weights, not LoRA.")
-        config = LoraConfig.from_peft_type(**_lora_to_dict(self.lora))
-        config.base_model_name_or_path = self.base_model_name_or_path
-        config.revision = self.revision
-        config.task_type = self.task_type
-        config.inference_mode = True
-        extra = list(self.modules_to_save or [])
-        if extra:
-            config.modules_to_save = sorted(set(config.modules_to_save or []) | set(extra))
-        return config
+        return lora_export_config(self.lora, self)

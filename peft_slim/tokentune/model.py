@@ -14,6 +14,7 @@ from ..trainable import trainable_parameter_names
 from .config import TokenTuneConfig
 from .forward import TokenTuneForward, check_attention_implementation
 from .heads import head_kind
+from .selection import selection_generator
 
 
 class TokenTuneModel(BaseTuner):
@@ -47,7 +48,7 @@ class TokenTuneModel(BaseTuner):
         check_attention_implementation(model)
         head_kind(model)  # refuse an unknown head before changing the model
         seed = config.seed if config.seed is not None else int(torch.randint(2**62, (1,)).item())
-        self._generator = torch.Generator().manual_seed(seed)
+        self._generator = selection_generator(seed)  # offset by the process's rank
 
         if config.lora is not None:
             lora = copy.deepcopy(config.lora)

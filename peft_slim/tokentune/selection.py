@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..distributed import rank
 from .config import TokenTuneConfig
 
 # Tiers added to a uniform [0, 1) draw: a position of a higher tier is always chosen before a lower one.
@@ -82,6 +83,17 @@ def _expand_index(index: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Te
     view = [index.shape[0]] + [1] * (like.dim() - 1)
     view[dim] = index.shape[1]
     return index.view(view).expand(shape)
+
+
+def selection_generator(seed: int) -> torch.Generator:
+    """The generator selections are drawn from: seeded with ``seed`` plus this process's rank.
+
+    Data-parallel ranks train on different examples, so each must draw its own positions; a shared seed
+    would select the same positions on every rank. The rank comes from ``torch.distributed`` when it is
+    initialised, else from the ``RANK`` variable that torchrun and accelerate set before the script runs
+    (models are often built before the process group exists). Same seed and rank: same draws.
+    """
+    return torch.Generator().manual_seed(seed + rank())
 
 
 def forced_positions(real: torch.Tensor, keep_first: bool, keep_last: bool) -> torch.Tensor:

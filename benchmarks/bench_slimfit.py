@@ -1,0 +1,271 @@
+"""SlimFit against full fine-tuning (MiniLM-L6 shape), and SlimFit + TokenTune + LoRA against LoRA (Llama shape).
+
+All methods run side by side in one process, on the same randomly initialised model and the same batch.
+How each number is measured (nothing is estimated from shapes):
+
+* activations: bytes autograd keeps for backward in one training forward: ``SavedActivationBytes``
+  (distinct storages, parameters excluded) without compression, the compression's own count of the bytes it
+  stored (``last_compression_stats.stored_bytes``) with it;
+* parameters, optimizer state: bytes of the model's parameters and of every tensor in the optimizer's state,
+  held between steps (after SlimFit's first sweep, when every unit has optimizer state);
+* step peak: the highest running total of the allocator's events during one whole step (forward, backward,
+  optimizer step) above what was held before it (``peak_memory_bytes``): activations, gradients and
+  temporaries. Total training memory = parameters + optimizer state + step peak; gradients are also reported
+  (bytes of every ``.grad`` after the backward);
+* step time: median wall time of forward + backward + optimizer step (+ ``slimfit_step``) after warm-up, the
+  methods alternating step by step so that machine noise hits all alike.
+
+Usage: ``python benchmarks/bench_slimfit.py`` (MiniLM shape: batch 32 x sequence 128; Llama part: batch 4 x
+sequence 1024, ``--llama-layers`` layers) or ``--quick``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import BertConfig, BertForSequenceClassification, LlamaForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import peft_slim  # noqa: E402
+from benchmarks.bench_tokentune import LORA_TARGETS, smollm2_135m_shape  # noqa: E402
+from benchmarks.report import markdown_table, mib, write_report  # noqa: E402
+from peft_slim.memory import SavedActivationBytes, peak_memory_bytes  # noqa: E402
+
+
+def minilm_l6_shape(layers: int = 6) -> BertConfig:
+    """all-MiniLM-L6-v2's architecture (BERT, hidden 384, 12 heads, FFN 1536)."""
+    return BertConfig(
+        vocab_size=30522,
+        hidden_size=384,
+        num_hidden_layers=layers,
+        num_attention_heads=12,
+        intermediate_size=1536,
+        max_position_embeddings=512,
+        num_labels=3,
+        attn_implementation="sdpa",
+    )
+
+
+def bert_methods(layers: int, ratios: list[float]) -> dict[str, torch.nn.Module]:
+    torch.manual_seed(0)
+    base = BertForSequenceClassification(minilm_l6_shape(layers))
+    methods = {"full": copy.deepcopy(base)}
+    for ratio in ratios:
+        for compressed in (False, True):
+            fields = {} if compressed else {"activation_compression": None}
+            config = peft_slim.SlimFitConfig(task_type="SEQ_CLS", freeze_ratio=ratio, seed=0, **fields)
+            name = f"slimfit{ratio:g}" + ("+compression" if compressed else "")
+            methods[name] = get_peft_model(copy.deepcopy(base), config)
+    return methods
+
+
+def llama_methods(layers: int, token_ratio: float, freeze_ratio: float) -> dict[str, torch.nn.Module]:
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(smollm2_135m_shape(layers))
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    stack = peft_slim.SlimFitConfig(
+        task_type="CAUSAL_LM",
+        freeze_ratio=freeze_ratio,
+        seed=0,
+        lora=copy.deepcopy(lora),
+        tokentune=peft_slim.TokenTuneConfig(token_ratio=token_ratio, seed=0),
+    )
+    name = f"slimfit{freeze_ratio:g}+tokentune{token_ratio:g}+lora+compression"
+    return {"lora": get_peft_model(copy.deepcopy(base), lora), name: get_peft_model(base, stack)}
+
+
+def training_step(model, optimizer, batch) -> None:
+    model(**batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if hasattr(model, "slimfit_step"):
+        model.slimfit_step()
+
+
+def tensor_bytes(tensors) -> int:
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def activation_bytes(model, batch) -> int:
+    tuner = model.base_model if hasattr(model, "peft_config") else None
+    with SavedActivationBytes(model.parameters()) as saved:
+        loss = model(**batch).loss
+    stats = getattr(tuner, "last_compression_stats", None)
+    loss.backward()
+    gradients = tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
+    model.zero_grad(set_to_none=True)
+    return (stats.stored_bytes if stats is not None else saved.bytes), gradients
+
+
+def measure(methods: dict, batch: dict, warmup_batch: dict, steps: int) -> dict:
+    results = {}
+    optimizers = {
+        name: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01)
+        for name, m in methods.items()
+    }
+    for name, model in methods.items():
+        model.train()
+        # Steady state first: SlimFit's first sweep trains every unit once, so every unit gets optimizer state.
+        scheduler = getattr(getattr(model, "base_model", None), "scheduler", None)
+        sweep = math.ceil(scheduler.num_units / scheduler.num_trained) + 1 if scheduler is not None else 1
+        for _ in range(sweep):
+            training_step(model, optimizers[name], warmup_batch)
+        activations, gradients = activation_bytes(model, batch)
+        training_step(model, optimizers[name], batch)  # warm-up at full size
+        held = {
+            "parameters": tensor_bytes(model.parameters()),
+            "optimizer_state": tensor_bytes(v for s in optimizers[name].state.values() for v in s.values()),
+        }
+        peak = peak_memory_bytes(lambda m=model, o=optimizers[name]: training_step(m, o, batch))
+        results[name] = {
+            "activation_bytes": activations,
+            "gradient_bytes": gradients,
+            **{f"{key}_bytes": value for key, value in held.items()},
+            "step_peak_bytes": peak,
+            "total_bytes": held["parameters"] + held["optimizer_state"] + peak,
+            "step_seconds": [],
+        }
+    for _ in range(steps):
+        for name, model in methods.items():
+            start = time.perf_counter()
+            training_step(model, optimizers[name], batch)
+            results[name]["step_seconds"].append(time.perf_counter() - start)
+    return results
+
+
+def add_ratios(results: dict, baseline: str, tokens: int) -> None:
+    base = results[baseline]
+    for result in results.values():
+        result["median_step_seconds"] = statistics.median(result["step_seconds"])
+        result["tokens_per_second"] = tokens / result["median_step_seconds"]
+        for key in ("activation_bytes", "total_bytes"):
+            result[key.replace("_bytes", "_ratio")] = result[key] / base[key]
+        result["step_time_ratio"] = result["median_step_seconds"] / base["median_step_seconds"]
+
+
+def table(results: dict, baseline: str) -> str:
+    header = [
+        "method",
+        "activations",
+        f"vs {baseline}",
+        "params",
+        "optimizer state",
+        "gradients",
+        "step peak",
+        "total",
+        f"vs {baseline}",
+        "step time",
+        f"vs {baseline}",
+    ]
+    rows = [
+        [
+            name,
+            mib(r["activation_bytes"]),
+            f"{r['activation_ratio']:.3f}x",
+            mib(r["parameters_bytes"]),
+            mib(r["optimizer_state_bytes"]),
+            mib(r["gradient_bytes"]),
+            mib(r["step_peak_bytes"]),
+            mib(r["total_bytes"]),
+            f"{r['total_ratio']:.2f}x",
+            f"{r['median_step_seconds']:.2f} s",
+            f"{r['step_time_ratio']:.2f}x",
+        ]
+        for name, r in results.items()
+    ]
+    return markdown_table(header, rows)
+
+
+def batch_of(vocab: int, batch: int, seq: int, labels: str) -> dict:
+    input_ids = torch.randint(0, vocab, (batch, seq))
+    target = input_ids if labels == "tokens" else torch.randint(0, 3, (batch,))
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": target}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--bert-batch", type=int, default=32)
+    parser.add_argument("--bert-seq", type=int, default=128)
+    parser.add_argument("--bert-layers", type=int, default=6)
+    parser.add_argument("--llama-batch", type=int, default=4)
+    parser.add_argument("--llama-seq", type=int, default=1024)
+    parser.add_argument("--llama-layers", type=int, default=8)
+    parser.add_argument("--token-ratio", type=float, default=0.2)
+    parser.add_argument("--skip-llama", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="small shapes, 2 layers, 1 timed step")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.bert_batch, args.bert_seq, args.bert_layers = 1, 4, 64, 2
+        args.llama_batch, args.llama_seq, args.llama_layers = 1, 128, 2
+    torch.manual_seed(0)
+    machine = f"{platform.machine()}, {os.cpu_count()} CPU threads, torch {torch.__version__}"
+
+    bert = bert_methods(args.bert_layers, [0.8, 0.9, 0.95])
+    vocab = bert["full"].config.vocab_size
+    bert_results = measure(
+        bert, batch_of(vocab, args.bert_batch, args.bert_seq, "class"), batch_of(vocab, 2, 16, "class"), args.steps
+    )
+    del bert
+    add_ratios(bert_results, "full", args.bert_batch * args.bert_seq)
+    report = {
+        "setup": {
+            "bert": f"BERT, all-MiniLM-L6-v2 shape, {args.bert_layers} layers, random weights, fp32, sdpa, "
+            f"batch {args.bert_batch} x sequence {args.bert_seq}, AdamW",
+            "machine": machine,
+            "steps_timed": args.steps,
+        },
+        "bert": bert_results,
+    }
+    targets = bert_targets(bert_results)
+    text = [
+        f"Setup: {report['setup']['bert']}; {machine}; median of {args.steps} steps.",
+        "",
+        table(bert_results, "full"),
+        "",
+        "Targets (issue 4): " + "; ".join(targets),
+    ]
+    if not args.skip_llama:
+        llama = llama_methods(args.llama_layers, args.token_ratio, 0.9)
+        vocab = llama["lora"].config.vocab_size
+        llama_results = measure(
+            llama,
+            batch_of(vocab, args.llama_batch, args.llama_seq, "tokens"),
+            batch_of(vocab, 1, 16, "tokens"),
+            args.steps,
+        )
+        add_ratios(llama_results, "lora", args.llama_batch * args.llama_seq)
+        report["setup"]["llama"] = (
+            f"Llama, SmolLM2-135M shape, {args.llama_layers} layers, random weights, fp32, sdpa, batch "
+            f"{args.llama_batch} x sequence {args.llama_seq}, LoRA r=16 on {','.join(LORA_TARGETS)}, AdamW"
+        )
+        report["llama"] = llama_results
+        text += ["", f"Setup: {report['setup']['llama']}.", "", table(llama_results, "lora")]
+    report["targets"] = targets
+    write_report(args.out, "slimfit_quick" if args.quick else "slimfit", report, "\n".join(text))
+
+
+def bert_targets(results: dict) -> list[str]:
+    row = results.get("slimfit0.9+compression")
+    if row is None:
+        return []
+    checks = [
+        ("total memory <= 0.45x of full", row["total_ratio"] <= 0.45, f"{row['total_ratio']:.2f}x"),
+        ("activations <= 0.3x", row["activation_ratio"] <= 0.3, f"{row['activation_ratio']:.3f}x"),
+        ("step time <= 1.1x", row["step_time_ratio"] <= 1.1, f"{row['step_time_ratio']:.2f}x"),
+    ]
+    return [f"slimfit0.9+compression {label}: {value} {'met' if ok else 'MISSED'}" for label, ok, value in checks]
+
+
+if __name__ == "__main__":
+    main()

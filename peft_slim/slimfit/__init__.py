@@ -1,0 +1,10 @@
+"""SlimFit: freeze most weight tensors at every step, chosen by how much each is still changing."""
+
+from ..registry import register_method
+from .callback import SlimFitCallback
+from .config import SlimFitConfig
+from .model import SlimFitModel
+
+__all__ = ["SlimFitCallback", "SlimFitConfig", "SlimFitModel"]
+
+register_method("slimfit", SlimFitConfig, SlimFitModel)

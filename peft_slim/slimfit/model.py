@@ -1,0 +1,232 @@
+"""The SlimFit tuner: PEFT's entry point for training with most weight tensors frozen at every step."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any
+
+import torch
+from peft.tuners.lora import LoraLayer, LoraModel
+from peft.tuners.tuners_utils import BaseTuner
+from torch import nn
+
+from ..compression import ActivationCompression, CompressionStats, compress_activations
+from ..tokentune.forward import TokenTuneForward, check_attention_implementation
+from ..tokentune.heads import head_kind
+from ..tokentune.selection import selection_generator
+from .base_weights import BaseWeights
+from .config import SlimFitConfig
+from .observer import StepObserver
+from .scheduler import FreezeScheduler
+from .units import Unit, find_units
+
+
+class SlimFitModel(BaseTuner):
+    """Freeze most scheduling units at every step, chosen by training dynamics (Ardakani et al., NAACL 2024).
+
+    A frozen unit has ``requires_grad=False`` from the start of the training forward to the optimizer step:
+    it gets no gradient (so the optimizer skips it: no weight decay, no momentum), and its layer caches no
+    input for backward. The decision is taken before each training forward, in a forward pre-hook on the
+    transformers model, so it holds for every PEFT forward path. Optimizer hooks score the units that
+    trained; ``slimfit_step()`` re-ranks. With ``tokentune``, the forward is TokenTune's as well.
+    """
+
+    prefix: str = "slimfit_"
+    tuner_layer_cls = LoraLayer
+    target_module_mapping: dict = {}
+
+    def _pre_injection_hook(self, model: nn.Module, config: SlimFitConfig, adapter_name: str) -> None:
+        self._units: list[Unit] = []
+        self._handles: list = []
+        self._observer: StepObserver | None = None
+        self._tokentune: TokenTuneForward | None = None
+        self._base_weights: BaseWeights | None = None
+        self._compression: ActivationCompression | None = None
+        self._applied = False
+        self.last_compression_stats: CompressionStats | None = None
+
+    def inject_adapter(
+        self,
+        model: nn.Module,
+        adapter_name: str,
+        autocast_adapter_dtype: bool = True,
+        low_cpu_mem_usage: bool = False,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        if len(self.peft_config) > 1:
+            raise ValueError("SlimFit supports a single adapter per model.")
+        config: SlimFitConfig = self.peft_config[adapter_name]
+        if config.tokentune is not None:  # refuse what TokenTune cannot run before changing the model
+            check_attention_implementation(model)
+            head_kind(model)
+        if config.lora is not None:
+            lora = copy.deepcopy(config.lora)
+            lora.modules_to_save = config.modules_to_save  # keeps LoRA off the heads PEFT wraps
+            LoraModel(model, lora, adapter_name, low_cpu_mem_usage=low_cpu_mem_usage, state_dict=state_dict)
+        self._mark_only_adapters_as_trainable(model)
+        self._units, always = find_units(model, config)
+        if config.lora is None:
+            tracked = [p for unit in self._units for p in unit.params] + always
+            self._base_weights = BaseWeights(tracked, keep_copies=config.keep_base_weights)
+        self.scheduler = FreezeScheduler(
+            len(self._units), config.freeze_ratio, config.schedule_every, config.max_frozen_steps, config.seed
+        )
+        if config.inference_mode:
+            model.requires_grad_(False)
+            return
+        # Every unit keeps requires_grad=True until the first training forward, so that an optimizer (or DDP)
+        # built before it holds them all; freezing starts there.
+        self._observer = StepObserver(
+            self._units, lambda index: self.scheduler.trained[index], config.metric, config.epsilon
+        )
+        self._handles.append(model.register_forward_pre_hook(self._before_forward))
+        self._handles.append(model.register_forward_hook(self._after_forward, always_call=True))
+        if config.tokentune is not None:
+            tokentune = config.tokentune
+            tt_seed = tokentune.seed if tokentune.seed is not None else int(torch.randint(2**62, (1,)).item())
+            generator = selection_generator(tt_seed)  # offset by the process's rank
+            self._tokentune = TokenTuneForward(model, tokentune, generator, config.activation_compression)
+
+    def _create_and_replace(self, *args, **kwargs):
+        raise NotImplementedError("SlimFit toggles requires_grad on units; it replaces no module.")
+
+    def _prepare_adapter_config(self, peft_config: SlimFitConfig, model_config: dict) -> SlimFitConfig:
+        return peft_config
+
+    def _mark_only_adapters_as_trainable(self, model: nn.Module) -> None:
+        config: SlimFitConfig = self.peft_config[self.active_adapters[0]]
+        if config.lora is not None:
+            super()._mark_only_adapters_as_trainable(model)
+        else:
+            model.requires_grad_(True)  # full fine-tuning; the scheduler freezes units step by step
+
+    # ------------------------------------------------------------------ the schedule
+
+    @property
+    def _config(self) -> SlimFitConfig:
+        return self.peft_config[self.active_adapters[0]]
+
+    @property
+    def unit_names(self) -> list[str]:
+        return [unit.name for unit in self._units]
+
+    @property
+    def trained_units(self) -> list[str]:
+        """Units that train at the next step."""
+        return [unit.name for unit, trained in zip(self._units, self.scheduler.trained) if trained]
+
+    def slimfit_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Close a training step: score the units that trained, re-rank, freeze for the next step.
+
+        Call it once after each ``optimizer.step()`` (``SlimFitCallback`` does with Trainer). The
+        ``optimizer`` is needed only with ``release_frozen_optimizer_state``.
+        """
+        config = self._config
+        if config.release_frozen_optimizer_state and optimizer is None:
+            raise ValueError("SlimFit: release_frozen_optimizer_state needs slimfit_step(optimizer).")
+        scores = self._observer.take_scores() if self._observer is not None else {}
+        self.scheduler.advance(scores)
+        self._apply_schedule()
+        if config.release_frozen_optimizer_state:
+            self._release_optimizer_state(optimizer, config.release_after_steps)
+
+    def _apply_schedule(self) -> None:
+        """Set requires_grad of every unit from the scheduler's decision; frozen units lose any stale gradient."""
+        for unit, trained in zip(self._units, self.scheduler.trained):
+            for param in unit.params:
+                param.requires_grad_(trained)
+                if not trained:
+                    param.grad = None
+        self._applied = True
+
+    def _release_optimizer_state(self, optimizer: torch.optim.Optimizer, after: int) -> None:
+        state = optimizer.state
+        for index, unit in enumerate(self._units):
+            if self.scheduler.frozen_for[index] >= after:
+                for param in unit.params:
+                    state.pop(param, None)
+
+    def slimfit_history(self) -> dict[str, Any]:
+        """The freeze pattern so far: unit names, and per completed step which units trained."""
+        return {"units": self.unit_names, "trained": [list(row) for row in self.scheduler.history]}
+
+    def export_freeze_pattern(self, path: str) -> str:
+        """Write ``slimfit_history()`` as JSON (for plotting); returns ``path``."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as handle:
+            json.dump(self.slimfit_history(), handle)
+        return path
+
+    def slimfit_state_dict(self) -> dict[str, Any]:
+        """The scheduler's state (JSON-ready), to resume the same schedule."""
+        return {"units": self.unit_names, **self.scheduler.state_dict()}
+
+    def load_slimfit_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("units") != self.unit_names:
+            raise ValueError("SlimFit: the scheduler state was saved for other units than this model's.")
+        self.scheduler.load_state_dict(state)
+        if self._applied:
+            self._apply_schedule()
+
+    # ------------------------------------------------------------------ forward path
+
+    def _before_forward(self, model: nn.Module, args: tuple) -> None:
+        if not (model.training and torch.is_grad_enabled()):
+            return
+        if not self._applied:
+            self._apply_schedule()
+        compression = self._config.activation_compression
+        if compression is not None and self._tokentune is None:  # TokenTune enters it within its own forward
+            self._compression = compress_activations(compression).__enter__()
+            self.last_compression_stats = self._compression.stats
+
+    def _after_forward(self, model: nn.Module, args: tuple, output: Any) -> None:
+        if self._compression is not None:
+            self._compression.__exit__(None, None, None)
+            self._compression = None
+        elif self._tokentune is not None and self._tokentune.last_compression_stats is not None:
+            self.last_compression_stats = self._tokentune.last_compression_stats
+
+    @property
+    def last_token_mask(self) -> torch.Tensor | None:
+        return None if self._tokentune is None else self._tokentune.last_token_mask
+
+    # ------------------------------------------------------------------ unloading and saving
+
+    def remove_hooks(self) -> None:
+        """Detach SlimFit from the model (done by unload / merge_and_unload)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._observer is not None:
+            self._observer.remove()
+        if self._tokentune is not None:
+            self._tokentune.remove()
+
+    def _unload_and_optionally_merge(self, merge: bool = True, **kwargs):
+        config = self._config
+        if config.lora is None and not merge and self._base_weights.any_changed():
+            if not self._base_weights.kept:
+                raise ValueError(
+                    "SlimFit trained the base weights in place and did not keep the originals, so unload() cannot "
+                    "return the base model. Use merge_and_unload() for the tuned model, reload the base model, or "
+                    "set SlimFitConfig(keep_base_weights=True)."
+                )
+            self._base_weights.restore()
+        self.remove_hooks()
+        if config.lora is None:
+            self.model.requires_grad_(True)  # a plain model again
+        return super()._unload_and_optionally_merge(merge=merge, **kwargs)
+
+    @classmethod
+    def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
+        if config.lora is not None:
+            return super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
+        # Standalone SlimFit trains base tensors in place: save those that changed (modules_to_save are PEFT's).
+        tuner = model.base_model if isinstance(getattr(model, "base_model", None), SlimFitModel) else None
+        if tuner is None or tuner._base_weights is None:
+            raise ValueError("SlimFit: saving needs the PeftModel that holds the SlimFit tuner.")
+        names = {name for name, param in model.named_parameters() if tuner._base_weights.changed(param)}
+        return {key: value for key, value in state_dict.items() if key in names}

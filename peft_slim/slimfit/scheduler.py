@@ -1,0 +1,94 @@
+"""Inter-layer scheduling: which units train at the next step, from how much each changed when it last trained.
+
+Pure bookkeeping over unit indices (no tensors of the model): the tuner feeds it scores and applies its
+decisions. Its whole state is JSON-ready, so that it travels in Trainer checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NEVER_TRAINED = math.inf
+
+
+class FreezeScheduler:
+    """Rank units by score; the lowest ``freeze_ratio`` of them freeze until the next re-ranking.
+
+    Units start with an infinite score, so the first steps train every unit once, in a seeded random order
+    (ties are broken by that order throughout). A unit frozen for ``max_frozen_steps`` consecutive steps
+    trains at the next re-ranking, whatever its score, so none starves.
+    """
+
+    def __init__(self, num_units: int, freeze_ratio: float, schedule_every: int, max_frozen_steps: int, seed: int):
+        self.num_units = num_units
+        self.num_trained = max(1, num_units - math.floor(freeze_ratio * num_units))
+        self.schedule_every = schedule_every
+        self.max_frozen_steps = max_frozen_steps
+        generator = torch.Generator().manual_seed(seed)
+        self.sweep_rank = torch.randperm(num_units, generator=generator).tolist()
+        self.scores = [NEVER_TRAINED] * num_units
+        self.frozen_for = [0] * num_units  # consecutive steps frozen
+        self.step = 0
+        self.history: list[list[bool]] = []  # per completed step: which units trained
+        self.trained = self._rank()
+
+    def _rank(self) -> list[bool]:
+        units = range(self.num_units)
+        starving = sorted(
+            (u for u in units if self.frozen_for[u] >= self.max_frozen_steps),
+            key=lambda u: (-self.frozen_for[u], self.sweep_rank[u]),
+        )[: self.num_trained]
+        rest = sorted((u for u in units if u not in starving), key=lambda u: (-self.scores[u], self.sweep_rank[u]))
+        chosen = set(starving) | set(rest[: self.num_trained - len(starving)])
+        return [u in chosen for u in units]
+
+    def advance(self, scores: dict[int, float]) -> None:
+        """Close a step: record the ``scores`` of units that trained in it, then re-rank if it is time."""
+        for unit, score in scores.items():
+            self.scores[unit] = float(score)
+        for unit, trained in enumerate(self.trained):
+            self.frozen_for[unit] = 0 if trained else self.frozen_for[unit] + 1
+        self.history.append(list(self.trained))
+        self.step += 1
+        if self.step % self.schedule_every == 0:
+            self.trained = self._rank()
+
+    def state_dict(self) -> dict:
+        return {
+            "num_units": self.num_units,
+            "sweep_rank": list(self.sweep_rank),
+            "scores": [None if math.isinf(s) else s for s in self.scores],
+            "frozen_for": list(self.frozen_for),
+            "step": self.step,
+            "trained": list(self.trained),
+            "history": ["".join("1" if t else "0" for t in row) for row in self.history],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_units"] != self.num_units:
+            raise ValueError(
+                f"SlimFit scheduler state is for {state['num_units']} units; this model has {self.num_units}."
+            )
+        self.sweep_rank = list(state["sweep_rank"])
+        self.scores = [NEVER_TRAINED if s is None else float(s) for s in state["scores"]]
+        self.frozen_for = list(state["frozen_for"])
+        self.step = int(state["step"])
+        self.trained = [bool(t) for t in state["trained"]]
+        self.history = [[c == "1" for c in row] for row in state["history"]]
+
+
+def unit_score(metric: str, before: list[torch.Tensor], after: list[torch.Tensor], epsilon: float) -> float:
+    """How much a unit changed in one step; consumes ``before`` (a snapshot it may overwrite)."""
+    if metric == "relative_change":  # mean(|after - before| / (|before| + eps)) over all of the unit's values
+        total, count = 0.0, 0
+        for old, new in zip(before, after):
+            delta = (new.detach().float() - old.float()).abs_()
+            total += float(delta.div_(old.float().abs_().add_(epsilon)).sum())
+            count += old.numel()
+        return total / max(count, 1)
+    # update_norm: ||after - before|| / (||before|| + eps), over the unit's values as one vector
+    change = sum(float((new.detach().float() - old.float()).pow_(2).sum()) for old, new in zip(before, after))
+    size = sum(float(old.float().pow(2).sum()) for old in before)
+    return math.sqrt(change) / (math.sqrt(size) + epsilon)

@@ -1,0 +1,90 @@
+"""Scheduling units: the groups of parameters that SlimFit freezes or trains together."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from peft.utils.other import AuxiliaryTrainingWrapper
+from torch import nn
+
+from ..trainable import trainable_parameter_names
+from .config import SlimFitConfig
+
+LORA_MARK = ".lora_"  # lora_A, lora_B, lora_embedding_A/B, lora_magnitude_vector (DoRA)
+
+
+@dataclass(eq=False)
+class Unit:
+    """One scheduling unit: parameters that are frozen, trained and scored as one."""
+
+    name: str
+    param_names: list[str]
+    params: list[nn.Parameter]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+
+def find_units(model: nn.Module, config: SlimFitConfig) -> tuple[list[Unit], list[nn.Parameter]]:
+    """The scheduled units of ``model`` (after LoRA injection) and the parameters that train at every step.
+
+    Without LoRA every parameter is a candidate except biases (they always train, as in the paper); with
+    LoRA only the adapters are (the base model stays frozen). Candidates under `always_trainable` modules
+    train at every step; PEFT's `modules_to_save` copies are PEFT's and always train.
+    """
+    # PEFT wraps `modules_to_save` (with a task type, also "classifier"/"score") after the tuner is built.
+    to_save = config.modules_to_save or []
+    wrapped = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, AuxiliaryTrainingWrapper) or any(name == t or name.endswith("." + t) for t in to_save)
+    ]
+    always_names = set()
+    if config.always_trainable is not None:
+        always_names = set(trainable_parameter_names(model, config.always_trainable, "SlimFitConfig.always_trainable"))
+    candidates, always = [], []
+    for name, param in model.named_parameters():
+        if any(name == w or name.startswith(w + ".") for w in wrapped):
+            continue  # PEFT trains and saves modules_to_save itself
+        if config.lora is not None:
+            if LORA_MARK not in name or not param.requires_grad:
+                continue  # a frozen base weight (or another adapter)
+            (always if name in always_names else candidates).append((name, param))
+        elif name in always_names or name == "bias" or name.endswith(".bias"):
+            always.append((name, param))
+        else:
+            candidates.append((name, param))
+    units = _group(candidates, config)
+    if not units:
+        raise ValueError(
+            "SlimFit: no parameter left to schedule (every candidate is a bias, under `always_trainable` or "
+            "`modules_to_save`" + (", or LoRA matched no module" if config.lora is not None else "") + ")."
+        )
+    return units, [param for _, param in always]
+
+
+def _group(candidates: list[tuple[str, nn.Parameter]], config: SlimFitConfig) -> list[Unit]:
+    patterns = [re.compile(regex) for regex in config.units or []]
+    used = [False] * len(patterns)
+    groups: dict[tuple, Unit] = {}
+    for name, param in candidates:
+        key = None
+        for index, pattern in enumerate(patterns):
+            match = pattern.fullmatch(name)
+            if match is not None:
+                used[index] = True
+                key = ("regex", index, match.groups())
+                unit_name = f"{pattern.pattern}{list(match.groups()) if match.groups() else ''}"
+                break
+        if key is None:
+            unit_name = name.split(LORA_MARK)[0] if config.lora is not None and config.lora_units == "pair" else name
+            key = ("default", unit_name)
+        unit = groups.setdefault(key, Unit(unit_name, [], []))
+        unit.param_names.append(name)
+        unit.params.append(param)
+    unused = [pattern.pattern for pattern, hit in zip(patterns, used) if not hit]
+    if unused:
+        raise ValueError(f"SlimFitConfig.units: regex(es) {unused} matched no schedulable parameter.")
+    return list(groups.values())

@@ -1,0 +1,41 @@
+"""Shared helpers of the SlimFit tests: tiny models wrapped with SlimFit, and one training step."""
+
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig, get_peft_model
+from tiny_models import LORA_TARGETS, build, make_batch
+
+from peft_slim import SlimFitConfig
+
+TASK = {"bert": "SEQ_CLS", "vit": None, "gpt2": "CAUSAL_LM", "llama": "CAUSAL_LM"}
+
+
+def slimfit_model(arch: str, lora: bool = False, seed: int = 0, base_seed: int | None = None, **fields):
+    fields.setdefault("activation_compression", None)
+    fields.setdefault("task_type", TASK[arch])
+    if lora:
+        fields["lora"] = LoraConfig(r=4, lora_alpha=8, target_modules=set(LORA_TARGETS[arch]))
+    base = build(arch, seed=seed if base_seed is None else base_seed)
+    return get_peft_model(base, SlimFitConfig(seed=seed, **fields))
+
+
+def loss_of(model, batch: dict) -> torch.Tensor:
+    output = model(**batch)
+    if getattr(output, "loss", None) is not None:
+        return output.loss
+    return output[0].float().pow(2).mean()  # a headless model: any scalar of its output
+
+
+def train(model, arch: str, steps: int, optimizer=None, lr: float = 1e-2, set_to_none: bool = True):
+    """``steps`` plain-loop steps (AdamW with weight decay); returns the optimizer."""
+    model.train()
+    if optimizer is None:
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.1)
+    for step in range(steps):
+        torch.manual_seed(step)  # dropout: the same masks in every run of the same steps
+        loss_of(model, make_batch(arch, seed=step)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+        model.slimfit_step()
+    return optimizer

@@ -1,0 +1,196 @@
+"""SlimFit's schedule: units per step, the first sweep, no starvation, scores by their definition, resume."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from slimfit_cases import loss_of, slimfit_model, train
+from tiny_models import make_batch
+
+from peft_slim.slimfit.scheduler import FreezeScheduler, unit_score
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    num_units=st.integers(1, 40),
+    ratio=st.floats(0.0, 0.99),
+    max_frozen=st.integers(1, 12),
+    every=st.integers(1, 3),
+    seed=st.integers(0, 2**31),
+)
+def test_scheduler_invariants(num_units, ratio, max_frozen, every, seed):
+    """Fixed trained count, a first sweep that trains every unit once, and no unit frozen beyond the limit."""
+    scheduler = FreezeScheduler(num_units, ratio, every, max_frozen, seed)
+    k = scheduler.num_trained
+    assert k == max(1, num_units - math.floor(ratio * num_units))
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.rand(num_units, generator=generator).tolist()  # fixed scores: the low ones would starve
+    for _ in range(6 * num_units):
+        trained = [u for u, t in enumerate(scheduler.trained) if t]
+        assert len(trained) == k
+        scheduler.advance({u: scores[u] for u in trained})
+    history = scheduler.history
+    sweep = -(-num_units // k)
+    if every == 1:  # the first ceil(n / k) steps train every unit
+        assert {u for row in history[:sweep] for u, t in enumerate(row) if t} == set(range(num_units))
+    longest = 0
+    for unit in range(num_units):
+        run = 0
+        for row in history:
+            run = 0 if row[unit] else run + 1
+            longest = max(longest, run)
+    # a starving unit trains at the next re-ranking, if a slot is free (k slots for the most starved)
+    assert longest <= max_frozen + every - 1 + math.ceil(num_units / k) * every
+
+
+def test_sweep_order_is_seeded():
+    order = lambda seed: [FreezeScheduler(10, 0.9, 1, 100, seed).trained.index(True) for _ in range(1)]  # noqa: E731
+    assert order(0) == order(0)
+    firsts = {FreezeScheduler(20, 0.95, 1, 100, seed).trained.index(True) for seed in range(8)}
+    assert len(firsts) > 1, "different seeds should sweep in different orders"
+
+
+def test_lowest_scores_freeze_after_the_sweep():
+    scheduler = FreezeScheduler(6, 0.5, 1, 100, seed=1)
+    scores = [0.1, 0.9, 0.5, 0.3, 0.7, 0.2]
+    while any(math.isinf(s) for s in scheduler.scores):
+        scheduler.advance({u: scores[u] for u, t in enumerate(scheduler.trained) if t})
+    assert [u for u, t in enumerate(scheduler.trained) if t] == [1, 2, 4]  # the three highest
+
+
+def test_unit_score_definitions():
+    before = [torch.tensor([1.0, -2.0, 0.0]), torch.tensor([[4.0]])]
+    after = [torch.tensor([1.5, -2.0, 0.001]), torch.tensor([[3.0]])]
+    eps = 1e-3
+    expected = (0.5 / (1 + eps) + 0 + 0.001 / eps + 1 / (4 + eps)) / 4
+    assert unit_score("relative_change", [t.clone() for t in before], after, eps) == pytest.approx(expected)
+    change = math.sqrt(0.25 + 0.001**2 + 1)
+    size = math.sqrt(1 + 4 + 16)
+    assert unit_score("update_norm", [t.clone() for t in before], after, eps) == pytest.approx(change / (size + eps))
+
+
+@pytest.mark.parametrize("arch", ["bert", "vit", "gpt2", "llama"])
+def test_units_trained_per_step_and_frozen_units_bit_identical(arch):
+    """Under AdamW with weight decay, a frozen unit does not move at all; a trained one does."""
+    model = slimfit_model(arch, freeze_ratio=0.8)
+    tuner = model.base_model
+    units = tuner._units
+    assert all(p.requires_grad for unit in units for p in unit.params)  # until training starts
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    model.train()
+    for step in range(5):
+        loss_of(model, make_batch(arch, seed=step)).backward()
+        trained = list(tuner.scheduler.trained)
+        assert sum(trained) == tuner.scheduler.num_trained
+        for unit, t in zip(units, trained):
+            assert all(p.requires_grad == t for p in unit.params)
+            assert all((p.grad is not None) == t for p in unit.params), unit.name
+        before = [[p.detach().clone() for p in unit.params] for unit in units]
+        optimizer.step()
+        # zero_grad(set_to_none=False) leaves zero gradients: the next freeze must still drop them
+        optimizer.zero_grad(set_to_none=step % 2 == 0)
+        for unit, t, old in zip(units, trained, before):
+            same = all(torch.equal(o, p) for o, p in zip(old, unit.params))
+            assert same != t, (
+                f"step {step}: {unit.name} {'trained' if t else 'frozen'} but {'un' if same else ''}changed"
+            )
+        model.slimfit_step()
+
+
+def test_no_task_type_path_freezes_too():
+    """A plain PeftModel (no task_type) calls the transformers model directly: the pre-hook still freezes."""
+    model = slimfit_model("llama", freeze_ratio=0.9, task_type=None)
+    model.train()
+    loss_of(model, {k: v for k, v in make_batch("llama").items() if k != "labels"}).backward()
+    for unit, t in zip(model.base_model._units, model.base_model.scheduler.trained):
+        assert all((p.grad is not None) == t for p in unit.params)
+
+
+def test_lora_units_are_adapter_pairs_and_b_zero_start_scores():
+    model = slimfit_model("llama", lora=True, freeze_ratio=0.5)
+    tuner = model.base_model
+    assert all(len(unit.params) == 2 for unit in tuner._units)
+    assert all({n.split(".lora_")[1].split(".")[0] for n in unit.param_names} == {"A", "B"} for unit in tuner._units)
+    train(model, "llama", steps=1)
+    scored = [s for s in tuner.scheduler.scores if not math.isinf(s)]
+    assert scored and all(s > 0 for s in scored), "a pair whose B started at zero must still score its first step"
+    matrices = slimfit_model("llama", lora=True, lora_units="matrix")
+    assert len(matrices.base_model._units) == 2 * len(tuner._units)
+
+
+def test_unit_regex_groups_and_always_trainable():
+    model = slimfit_model("llama", units=[r"model\.layers\.(\d+)\..*"], always_trainable=["lm_head"])
+    names = model.base_model.unit_names
+    layer_units = [n for n in names if n.startswith("model")]
+    assert sum("layers" in n for n in layer_units) == 2  # one unit per layer (tiny Llama has 2)
+    assert not any("lm_head" in n for n in names)
+    model.train()
+    loss_of(model, make_batch("llama")).backward()
+    assert model.base_model.model.lm_head.weight.grad is not None
+
+
+def test_starvation_limit_in_a_real_model():
+    model = slimfit_model("bert", freeze_ratio=0.95, max_frozen_steps=3)
+    train(model, "bert", steps=12)
+    history = model.base_model.slimfit_history()["trained"]
+    for unit in range(len(history[0])):
+        run = longest = 0
+        for row in history:
+            run = 0 if row[unit] else run + 1
+            longest = max(longest, run)
+        assert longest <= 3 + len(history[0]), longest
+    assert all(any(row[u] for row in history) for u in range(len(history[0])))
+
+
+def test_resume_restores_the_schedule():
+    """Weights + scheduler state from step 4 continue exactly as the uninterrupted run."""
+    straight = slimfit_model("gpt2", freeze_ratio=0.7, seed=3)
+    optimizer = train(straight, "gpt2", steps=4)
+    state = straight.base_model.slimfit_state_dict()
+    weights = {k: v.clone() for k, v in straight.state_dict().items()}
+    opt_state = copy.deepcopy(optimizer.state_dict())  # load_state_dict would share the tensors
+
+    resumed = slimfit_model("gpt2", freeze_ratio=0.7, seed=99, base_seed=3)  # another seed: the state must override it
+    resumed.load_state_dict(weights)
+    resumed.base_model.load_slimfit_state_dict(state)
+    opt2 = torch.optim.AdamW([p for p in resumed.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    opt2.load_state_dict(opt_state)
+    for step in range(4, 8):
+        for model, opt in ((straight, optimizer), (resumed, opt2)):
+            model.train()
+            torch.manual_seed(step)  # the same dropout masks
+            loss_of(model, make_batch("gpt2", seed=step)).backward()
+            opt.step()
+            opt.zero_grad()
+            model.slimfit_step()
+    assert straight.base_model.slimfit_history() == resumed.base_model.slimfit_history()
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_release_frozen_optimizer_state():
+    model = slimfit_model("llama", freeze_ratio=0.8, release_frozen_optimizer_state=True, release_after_steps=1)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    tuner = model.base_model
+    model.train()
+    with pytest.raises(ValueError, match="needs slimfit_step\\(optimizer\\)"):
+        loss_of(model, make_batch("llama")).backward()
+        optimizer.step()
+        model.slimfit_step()
+    optimizer.zero_grad()
+    for step in range(6):
+        loss_of(model, make_batch("llama", seed=step)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model.slimfit_step(optimizer)
+        for index, unit in enumerate(tuner._units):
+            has_state = all(p in optimizer.state for p in unit.params)
+            if tuner.scheduler.frozen_for[index] >= 1:
+                assert not any(p in optimizer.state for p in unit.params), unit.name
+            elif tuner.scheduler.history[-1][index]:
+                assert has_state
