@@ -174,3 +174,15 @@ def test_config_round_trip_through_json(tmp_path):
     assert loaded.to_dict() == config.to_dict()
     assert isinstance(loaded.tokentune, TokenTuneConfig) and loaded.tokentune.num_tokens == 8
     assert loaded.activation_compression == config.activation_compression
+
+
+def test_push_to_hub_uploads_the_saved_files(offline_hub, tmp_path):
+    model = slimfit_model("bert", freeze_ratio=0.8)
+    train(model, "bert", steps=2)
+    model.push_to_hub("someone/tiny-slimfit", private=True)
+    assert offline_hub["http"] == []
+    uploaded = offline_hub["uploaded"]
+    model.save_pretrained(tmp_path)
+    assert set(uploaded) == set(os.listdir(tmp_path))
+    assert uploaded["adapter_model.safetensors"] == (tmp_path / "adapter_model.safetensors").read_bytes()
+    assert json.loads(uploaded["adapter_config.json"])["peft_type"] == "SLIMFIT"

@@ -1,0 +1,63 @@
+"""Fixtures shared by several test modules."""
+
+from __future__ import annotations
+
+import os
+
+import httpx2
+import huggingface_hub
+import pytest
+from huggingface_hub import HfApi
+from huggingface_hub.errors import EntryNotFoundError
+
+
+@pytest.fixture
+def offline_hub(monkeypatch):
+    """Intercept every Hub call push_to_hub makes; any real HTTP request fails the test."""
+    calls = {"create_repo": [], "create_commit": [], "uploaded": {}, "http": []}
+
+    def refuse(self, request, *args, **kwargs):
+        calls["http"].append(str(getattr(request, "url", request)))
+        raise RuntimeError(f"network access attempted: {request!r}")
+
+    monkeypatch.setattr(httpx2.Client, "send", refuse)
+    monkeypatch.setattr(httpx2.AsyncClient, "send", refuse)
+
+    def create_repo(self, repo_id, **kwargs):
+        calls["create_repo"].append((repo_id, kwargs))
+        return huggingface_hub.RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        calls["create_commit"].append((repo_id, kwargs))
+        for op in operations:
+            source = op.path_or_fileobj
+            if isinstance(source, (str, os.PathLike)):
+                with open(source, "rb") as handle:
+                    data = handle.read()
+            elif isinstance(source, bytes):
+                data = source
+            else:
+                data = source.read()
+            calls["uploaded"][op.path_in_repo] = data
+        return huggingface_hub.CommitInfo(
+            commit_url=f"https://huggingface.co/{repo_id}/commit/0",
+            commit_message=kwargs.get("commit_message") or "",
+            commit_description="",
+            oid="0" * 40,
+        )
+
+    def refuse_other(name):
+        def _refuse(self, *args, **kwargs):
+            raise AssertionError(f"push_to_hub unexpectedly called HfApi.{name}")
+
+        return _refuse
+
+    def no_remote_card(*args, **kwargs):
+        raise EntryNotFoundError("no README.md on the (intercepted) Hub")
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "create_commit", create_commit)
+    for other in ("upload_folder", "upload_file", "create_branch", "preupload_lfs_files"):
+        monkeypatch.setattr(HfApi, other, refuse_other(other))
+    monkeypatch.setattr(huggingface_hub.repocard, "hf_hub_download", no_remote_card)
+    return calls
