@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import statistics
@@ -42,10 +41,10 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaForCausalLM
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_tokentune import LORA_TARGETS, smollm2_135m_shape  # noqa: E402
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import peft_slim  # noqa: E402
+from benchmarks.bench_tokentune import LORA_TARGETS, results_table, smollm2_135m_shape  # noqa: E402
+from benchmarks.report import write_report  # noqa: E402
 from peft_slim.memory import SavedActivationBytes, peak_memory_bytes  # noqa: E402
 
 TARGETS = {"lora+8bit": ("saved", 0.3), "lora+4bit": ("saved", 0.17)}
@@ -174,33 +173,18 @@ def summarise(results: dict, args) -> dict:
 
 def write(report: dict, args) -> None:
     setup, results = report["setup"], report["results"]
-    os.makedirs(args.out, exist_ok=True)
     stem = "compression_quick" if args.quick else "compression"
     if args.threads is not None:
         stem += f"_{args.threads}thread"
-    with open(os.path.join(args.out, f"{stem}.json"), "w") as handle:
-        json.dump(report, handle, indent=2)
     lines = [
         f"Setup: {setup['model']}; batch {args.batch} x sequence {args.seq}; LoRA {setup['lora']}; "
         f"compression: {setup['compression']}; {setup['machine']}; median of {args.steps} steps.",
         "",
-        "| method | saved activations | vs LoRA | peak step memory | vs LoRA | step time | vs LoRA | tokens/s |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name, r in results.items():
-        lines.append(
-            f"| {name} | {r['saved_activation_bytes'] / 2**20:.0f} MiB | {r['saved_activation_ratio']:.3f}x "
-            f"| {r['peak_step_bytes'] / 2**20:.0f} MiB | {r['peak_ratio']:.2f}x "
-            f"| {r['median_step_seconds']:.2f} s | {r['step_time_ratio']:.2f}x | {r['tokens_per_second']:.0f} |"
-        )
-    lines += [
+        results_table(results, ratio_digits=3),
         "",
         "Targets (issue 3): " + "; ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in report["targets"].items()),
     ]
-    table = "\n".join(lines)
-    with open(os.path.join(args.out, f"{stem}.md"), "w") as handle:
-        handle.write(table + "\n")
-    print(table)
+    write_report(args.out, stem, report, "\n".join(lines))
 
 
 if __name__ == "__main__":

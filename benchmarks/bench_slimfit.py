@@ -201,7 +201,12 @@ def main() -> None:
     parser.add_argument("--llama-seq", type=int, default=1024)
     parser.add_argument("--llama-layers", type=int, default=8)
     parser.add_argument("--token-ratio", type=float, default=0.2)
-    parser.add_argument("--skip-llama", action="store_true")
+    parser.add_argument(
+        "--part",
+        choices=["bert", "llama", "all"],
+        default="all",
+        help="bert: SlimFit vs full fine-tuning (results in slimfit.*); llama: the stack vs LoRA (slimfit_stack.*)",
+    )
     parser.add_argument("--quick", action="store_true", help="small shapes, 2 layers, 1 timed step")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
@@ -211,48 +216,42 @@ def main() -> None:
     torch.manual_seed(0)
     machine = f"{platform.machine()}, {os.cpu_count()} CPU threads, torch {torch.__version__}"
 
-    bert = bert_methods(args.bert_layers, [0.8, 0.9, 0.95])
-    vocab = bert["full"].config.vocab_size
-    bert_results = measure(
-        bert, batch_of(vocab, args.bert_batch, args.bert_seq, "class"), batch_of(vocab, 2, 16, "class"), args.steps
-    )
-    del bert
-    add_ratios(bert_results, "full", args.bert_batch * args.bert_seq)
-    report = {
-        "setup": {
-            "bert": f"BERT, all-MiniLM-L6-v2 shape, {args.bert_layers} layers, random weights, fp32, sdpa, "
-            f"batch {args.bert_batch} x sequence {args.bert_seq}, AdamW",
+    suffix = "_quick" if args.quick else ""
+    if args.part in ("bert", "all"):
+        bert = bert_methods(args.bert_layers, [0.8, 0.9, 0.95])
+        vocab = bert["full"].config.vocab_size
+        batch, warmup = batch_of(vocab, args.bert_batch, args.bert_seq, "class"), batch_of(vocab, 2, 16, "class")
+        results = measure(bert, batch, warmup, args.steps)
+        del bert
+        add_ratios(results, "full", args.bert_batch * args.bert_seq)
+        setup = (
+            f"BERT, all-MiniLM-L6-v2 shape, {args.bert_layers} layers, random weights, fp32, sdpa, batch "
+            f"{args.bert_batch} x sequence {args.bert_seq}, AdamW (lr 1e-4, weight decay 0.01)"
+        )
+        targets = bert_targets(results)
+        report = {
+            "setup": setup,
             "machine": machine,
             "steps_timed": args.steps,
-        },
-        "bert": bert_results,
-    }
-    targets = bert_targets(bert_results)
-    text = [
-        f"Setup: {report['setup']['bert']}; {machine}; median of {args.steps} steps.",
-        "",
-        table(bert_results, "full"),
-        "",
-        "Targets (issue 4): " + "; ".join(targets),
-    ]
-    if not args.skip_llama:
+            "results": results,
+            "targets": targets,
+        }
+        text = [f"Setup: {setup}; {machine}; median of {args.steps} steps.", "", table(results, "full")]
+        text += ["", "Targets (issue 4): " + "; ".join(targets)]
+        write_report(args.out, f"slimfit{suffix}", report, "\n".join(text))
+    if args.part in ("llama", "all"):
         llama = llama_methods(args.llama_layers, args.token_ratio, 0.9)
         vocab = llama["lora"].config.vocab_size
-        llama_results = measure(
-            llama,
-            batch_of(vocab, args.llama_batch, args.llama_seq, "tokens"),
-            batch_of(vocab, 1, 16, "tokens"),
-            args.steps,
-        )
-        add_ratios(llama_results, "lora", args.llama_batch * args.llama_seq)
-        report["setup"]["llama"] = (
+        batch, warmup = batch_of(vocab, args.llama_batch, args.llama_seq, "tokens"), batch_of(vocab, 1, 16, "tokens")
+        results = measure(llama, batch, warmup, args.steps)
+        add_ratios(results, "lora", args.llama_batch * args.llama_seq)
+        setup = (
             f"Llama, SmolLM2-135M shape, {args.llama_layers} layers, random weights, fp32, sdpa, batch "
             f"{args.llama_batch} x sequence {args.llama_seq}, LoRA r=16 on {','.join(LORA_TARGETS)}, AdamW"
         )
-        report["llama"] = llama_results
-        text += ["", f"Setup: {report['setup']['llama']}.", "", table(llama_results, "lora")]
-    report["targets"] = targets
-    write_report(args.out, "slimfit_quick" if args.quick else "slimfit", report, "\n".join(text))
+        report = {"setup": setup, "machine": machine, "steps_timed": args.steps, "results": results}
+        text = [f"Setup: {setup}; {machine}; median of {args.steps} steps.", "", table(results, "lora")]
+        write_report(args.out, f"slimfit_stack{suffix}", report, "\n".join(text))
 
 
 def bert_targets(results: dict) -> list[str]:

@@ -18,18 +18,20 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import peft_slim
-from peft_slim.memory import SavedActivationBytes, peak_memory_bytes
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import peft_slim  # noqa: E402
+from benchmarks.report import markdown_table, mib, write_report  # noqa: E402
+from peft_slim.memory import SavedActivationBytes, peak_memory_bytes  # noqa: E402
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -128,27 +130,24 @@ def main() -> None:
         "steps_timed": args.steps,
     }
     report = {"setup": setup, "results": results}
-    os.makedirs(args.out, exist_ok=True)
-    stem = "tokentune_quick" if args.quick else "tokentune"
-    with open(os.path.join(args.out, f"{stem}.json"), "w") as handle:
-        json.dump(report, handle, indent=2)
-    lines = [
+    setup_line = (
         f"Setup: {setup['model']}; batch {args.batch} x sequence {args.seq}; LoRA {setup['lora']}; "
-        f"{setup['machine']}; median of {args.steps} steps.",
-        "",
-        "| method | saved activations | vs LoRA | peak step memory | vs LoRA | step time | vs LoRA | tokens/s |",
-        "|---|---|---|---|---|---|---|---|",
+        f"{setup['machine']}; median of {args.steps} steps."
+    )
+    table = results_table(results)
+    write_report(args.out, "tokentune_quick" if args.quick else "tokentune", report, f"{setup_line}\n\n{table}")
+
+
+def results_table(results: dict, ratio_digits: int = 2) -> str:
+    """One row per method: saved activations, peak step memory and step time, each also as a ratio to LoRA."""
+    header = ["method", "saved activations", "vs LoRA", "peak step memory", "vs LoRA", "step time", "vs LoRA"]
+    rows = [
+        [name, mib(r["saved_activation_bytes"]), f"{r['saved_activation_ratio']:.{ratio_digits}f}x"]
+        + [mib(r["peak_step_bytes"]), f"{r['peak_ratio']:.2f}x"]
+        + [f"{r['median_step_seconds']:.2f} s", f"{r['step_time_ratio']:.2f}x", f"{r['tokens_per_second']:.0f}"]
+        for name, r in results.items()
     ]
-    for name, r in results.items():
-        lines.append(
-            f"| {name} | {r['saved_activation_bytes'] / 2**20:.0f} MiB | {r['saved_activation_ratio']:.2f}x "
-            f"| {r['peak_step_bytes'] / 2**20:.0f} MiB | {r['peak_ratio']:.2f}x "
-            f"| {r['median_step_seconds']:.2f} s | {r['step_time_ratio']:.2f}x | {r['tokens_per_second']:.0f} |"
-        )
-    table = "\n".join(lines)
-    with open(os.path.join(args.out, f"{stem}.md"), "w") as handle:
-        handle.write(table + "\n")
-    print(table)
+    return markdown_table(header + ["tokens/s"], rows)
 
 
 if __name__ == "__main__":

@@ -19,28 +19,31 @@ def tensor_digest(tensor: torch.Tensor) -> bytes:
 
 
 class BaseWeights:
-    """Digests (and optionally CPU copies) of the parameters a standalone SlimFit model trains in place."""
+    """Digests (and optionally CPU copies) of the parameters a standalone SlimFit model trains in place.
 
-    def __init__(self, params: list[nn.Parameter], keep_copies: bool):
-        self._params = {id(p): p for p in params}
-        self._digests = {id(p): tensor_digest(p) for p in params}
-        self._copies = {id(p): p.detach().to("cpu", copy=True) for p in params} if keep_copies else None
+    Keyed by parameter name (relative to the wrapped model), holding no parameter: FSDP2 replaces the parameters
+    with shards (a reference would keep every full tensor alive), and a sharded model saves gathered tensors.
+    """
+
+    def __init__(self, params: dict[str, nn.Parameter], keep_copies: bool):
+        self._digests = {name: tensor_digest(p) for name, p in params.items()}
+        self._copies = {name: p.detach().to("cpu", copy=True) for name, p in params.items()} if keep_copies else None
 
     @property
     def kept(self) -> bool:
         return self._copies is not None
 
-    def changed(self, param: nn.Parameter) -> bool:
-        """Whether ``param`` differs from what it was at wrapping time (False for parameters not tracked)."""
-        digest = self._digests.get(id(param))
-        return digest is not None and tensor_digest(param) != digest
+    def changed(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether parameter ``name`` now holding ``tensor`` differs from wrapping time (False if not tracked)."""
+        digest = self._digests.get(name)
+        return digest is not None and tensor_digest(tensor) != digest
 
-    def any_changed(self) -> bool:
-        return any(self.changed(p) for p in self._params.values())
+    def any_changed(self, model: nn.Module) -> bool:
+        return any(self.changed(name, model.get_parameter(name)) for name in self._digests)
 
     @torch.no_grad()
-    def restore(self) -> None:
+    def restore(self, model: nn.Module) -> None:
         if self._copies is None:
             raise RuntimeError("BaseWeights.restore: no copies were kept.")
-        for key, param in self._params.items():
-            param.copy_(self._copies[key])
+        for name, copy in self._copies.items():
+            model.get_parameter(name).copy_(copy)

