@@ -173,6 +173,7 @@ def test_resume_restores_the_schedule():
         assert torch.equal(a, b), name
 
 
+@pytest.mark.filterwarnings("ignore:SlimFit. the optimizer stepped twice")  # the refused call below
 def test_release_frozen_optimizer_state():
     model = slimfit_model("llama", freeze_ratio=0.8, release_frozen_optimizer_state=True, release_after_steps=1)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)

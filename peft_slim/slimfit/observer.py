@@ -83,7 +83,7 @@ class StepObserver:
             warnings.warn(
                 "SlimFit: the optimizer stepped twice without model.slimfit_step(); the frozen set does not change "
                 "until it is called (after each optimizer.step(), or use peft_slim.SlimFitCallback with Trainer).",
-                stacklevel=3,
+                stacklevel=5,  # the optimizer.step() call: _call, the hook lambda, torch's step wrapper
             )
 
     def _warn_if_missing(self, in_optimizer: set[int]) -> None:
@@ -94,7 +94,7 @@ class StepObserver:
                 f"SlimFit: {len(missing)} scheduled unit(s) are not in the optimizer (e.g. {missing[:3]}); they will "
                 "never change. Build the optimizer before the first training forward, from every parameter that "
                 "requires grad at that point (SlimFit freezes units only once training starts).",
-                stacklevel=4,
+                stacklevel=6,
             )
 
 
