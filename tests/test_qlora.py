@@ -132,3 +132,32 @@ def test_qlora_tokentune_training_loop_keeps_4bit_base(saved_llama):
     for name, param in model.named_parameters():
         if name in lora_before:
             assert not torch.equal(param, lora_before[name]), name
+
+
+def test_qlora_slimfit_trains_lora_pairs_over_a_4bit_base(saved_llama):
+    """SlimFit over QLoRA: the units are LoRA pairs, frozen ones do not move, the 4-bit base stays packed."""
+    from peft_slim import SlimFitConfig, TokenTuneConfig
+
+    model = prepare_model_for_kbit_training(load_4bit(saved_llama), use_gradient_checkpointing=False)
+    config = SlimFitConfig(
+        task_type="CAUSAL_LM",
+        freeze_ratio=0.5,
+        lora=LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS["llama"]),
+        tokentune=TokenTuneConfig(token_ratio=0.5, seed=0),
+    )
+    model = get_peft_model(model, config)
+    tuner = model.base_model
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    model.train()
+    for step in range(3):
+        loss = model(**make_batch("llama", seed=step)).loss
+        assert math.isfinite(loss.item())
+        loss.backward()
+        trained = list(tuner.scheduler.trained)
+        before = [[p.detach().clone() for p in unit.params] for unit in tuner._units]
+        optimizer.step()
+        optimizer.zero_grad()
+        for unit, t, old in zip(tuner._units, trained, before):
+            assert all(torch.equal(o, p) for o, p in zip(old, unit.params)) != t, unit.name
+        model.slimfit_step()
+    assert tuner.model.model.layers[0].self_attn.q_proj.base_layer.weight.dtype == torch.uint8
