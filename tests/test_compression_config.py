@@ -33,6 +33,7 @@ def test_defaults_and_json_round_trip():
         ({"prune_ratio": 1.5}, "prune_ratio"),
         ({"min_numel": -1}, "min_numel"),
         ({"offload": "yes"}, "offload"),
+        ({"prune_frozen_only": 1}, "prune_frozen_only"),
         ({"kinds": ["softmax"]}, "kinds"),
         ({"kinds": []}, "kinds"),
         ({"prune_kinds": "everything"}, "prune_kinds"),

@@ -271,3 +271,58 @@ def test_kind_bits_store_each_kind_at_its_width():
         stored[name] = compression.stats.stored_bytes
         assert compression.stats.compressed > 0
     assert stored["mixed"] < stored["uniform"]
+
+
+def _recording_kinds(context):
+    """Record (kind, module, what the pack hook stored) for every tensor autograd saves in ``context``."""
+    calls = []
+    pack = context.pack_hook
+
+    def recording_pack(tensor):
+        module = context._modules.innermost
+        calls.append((context._modules.kind(), module, pack(tensor)))
+        return calls[-1][2]
+
+    context.pack_hook = recording_pack
+    return calls
+
+
+def test_kind_bits_apply_per_kind_even_outside_kinds():
+    model = _model("llama", lora=True)
+    batch = make_batch("llama", batch=4, length=32)
+    config = ActivationCompressionConfig(
+        bits=8, kinds=["attention", "norm"], kind_bits={"activation": 4, "norm": None}, **TINY
+    )
+    context = compress_activations(config)
+    calls = _recording_kinds(context)
+    _grads(model, batch, context)
+    widths = {}
+    for kind, _, packed in calls:
+        if isinstance(packed, CompressedTensor):
+            widths.setdefault(kind, set()).add(packed.values.bits)
+            # codes at the kind's width plus an fp32 scale and minimum per group of 32
+            numel = packed.shape.numel()
+            assert packed.nbytes == numel * packed.values.bits // 8 + numel // 32 * 8
+    # activation: listed in kind_bits though not in kinds; norm: in kinds but kept by kind_bits
+    assert widths == {"attention": {8}, "activation": {4}}
+
+
+def test_prune_frozen_only_leaves_trainable_norms_exact():
+    model = _model("llama", lora=False)
+    frozen_norm = model.model.layers[0].input_layernorm
+    frozen_norm.weight.requires_grad_(False)
+    batch = make_batch("llama", batch=4, length=32)
+    context = compress_activations(bits=None, prune_ratio=0.1, prune_frozen_only=True, **TINY)
+    calls = _recording_kinds(context)
+    _grads(model, batch, context)
+    norms = [(module, packed) for kind, module, packed in calls if kind == "norm"]
+    pruned = [module for module, packed in norms if isinstance(packed, CompressedTensor)]
+    assert pruned and all(module is frozen_norm for module in pruned)
+    assert all(packed.positions is not None for _, packed in norms if isinstance(packed, CompressedTensor))
+    trainable = [packed for module, packed in norms if module is not frozen_norm]
+    assert trainable and not any(isinstance(packed, CompressedTensor) for packed in trainable)
+    # without the restriction every norm is pruned
+    context = compress_activations(bits=None, prune_ratio=0.1, **TINY)
+    calls = _recording_kinds(context)
+    _grads(model, batch, context)
+    assert {module for kind, module, packed in calls if isinstance(packed, CompressedTensor)} > {frozen_norm}

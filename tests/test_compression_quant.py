@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from peft_slim.compression.packing import pack_bits, unpack_bits
 from peft_slim.compression.prune import prune, unprune
-from peft_slim.compression.quant import dequantize, quantize, row_aligned_group
+from peft_slim.compression.quant import _rowwise_kernels, dequantize, quantize, row_aligned_group
 from peft_slim.compression.tensor import compress
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -20,7 +20,11 @@ OUTPUT_ROUNDING = {torch.float32: 2**-20, torch.bfloat16: 2**-8, torch.float16: 
 
 
 def _stored(quantized) -> int:
-    return sum(t.untyped_storage().nbytes() for t in (quantized.codes, quantized.scale, quantized.low))
+    """Bytes of the distinct storages held (the row-wise layout keeps scales and minima inside its rows)."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage() for t in (quantized.codes, quantized.scale, quantized.low)
+    }
+    return sum(storage.nbytes() for storage in storages.values())
 
 
 @given(
@@ -58,10 +62,12 @@ def test_quantize_error_is_at_most_half_a_step_of_its_group(bits, group_size, nu
     error = (restored.double() - exact).abs()
     # Each value's group step is (max - min) / (2**bits - 1) over its group; the grid is within half of it.
     step = quantized.scale.double().repeat_interleave(quantized.group_size)[:numel]
-    bound = step / 2 * (1 + 1e-4) + exact.abs() * OUTPUT_ROUNDING[dtype] * 2 + 1e-30
+    # (the output rounding is relative to the rounded value, which may be larger than the exact one)
+    magnitude = torch.maximum(exact.abs(), restored.double().abs())
+    bound = step / 2 * (1 + 1e-4) + magnitude * OUTPUT_ROUNDING[dtype] * 2 + 1e-30
     assert (error <= bound).all(), (error - bound).max()
     groups = -(-numel // quantized.group_size)
-    assert quantized.codes.numel() == -(-groups * quantized.group_size * bits // 8)
+    assert _stored(quantized) == quantized.nbytes == -(-groups * quantized.group_size * bits // 8) + groups * 8
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -85,6 +91,24 @@ def test_constant_groups_are_exact_and_infinities_and_sentinels_are_refused(dtyp
         mask[10] = sentinel
         assert quantize(mask, 8, 64) is None
     assert quantize(torch.full((256,), torch.finfo(dtype).max / 4, dtype=dtype), 8, 64) is not None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_8bit_groups_of_every_range_get_their_own_full_grid(dtype):
+    """Also through the CPU's fused row-wise kernel, whose epsilon would coarsen very narrow groups."""
+    values = torch.randn(64, 128)
+    values[::3] *= 1e-7  # narrow groups (exactly representable in every dtype up to the output rounding)
+    values = values.to(dtype)
+    quantized = quantize(values.view(-1), 8, 128)
+    assert quantized.rowwise == (_rowwise_kernels() is not None)  # on the CPU, where the kernel is present
+    restored = dequantize(quantized, dtype).view(64, 128).double()
+    exact = values.double()
+    span = exact.amax(dim=1, keepdim=True) - exact.amin(dim=1, keepdim=True)
+    bound = span / 255 / 2 * (1 + 1e-4) + torch.maximum(exact.abs(), restored.abs()) * OUTPUT_ROUNDING[dtype] * 2
+    assert ((restored - exact).abs() <= bound).all()
+    bad = values.clone()
+    bad[5, 7] = float("nan")
+    assert quantize(bad.view(-1), 8, 128) is None
 
 
 def test_groups_follow_rows_so_a_large_row_does_not_coarsen_a_small_one():

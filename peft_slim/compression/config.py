@@ -55,7 +55,8 @@ class ActivationCompressionConfig:
         metadata={
             "help": f"Per-kind override of `bits` (keys among {KINDS}, values 8, 4, 2 or None = kept exact), e.g. "
             "{'activation': 4} for 4-bit GELU/SiLU inputs. A kind listed here is compressed at its width even if "
-            "`kinds` leaves it out."
+            "`kinds` leaves it out (None: left unquantized even if `kinds` selects it); unlisted kinds follow "
+            "`bits` and `kinds`. None: every kind `kinds` selects uses `bits`."
         },
     )
     prune_ratio: float | None = field(
@@ -68,6 +69,14 @@ class ActivationCompressionConfig:
     prune_kinds: list[str] = field(
         default_factory=lambda: ["norm"],
         metadata={"help": f"Kinds that `prune_ratio` applies to, any of {KINDS} or 'all' (see `kinds`)."},
+    )
+    prune_frozen_only: bool = field(
+        default=False,
+        metadata={
+            "help": "Prune only tensors saved inside a module none of whose own parameters requires grad (a frozen "
+            "norm layer, or one without parameters); a trainable layer's tensors are never pruned, so its weight "
+            "gradient stays unpruned. Tensors saved outside any module are then not pruned either."
+        },
     )
     min_numel: int = field(
         default=4096,
@@ -95,8 +104,11 @@ class ActivationCompressionConfig:
             self.prune_ratio = float(ratio)
         if not _is_int(self.min_numel) or self.min_numel < 0:
             raise ValueError(f"ActivationCompressionConfig.min_numel must be an int >= 0, got {self.min_numel!r}.")
-        if not isinstance(self.offload, bool):
-            raise ValueError(f"ActivationCompressionConfig.offload must be True or False, got {self.offload!r}.")
+        for name in ("offload", "prune_frozen_only"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"ActivationCompressionConfig.{name} must be True or False, got {getattr(self, name)!r}."
+                )
         self.kinds = _kinds("kinds", self.kinds)
         if self.kind_bits is not None:
             if not isinstance(self.kind_bits, dict) or any(

@@ -16,7 +16,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from .classify import ModuleStack, is_compressible, is_weight, module_kind
-from .config import ActivationCompressionConfig
+from .config import KINDS, ActivationCompressionConfig
 from .tensor import CompressedTensor, compress
 
 
@@ -56,6 +56,7 @@ class ActivationCompression(saved_tensors_hooks):
         self.stats = CompressionStats()
         self._modules = ModuleStack()
         self._storages: dict[int, _Storage] = {}
+        self._frozen: dict[torch.nn.Module, bool] = {}
         self._active = False
         super().__init__(self._pack, _unpack)
 
@@ -63,6 +64,9 @@ class ActivationCompression(saved_tensors_hooks):
         if self._active:
             raise RuntimeError("This compress_activations context is already active; create another one to nest.")
         self._active = True
+        config = self.config  # what each kind gets, looked up once per context rather than per saved tensor
+        self._bits = {kind: config.bits_for(kind) for kind in KINDS}
+        self._handled, self._pruned = config.compressed_kinds, config.pruned_kinds
         self._modules.start()
         super().__enter__()
         return self
@@ -71,6 +75,7 @@ class ActivationCompression(saved_tensors_hooks):
         super().__exit__(*exc)
         self._modules.stop()
         self._storages.clear()  # addresses are meaningless once the forward is over
+        self._frozen.clear()
         self._active = False
 
     def _pack(self, tensor: torch.Tensor):
@@ -80,10 +85,10 @@ class ActivationCompression(saved_tensors_hooks):
         entry = self._entry(tensor)
         config = self.config
         kind = "other" if module is None else module_kind(type(module))
-        bits = config.bits_for(kind)
-        pruned = kind in config.pruned_kinds
+        bits = self._bits[kind]
+        pruned = kind in self._pruned and (not config.prune_frozen_only or self._is_frozen(module))
         offloaded = config.offload and tensor.device.type != "cpu"
-        wanted = bits is not None or pruned or (offloaded and kind in config.compressed_kinds)
+        wanted = bits is not None or pruned or (offloaded and kind in self._handled)
         if not wanted or not is_compressible(tensor, config.min_numel):
             return self._keep(entry, tensor)
         key = (tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor._version)
@@ -100,6 +105,15 @@ class ActivationCompression(saved_tensors_hooks):
             self.stats.compressed += 1
             self.stats.stored_bytes += packed.nbytes
         return packed
+
+    def _is_frozen(self, module: torch.nn.Module | None) -> bool:
+        """Whether none of ``module``'s own parameters requires grad (False outside any module)."""
+        if module is None:
+            return False
+        frozen = self._frozen.get(module)
+        if frozen is None:
+            frozen = self._frozen[module] = not any(p.requires_grad for p in module.parameters(recurse=False))
+        return frozen
 
     def _entry(self, tensor: torch.Tensor) -> _Storage:
         storage = tensor.untyped_storage()

@@ -6,7 +6,9 @@ codes on values that never occur; one extra fp32 per group buys a full bit there
 nearest (deterministic, the lowest error per value; unbiasedness over steps, which stochastic rounding
 would buy, matters less than error within a step at 8 and 4 bits). Codes narrower than a byte are
 packed 2 or 4 per byte, so the stored bytes really shrink. Scales and minima are fp32 (fp64 for fp64
-input): a bf16 scale would add as much error as 8-bit rounding itself.
+input): a bf16 scale would add as much error as 8-bit rounding itself. At 8 bits on the CPU, torch's
+fused row-wise kernel does the work in one pass over memory instead of five (same grid, see
+``_quantize_rowwise``).
 """
 
 from __future__ import annotations
@@ -21,25 +23,37 @@ from .packing import pack_bits, unpack_bits
 
 @dataclass(eq=False)
 class Quantized:
-    """A flat tensor of ``numel`` values as packed codes plus one scale and one minimum per group."""
+    """A flat tensor of ``numel`` values as 8/4/2-bit codes plus one scale and one minimum per group.
 
-    codes: torch.Tensor  # uint8; 8 // bits codes per byte
+    Two layouts: packed codes (``8 // bits`` per byte) beside separate ``scale`` and ``low`` tensors, or
+    (``rowwise``: 8 bits on the CPU) one ``[groups, group_size + 8]`` byte tensor whose rows hold a group's
+    codes, then its fp32 scale and minimum, as torch's fused row-wise kernels lay them out; ``scale`` and
+    ``low`` are then views into it.
+    """
+
+    codes: torch.Tensor  # uint8
     scale: torch.Tensor  # [groups]
     low: torch.Tensor  # [groups]
     bits: int
     group_size: int
     numel: int
+    rowwise: bool = False
 
     @property
     def nbytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in (self.codes, self.scale, self.low))
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in (self.codes, self.scale, self.low)}
+        return sum(storage.nbytes() for storage in storages.values())
 
     @property
     def device(self) -> torch.device:
         return self.codes.device
 
     def to(self, device: torch.device, non_blocking: bool = False) -> Quantized:
-        codes, scale, low = (move(t, device, non_blocking) for t in (self.codes, self.scale, self.low))
+        if self.rowwise:
+            codes = move(self.codes, device, non_blocking)
+            scale, low = _row_stats(codes, self.group_size)
+        else:
+            codes, scale, low = (move(t, device, non_blocking) for t in (self.codes, self.scale, self.low))
         return replace(self, codes=codes, scale=scale, low=low)
 
 
@@ -54,6 +68,40 @@ def quantize(values: torch.Tensor, bits: int, group_size: int, row: int | None =
     """
     if row is not None:
         group_size = row_aligned_group(row, group_size)
+    if bits == 8 and _rowwise_applies(values, group_size):
+        return _quantize_rowwise(values, group_size)
+    return _quantize_packed(values, bits, group_size)
+
+
+def dequantize(quantized: Quantized, dtype: torch.dtype) -> torch.Tensor:
+    """The 1-D tensor of ``quantized.numel`` values in ``dtype``."""
+    q = quantized
+    groups = q.scale.numel()
+    if q.rowwise:
+        unpack = _rowwise_kernels()[1]
+        if dtype == torch.float32:
+            return unpack(q.codes).view(-1)[: q.numel]
+        out = torch.empty(groups, q.group_size, dtype=dtype, device=q.codes.device)
+        for start, stop in _chunks(groups, q.group_size):  # an fp32 chunk at a time, rounded once into dtype
+            out[start:stop].copy_(unpack(q.codes[start:stop]))
+        return out.view(-1)[: q.numel]
+    out = torch.empty(groups, q.group_size, dtype=dtype, device=q.codes.device)
+    scratch = None
+    for start, stop in _chunks(groups, q.group_size):
+        first, end = start * q.group_size * q.bits // 8, -(-stop * q.group_size * q.bits // 8)
+        codes = unpack_bits(q.codes[first:end], q.bits, (stop - start) * q.group_size).view(-1, q.group_size)
+        target = out[start:stop]
+        if dtype != q.scale.dtype:  # compute in fp32, round once into the output dtype
+            scratch = _scratch(scratch, stop - start, q.group_size, q.scale.dtype, out.device)
+            target = scratch[: stop - start]
+        target.copy_(codes).mul_(q.scale[start:stop, None]).add_(q.low[start:stop, None])
+        if dtype != q.scale.dtype:
+            out[start:stop].copy_(target)
+    return out.view(-1)[: q.numel]
+
+
+def _quantize_packed(values: torch.Tensor, bits: int, group_size: int) -> Quantized | None:
+    """Any width, dtype and device, in whole-chunk ops: min, max, scale and shift, round, pack."""
     numel = values.numel()
     groups = -(-numel // group_size)
     if numel % group_size:  # pad the last group with a value it already holds: its range is unchanged
@@ -80,28 +128,103 @@ def quantize(values: torch.Tensor, bits: int, group_size: int, row: int | None =
         scratch = _scratch(scratch, stop - start, group_size, stat_dtype, values.device)
         work = torch.mul(grouped[start:stop], inverse[start:stop], out=scratch[: stop - start])
         work.add_(bias[start:stop])  # in [0, levels + 0.5] up to float error
-        packed = pack_bits(work.view(-1).to(torch.uint8), bits)
-        codes[start * group_size * bits // 8 :][: packed.numel()].copy_(packed)
+        target = codes[start * group_size * bits // 8 :]
+        if bits == 8:  # the cast truncates straight into the codes: no uint8 temporary
+            target[: work.numel()].view_as(work).copy_(work)
+        else:
+            packed = pack_bits(work.view(-1).to(torch.uint8), bits)
+            target[: packed.numel()].copy_(packed)
     return Quantized(codes, (span / levels).view(-1), low.view(-1), bits, group_size, numel)
 
 
-def dequantize(quantized: Quantized, dtype: torch.dtype) -> torch.Tensor:
-    """The 1-D tensor of ``quantized.numel`` values in ``dtype``."""
-    q = quantized
-    groups = q.scale.numel()
-    out = torch.empty(groups, q.group_size, dtype=dtype, device=q.codes.device)
-    scratch = None
-    for start, stop in _chunks(groups, q.group_size):
-        first, end = start * q.group_size * q.bits // 8, -(-stop * q.group_size * q.bits // 8)
-        codes = unpack_bits(q.codes[first:end], q.bits, (stop - start) * q.group_size).view(-1, q.group_size)
-        target = out[start:stop]
-        if dtype != q.scale.dtype:  # compute in fp32, round once into the output dtype
-            scratch = _scratch(scratch, stop - start, q.group_size, q.scale.dtype, out.device)
-            target = scratch[: stop - start]
-        target.copy_(codes).mul_(q.scale[start:stop, None]).add_(q.low[start:stop, None])
-        if dtype != q.scale.dtype:
-            out[start:stop].copy_(target)
-    return out.view(-1)[: q.numel]
+# torch's fused row-wise 8-bit kernel (FBGEMM's on x86) rounds (x - min) * 255 / (range + 1e-8).
+_ROWWISE_EPSILON = 1e-8
+# Below this range the epsilon would make a group's step over 1e-4 coarser than range / 255: such groups are
+# redone the packed way.
+_ROWWISE_MIN_RANGE = 1e-4
+
+
+def _rowwise_applies(values: torch.Tensor, group_size: int) -> bool:
+    return (
+        values.device.type == "cpu"
+        and values.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and group_size % 4 == 0  # keeps each row's fp32 statistics aligned
+        and values.numel() >= group_size
+        and _rowwise_kernels() is not None
+    )
+
+
+def _quantize_rowwise(values: torch.Tensor, group_size: int) -> Quantized | None:
+    """8 bits on the CPU in two passes over memory, a reduction and torch's fused kernel (which finds each
+    group's range and codes it), instead of the packed path's five."""
+    # The kernel's own min/max can miss a NaN: one reduction checks every value first.
+    low, high = torch.aminmax(values)
+    if not torch.maximum(high.float(), -low.float()) < torch.finfo(values.dtype).max / 2:
+        return None
+    rows = _prepack(values, group_size)
+    scale, low = _row_stats(rows, group_size)
+    steps = scale.clone()  # (the views are strided: read them once)
+    narrow = ((steps > 0) & (steps < _ROWWISE_MIN_RANGE / 255)).nonzero().view(-1)
+    scale.copy_(steps.add_(_ROWWISE_EPSILON / 255))  # the kernel's step, (range + epsilon) / 255: decode with it
+    if narrow.numel():
+        redone = _quantize_packed(torch.cat(_groups(values, group_size, narrow)).view(-1), 8, group_size)
+        rows[narrow, :group_size] = redone.codes.view(-1, group_size)
+        scale[narrow], low[narrow] = redone.scale, redone.low
+    return Quantized(rows, scale, low, 8, group_size, values.numel(), rowwise=True)
+
+
+def _groups(values: torch.Tensor, group_size: int, index: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """``values`` as ``[groups, group_size]`` blocks, whole groups (a view) then the last, partial one padded with
+    a value it holds (a copy of that group only); only the groups in ``index`` if given."""
+    full = values.numel() // group_size
+    blocks = [values[: full * group_size].view(full, group_size)]
+    if index is not None:
+        blocks = [blocks[0][index[index < full]]]
+    if values.numel() % group_size and (index is None or index[-1] == full):
+        tail = values[full * group_size :]
+        blocks.append(torch.cat([tail, tail[-1:].expand(group_size - tail.numel())]).view(1, group_size))
+    return blocks
+
+
+def _prepack(values: torch.Tensor, group_size: int) -> torch.Tensor:
+    prepack = _rowwise_kernels()[0]
+    rows = []
+    for block in _groups(values, group_size):
+        if block.dtype != torch.bfloat16:
+            rows.append(prepack(block))
+        else:  # the kernel takes fp32 and fp16: bf16 goes through fp32 a chunk at a time
+            rows += [prepack(block[a:b].float()) for a, b in _chunks(block.shape[0], group_size)]
+    return torch.cat(rows) if len(rows) > 1 else rows[0]
+
+
+def _row_stats(rows: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the fp32 scale and minimum that end each row of the row-wise layout."""
+    stats = rows[:, group_size:].view(torch.float32)
+    return stats[:, 0], stats[:, 1]
+
+
+@functools.cache
+def _rowwise_kernels():
+    """torch's fused row-wise 8-bit (prepack, unpack) ops, if present and coding as expected here; else None."""
+    try:
+        prepack = torch.ops.quantized.embedding_bag_byte_prepack
+        unpack = torch.ops.quantized.embedding_bag_byte_unpack
+        values = torch.linspace(-1.5, 2.0, 16).view(2, 8) ** 3
+        rows = prepack(values)
+        scale, low = _row_stats(rows, 8)
+        span = values.amax(dim=1) - values.amin(dim=1)
+        codes = torch.round((values - low[:, None]) * (255 / (span[:, None] + _ROWWISE_EPSILON)))
+        decoded = unpack(rows)
+        ok = (
+            rows.shape == (2, 16)
+            and torch.equal(low, values.amin(dim=1))
+            and torch.allclose(scale, span / 255)
+            and torch.equal(rows[:, :8].float(), codes)
+            and torch.allclose(decoded, codes * scale[:, None] + low[:, None], rtol=1e-6, atol=1e-6)
+        )
+    except Exception:  # noqa: BLE001 - missing or changed kernels: the packed path does the same job
+        return None
+    return (prepack, unpack) if ok else None
 
 
 # Work in chunks of about this many values: the fp32 temporaries stay bounded (16 MB, not the size of the
