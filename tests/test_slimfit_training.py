@@ -58,11 +58,14 @@ def test_trained_units_get_the_ordinary_gradient_and_frozen_units_none(arch, lor
     assert_grads_match(actual, {name: expected[name] for name in actual}, rtol=1e-5)
 
 
-def test_freezing_removes_the_cached_inputs_of_frozen_layers():
-    """Measured saved-activation bytes fall as more units freeze (a frozen linear caches no input)."""
+@pytest.mark.parametrize("lora", [False, True])
+def test_freezing_removes_the_cached_inputs_of_frozen_layers(lora):
+    """Measured saved-activation bytes fall as more units freeze (a frozen linear, or a frozen LoRA pair, caches
+    no input)."""
     saved = {}
     for ratio in (0.0, 0.9):
-        model = slimfit_model("llama", freeze_ratio=ratio, units=[r".*layers\.(\d+)\.mlp\..*"])
+        units = None if lora else [r".*layers\.(\d+)\.mlp\..*"]
+        model = slimfit_model("llama", lora=lora, freeze_ratio=ratio, units=units)
         model.train()
         with SavedActivationBytes() as counter:
             loss = loss_of(model, make_batch("llama", batch=4, length=32))
