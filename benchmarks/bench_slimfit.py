@@ -7,7 +7,8 @@ How each number is measured (nothing is estimated from shapes):
   (distinct storages, parameters excluded) without compression, the compression's own count of the bytes it
   stored (``last_compression_stats.stored_bytes``) with it;
 * parameters, optimizer state: bytes of the model's parameters and of every tensor in the optimizer's state,
-  held between steps (after SlimFit's first sweep, when every unit has optimizer state);
+  held between steps (after SlimFit's first sweep and 10 more steps: every unit has had optimizer state, and
+  ``release_frozen_optimizer_state`` has freed that of units frozen since);
 * step peak: the highest running total of the allocator's events during one whole step (forward, backward,
   optimizer step) above what was held before it (``peak_memory_bytes``): activations, gradients and
   temporaries. Total training memory = parameters + optimizer state + step peak; gradients are also reported
@@ -65,6 +66,11 @@ def bert_methods(layers: int, ratios: list[float]) -> dict[str, torch.nn.Module]
             config = peft_slim.SlimFitConfig(task_type="SEQ_CLS", freeze_ratio=ratio, seed=0, **fields)
             name = f"slimfit{ratio:g}" + ("+compression" if compressed else "")
             methods[name] = get_peft_model(copy.deepcopy(base), config)
+    # Optimizer state freed for units frozen 10 steps in a row (off by default: it changes the updates).
+    release = peft_slim.SlimFitConfig(
+        task_type="SEQ_CLS", freeze_ratio=0.9, seed=0, release_frozen_optimizer_state=True, release_after_steps=10
+    )
+    methods["slimfit0.9+compression+release"] = get_peft_model(copy.deepcopy(base), release)
     return methods
 
 
@@ -88,7 +94,7 @@ def training_step(model, optimizer, batch) -> None:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if hasattr(model, "slimfit_step"):
-        model.slimfit_step()
+        model.slimfit_step(optimizer)
 
 
 def tensor_bytes(tensors) -> int:
@@ -114,9 +120,10 @@ def measure(methods: dict, batch: dict, warmup_batch: dict, steps: int) -> dict:
     }
     for name, model in methods.items():
         model.train()
-        # Steady state first: SlimFit's first sweep trains every unit once, so every unit gets optimizer state.
+        # Steady state first (small batches): the first sweep gives every unit optimizer state; 10 more steps let
+        # release_frozen_optimizer_state free that of units frozen since.
         scheduler = getattr(getattr(model, "base_model", None), "scheduler", None)
-        sweep = math.ceil(scheduler.num_units / scheduler.num_trained) + 1 if scheduler is not None else 1
+        sweep = math.ceil(scheduler.num_units / scheduler.num_trained) + 11 if scheduler is not None else 1
         for _ in range(sweep):
             training_step(model, optimizers[name], warmup_batch)
         activations, gradients = activation_bytes(model, batch)

@@ -6,13 +6,19 @@ What is measured, and how (nothing is estimated from shapes):
   (``peft_slim.memory.SavedActivationBytes``); where the method compresses activations inside the model, the
   bytes its compression actually stored (``last_compression_stats.stored_bytes``). Saved-tensor hooks only see
   what autograd saves: a checkpointed layer's input, held by the checkpoint itself, is not counted;
-* the peak of one training step (forward, backward, optimizer step; the second step, once optimizer state
-  exists) above what was held before it (``peft_slim.memory.peak_memory_bytes``: the CPU allocator's events
-  replayed, or ``torch.cuda.max_memory_allocated``), split as: ``parameters`` (all of the model's),
-  ``optimizer_state`` (every tensor in the optimizer's state after the step), ``gradients`` (every ``.grad`` after
-  the backward) and ``activations`` (the rest of the step's peak: saved activations and operators' temporaries).
+* the peak of one training step (forward, backward, optimizer step; the last step, when the optimizer state is
+  at its largest: SlimFit's AdamW gains state for a unit the first time it trains) above what was held before it
+  (``peft_slim.memory.peak_memory_bytes``: the CPU allocator's events replayed, or
+  ``torch.cuda.max_memory_allocated``), split as: ``parameters`` (all of the model's), ``optimizer_state`` (every
+  tensor in the optimizer's state after the step), ``gradients`` (every ``.grad`` after the backward) and
+  ``activations`` (the rest of the step's peak: saved activations and operators' temporaries).
   ``total_bytes`` is the sum of the four;
-* ``step_seconds``: wall time of each step after the first (warm-up) and the profiled one; the median is reported.
+* ``step_seconds``: wall time of each training step after the first (warm-up) and the profiled one (kept in the
+  JSON; not the reported step time: on a shared machine other jobs' load drifts over the minutes a task takes);
+* the reported step time comes from ``time_steps``: a separate pass that, round by round, builds each method in
+  turn and times a few steps on the same batches, the order reversed every other round, so that load drifts hit
+  every method alike. On CPU with one intra-op thread it is the process's CPU time per step
+  (``time.process_time``), which other processes' load barely changes; otherwise wall time.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import gc
 import math
 import statistics
 import time
+from collections import defaultdict
 
 import torch
 from tqdm.auto import tqdm
@@ -31,8 +38,6 @@ from peft_slim.memory import SavedActivationBytes, peak_memory_bytes
 
 from .methods import Method, Setup
 from .tasks import Task, to_device
-
-PROFILED_STEP = 1
 
 
 def tensor_bytes(tensors) -> int:
@@ -92,7 +97,7 @@ def run(task: Task, method: Method, seed: int, measure_memory: bool, device: tor
     trainer = Trainer(setup, task.steps)
     for index, batch in enumerate(tqdm(batches, desc=f"{method.name} seed {seed}", position=position, leave=False)):
         batch = to_device(batch, device)
-        if measure_memory and index == PROFILED_STEP:
+        if measure_memory and index == len(batches) - 1:  # the last step: optimizer state at its largest
             peak = peak_memory_bytes(functools.partial(record_step, trainer, batch, result["losses"]))
             result["memory"] = {
                 "parameters": tensor_bytes(model.parameters()),
@@ -120,3 +125,47 @@ def run(task: Task, method: Method, seed: int, measure_memory: bool, device: tor
     del setup, model, trainer
     gc.collect()
     return result
+
+
+def cpu_clock(device: torch.device) -> bool:
+    """Whether step times are the process's CPU time: a CPU run on one intra-op thread."""
+    return device.type == "cpu" and torch.get_num_threads() == 1
+
+
+def time_steps(
+    task: Task, methods: dict[str, Method], seed: int, device: torch.device, rounds: int = 3, steps: int = 2
+) -> dict[str, dict]:
+    """Step time of each method, interleaved: each round builds every method in turn (every other round in reverse
+    order) and runs one warm-up step and ``steps`` timed ones on the same batches of ``seed``."""
+    batches = [to_device(batch, device) for batch in task.make_batches(seed)[: 1 + steps]]
+    wall, cpu = defaultdict(list), defaultdict(list)
+    names = list(methods)
+    for round_ in tqdm(range(rounds), desc=f"{task.name} timing", leave=False):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            torch.manual_seed(seed)
+            setup = methods[name].build(task, seed)
+            setup.model.to(device).train()
+            trainer = Trainer(setup, task.steps)
+            for index, batch in enumerate(batches):
+                start_wall, start_cpu = time.perf_counter(), time.process_time()
+                trainer.step(batch)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                if index > 0:
+                    wall[name].append(time.perf_counter() - start_wall)
+                    cpu[name].append(time.process_time() - start_cpu)
+            del setup, trainer
+            gc.collect()
+    tokens = statistics.mean(task.count_tokens(batch) for batch in batches[1:])
+    clock = "cpu" if cpu_clock(device) else "wall"
+    timing = {}
+    for name in names:
+        seconds = statistics.median(cpu[name] if clock == "cpu" else wall[name])
+        timing[name] = {
+            "clock": clock,
+            "median_step_seconds": seconds,
+            "tokens_per_second": tokens / seconds,
+            "wall_seconds": wall[name],
+            "cpu_seconds": cpu[name],
+        }
+    return timing

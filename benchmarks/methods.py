@@ -55,15 +55,22 @@ def lora_config(task: Task, with_modules_to_save: bool = True) -> LoraConfig:
     )
 
 
-def adamw(model: torch.nn.Module, lr: float, params=None) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad] if params is None else params
-    return torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY)
+def adamw(model: torch.nn.Module, lr: float, task: Task | None = None, every: bool = False) -> torch.optim.Optimizer:
+    """AdamW on the trainable parameters (``every``: on all of them); with ``task``, the task's new head at
+    ``task.lr_adapter`` and the rest at ``lr`` (methods that train base weights: the head gets the same learning
+    rate as in the adapter methods)."""
+    named = [(n, p) for n, p in model.named_parameters() if every or p.requires_grad]
+    head = [p for n, p in named if task is not None and task.is_head(n)]
+    groups = [{"params": [p for n, p in named if task is None or not task.is_head(n)], "lr": lr}]
+    if head:
+        groups.append({"params": head, "lr": task.lr_adapter})
+    return torch.optim.AdamW(groups, lr=lr, weight_decay=WEIGHT_DECAY)
 
 
 def full_ft(task: Task, seed: int) -> Setup:
     model = copy.deepcopy(task.base)
     model.requires_grad_(True)
-    return Setup(model, adamw(model, task.lr_full))
+    return Setup(model, adamw(model, task.lr_full, task))
 
 
 def lora(task: Task, seed: int, checkpointing: bool = False, offload: bool = False) -> Setup:
@@ -112,10 +119,8 @@ def slimfit(task: Task, seed: int, freeze_ratio: float, compression: bool, stack
     model = get_peft_model(copy.deepcopy(task.base), config)
     # Every parameter goes to AdamW: SlimFit decides per step which get gradients; AdamW skips (and keeps no
     # state for) parameters whose gradient is None.
-    lr = task.lr_adapter if stack else task.lr_full
-    return Setup(
-        model, adamw(model, lr, list(model.parameters())), after_step=model.slimfit_step, history=model.slimfit_history
-    )
+    optimizer = adamw(model, task.lr_adapter, every=True) if stack else adamw(model, task.lr_full, task, every=True)
+    return Setup(model, optimizer, after_step=model.slimfit_step, history=model.slimfit_history)
 
 
 def all_methods() -> dict[str, Method]:

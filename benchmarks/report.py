@@ -7,6 +7,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
+
+# A list of numbers, booleans or short names (no brackets, braces or quotes with spaces inside) on one line.
+_SCALAR_LIST = re.compile(r"\[\s+((?:[-\w.+\"]+,\s+)*[-\w.+\"]+)\s+\]")
+
+
+def dumps(report: dict) -> str:
+    """JSON indented by 2, lists of scalars on one line (the runs' losses and SlimFit histories stay readable)."""
+    return _SCALAR_LIST.sub(lambda m: "[" + re.sub(r",\s+", ", ", m.group(1)) + "]", json.dumps(report, indent=2))
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
@@ -30,7 +39,7 @@ def write_report(out: str, stem: str, report: dict, markdown: str) -> None:
     """``<out>/<stem>.json`` (the report) and ``<out>/<stem>.md`` (the Markdown), and print the Markdown."""
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"{stem}.json"), "w") as handle:
-        json.dump(report, handle, indent=2)
+        handle.write(dumps(report))
     with open(os.path.join(out, f"{stem}.md"), "w") as handle:
         handle.write(markdown + "\n")
     print(markdown)

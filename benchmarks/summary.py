@@ -35,6 +35,14 @@ def summarise_method(runs: list[dict]) -> dict:
     }
 
 
+def add_timing(summaries: dict[str, dict], timing: dict[str, dict]) -> None:
+    """The interleaved pass's step time and tokens/s replace the training runs' (see ``measure.time_steps``)."""
+    for name, summary in summaries.items():
+        summary["timing"] = timing[name]
+        summary["median_step_seconds"] = timing[name]["median_step_seconds"]
+        summary["tokens_per_second"] = timing[name]["tokens_per_second"]
+
+
 def add_ratios(summaries: dict[str, dict]) -> None:
     for summary in summaries.values():
         summary["ratios"] = {
@@ -83,6 +91,17 @@ def ratio_cells(summary: dict, quantity: str, baselines: list[str]) -> list[str]
     return [f"{summary['ratios'][f'{quantity}_vs_{b}']:.2f}x" for b in baselines]
 
 
+def step_time_note(summaries: dict[str, dict]) -> str:
+    timing = next((s["timing"] for s in summaries.values() if "timing" in s), None)
+    if timing is None:
+        return "Step time: median wall time of the training steps."
+    clock = "CPU time of the process (one intra-op thread)" if timing["clock"] == "cpu" else "wall time"
+    return (
+        f"Step time: {clock} per step (forward, backward, optimizer), median of {len(timing['wall_seconds'])} steps "
+        "of an interleaved pass (each round builds every method in turn, on the same batches); tokens/s from it."
+    )
+
+
 def task_markdown(task_report: dict, methods: dict[str, Method]) -> str:
     summaries, skipped = task_report["methods"], task_report["skipped"]
     metric_keys = list(next(iter(summaries.values()))["metrics"]) if summaries else []
@@ -117,6 +136,8 @@ def task_markdown(task_report: dict, methods: dict[str, Method]) -> str:
         "Peak training memory by category (first seed, one profiled step):",
         "",
         markdown_table(split_header, split_rows),
+        "",
+        step_time_note(summaries),
         "",
         "Targets (issue 5): " + "; ".join(f"{k}: {verdict[v]}" for k, v in task_report["targets"].items()) + ".",
     ]

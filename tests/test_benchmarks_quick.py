@@ -49,3 +49,42 @@ def test_quick_benchmark_writes_tables_json_and_plots(tmp_path):
     assert {"bench_quick_memory.png", "bench_quick_pareto.png"} <= set(report["figures"])
     if any(task["methods"].keys() & {"slimfit-0.9+comp", "slimfit-0.9"} for task in report["tasks"]):
         assert any(figure.startswith("bench_quick_slimfit_") for figure in report["figures"])
+
+
+def test_seeds_in_parallel_processes_and_merging_reports(tmp_path):
+    """``--jobs 2`` runs two seeds at once; ``--merge`` rebuilds one report from two runs' JSON files, and
+    ``--retime`` measures their step times again."""
+    base = [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(tmp_path), "--methods", "lora", "full-ft"]
+    for task, extra in (("vit-mnist", ["--seeds", "0", "1", "--jobs", "2"]), ("minilm-drugs", [])):
+        command = [*base, "--tasks", task, "--stem", task, *extra]
+        result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
+        assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    vit = json.loads((tmp_path / "vit-mnist.json").read_text())["tasks"][0]
+    assert [run["seed"] for run in vit["runs"]["lora"]] == [0, 1]
+    assert "memory" in vit["runs"]["lora"][0] and "memory" not in vit["runs"]["lora"][1]  # first seed profiled
+
+    files = [str(tmp_path / "minilm-drugs.json"), str(tmp_path / "vit-mnist.json")]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.run",
+        "--merge",
+        *files,
+        "--retime",
+        "--rounds",
+        "1",
+        "--threads",
+        "1",
+    ]
+    command += ["--out", str(tmp_path), "--stem", "merged"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert [task["name"] for task in merged["tasks"]] == ["minilm-drugs", "vit-mnist"]
+    markdown = (tmp_path / "merged.md").read_text()
+    assert markdown.count("Measured on:") == 2 and markdown.count("| method | saved activations |") == 2
+    assert markdown.count("Step times measured again") == 2
+    for task in merged["tasks"]:
+        assert {run["clock"] for run in (s["timing"] for s in task["methods"].values())} == {"cpu"}
+        assert task["methods"]["lora"]["ratios"]["median_step_seconds_vs_lora"] == 1.0
+    assert (tmp_path / "merged_pareto.png").read_bytes()[:8] == PNG_MAGIC
