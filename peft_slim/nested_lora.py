@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
-from peft import LoraConfig, PeftConfig
+from peft import LoraConfig, LoraModel, PeftConfig
+from torch import nn
 
 
 def lora_to_dict(lora: LoraConfig) -> dict[str, Any]:
@@ -25,3 +27,10 @@ def lora_export_config(lora: LoraConfig | None, owner: PeftConfig) -> LoraConfig
     if extra:
         config.modules_to_save = sorted(set(config.modules_to_save or []) | set(extra))
     return config
+
+
+def inject_lora(model: nn.Module, owner: PeftConfig, adapter_name: str, **kwargs) -> None:
+    """Inject ``owner``'s nested ``lora`` adapter into ``model`` in place (``kwargs`` go to ``LoraModel``)."""
+    lora = copy.deepcopy(owner.lora)
+    lora.modules_to_save = owner.modules_to_save  # keeps LoRA off the heads PEFT wraps
+    LoraModel(model, lora, adapter_name, **kwargs)

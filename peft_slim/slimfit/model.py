@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from peft.tuners.lora import LoraLayer, LoraModel
+from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..compression import ActivationCompression, CompressionStats, compress_activations
+from ..nested_lora import inject_lora
 from ..tokentune.forward import TokenTuneForward, check_attention_implementation
 from ..tokentune.heads import head_kind
 from ..tokentune.selection import selection_generator
@@ -67,9 +67,7 @@ class SlimFitModel(BaseTuner):
             check_attention_implementation(model)
             head_kind(model)
         if config.lora is not None:
-            lora = copy.deepcopy(config.lora)
-            lora.modules_to_save = config.modules_to_save  # keeps LoRA off the heads PEFT wraps
-            LoraModel(model, lora, adapter_name, low_cpu_mem_usage=low_cpu_mem_usage, state_dict=state_dict)
+            inject_lora(model, config, adapter_name, low_cpu_mem_usage=low_cpu_mem_usage, state_dict=state_dict)
         self._mark_only_adapters_as_trainable(model)
         self._units, always = find_units(model, config)
         if config.lora is None:
@@ -95,8 +93,7 @@ class SlimFitModel(BaseTuner):
         self._handles.append(model.register_forward_hook(self._after_forward, always_call=True))
         if config.tokentune is not None:
             tokentune = config.tokentune
-            tt_seed = tokentune.seed if tokentune.seed is not None else int(torch.randint(2**62, (1,)).item())
-            generator = selection_generator(tt_seed)  # offset by the process's rank
+            generator = selection_generator(tokentune.seed)  # offset by the process's rank
             self._tokentune = TokenTuneForward(model, tokentune, generator, config.activation_compression)
 
     def _create_and_replace(self, *args, **kwargs):

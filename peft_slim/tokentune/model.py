@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
-from peft.tuners.lora import LoraLayer, LoraModel
+from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 
 from ..compression import CompressionStats
+from ..nested_lora import inject_lora
 from ..trainable import trainable_parameter_names
 from .config import TokenTuneConfig
 from .forward import TokenTuneForward, check_attention_implementation
@@ -47,13 +46,10 @@ class TokenTuneModel(BaseTuner):
         config: TokenTuneConfig = self.peft_config[adapter_name]
         check_attention_implementation(model)
         head_kind(model)  # refuse an unknown head before changing the model
-        seed = config.seed if config.seed is not None else int(torch.randint(2**62, (1,)).item())
-        self._generator = selection_generator(seed)  # offset by the process's rank
+        self._generator = selection_generator(config.seed)  # offset by the process's rank
 
         if config.lora is not None:
-            lora = copy.deepcopy(config.lora)
-            lora.modules_to_save = config.modules_to_save  # keeps LoRA off the heads PEFT wraps
-            LoraModel(model, lora, adapter_name, low_cpu_mem_usage=low_cpu_mem_usage, state_dict=state_dict)
+            inject_lora(model, config, adapter_name, low_cpu_mem_usage=low_cpu_mem_usage, state_dict=state_dict)
         self._mark_only_adapters_as_trainable(model)
         if config.inference_mode:
             model.requires_grad_(False)

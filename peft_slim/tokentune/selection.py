@@ -85,7 +85,7 @@ def _expand_index(index: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Te
     return index.view(view).expand(shape)
 
 
-def selection_generator(seed: int) -> torch.Generator:
+def selection_generator(seed: int | None) -> torch.Generator:
     """The generator selections are drawn from: seeded with ``seed`` plus this process's rank.
 
     Data-parallel ranks train on different examples, so each must draw its own positions; a shared seed
@@ -93,6 +93,8 @@ def selection_generator(seed: int) -> torch.Generator:
     initialised, else from the ``RANK`` variable that torchrun and accelerate set before the script runs
     (models are often built before the process group exists). Same seed and rank: same draws.
     """
+    if seed is None:  # a fresh draw: reproducible only through `seed`
+        seed = int(torch.randint(2**62, (1,)).item())
     return torch.Generator().manual_seed(seed + rank())
 
 
