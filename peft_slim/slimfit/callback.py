@@ -42,8 +42,7 @@ class SlimFitCallback(TrainerCallback, ExportableState):
         self.scheduler_state = None
 
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
-        config = self._tuner._config
-        self._tuner.slimfit_step(optimizer if config.release_frozen_optimizer_state else None)
+        self._tuner.slimfit_step(optimizer)  # used only with release_frozen_optimizer_state
 
     def state(self) -> dict:
         scheduler_state = self._tuner.slimfit_state_dict() if self._tuner is not None else None

@@ -50,7 +50,7 @@ class SlimFitModel(BaseTuner):
         self._base_weights: BaseWeights | None = None
         self._compression: ActivationCompression | None = None
         self._applied = False
-        self.last_compression_stats: CompressionStats | None = None
+        self._own_compression_stats: CompressionStats | None = None
 
     def inject_adapter(
         self,
@@ -197,14 +197,19 @@ class SlimFitModel(BaseTuner):
         compression = self._config.activation_compression
         if compression is not None and self._tokentune is None:  # TokenTune enters it within its own forward
             self._compression = compress_activations(compression).__enter__()
-            self.last_compression_stats = self._compression.stats
+            self._own_compression_stats = self._compression.stats
 
     def _after_forward(self, model: nn.Module, args: tuple, output: Any) -> None:
         if self._compression is not None:
             self._compression.__exit__(None, None, None)
             self._compression = None
-        elif self._tokentune is not None and self._tokentune.last_compression_stats is not None:
-            self.last_compression_stats = self._tokentune.last_compression_stats
+
+    @property
+    def last_compression_stats(self) -> CompressionStats | None:
+        """Saved-activation bytes of the latest training forward, with `activation_compression` set."""
+        if self._tokentune is not None:  # TokenTune's forward entered the compression
+            return self._tokentune.last_compression_stats
+        return self._own_compression_stats
 
     @property
     def last_token_mask(self) -> torch.Tensor | None:

@@ -87,8 +87,10 @@ class StepObserver:
             )
 
     def _warn_if_missing(self, in_optimizer: set[int]) -> None:
+        if self._warned_missing:  # once is enough: skip the scan on every later step
+            return
         missing = [unit.name for unit in self.units if any(id(p) not in in_optimizer for p in unit.params)]
-        if missing and not self._warned_missing:
+        if missing:
             self._warned_missing = True
             warnings.warn(
                 f"SlimFit: {len(missing)} scheduled unit(s) are not in the optimizer (e.g. {missing[:3]}); they will "

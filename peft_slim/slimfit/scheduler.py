@@ -45,8 +45,9 @@ class FreezeScheduler:
             (u for u in units if self.frozen_for[u] >= self.max_frozen_steps),
             key=lambda u: (-self.frozen_for[u], self.sweep_rank[u]),
         )[: self.num_trained]
-        rest = sorted((u for u in units if u not in starving), key=lambda u: (-self.scores[u], self.sweep_rank[u]))
-        chosen = set(starving) | set(rest[: self.num_trained - len(starving)])
+        chosen = set(starving)
+        rest = sorted((u for u in units if u not in chosen), key=lambda u: (-self.scores[u], self.sweep_rank[u]))
+        chosen |= set(rest[: self.num_trained - len(chosen)])
         return [u in chosen for u in units]
 
     def advance(self, scores: dict[int, float]) -> None:
