@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import platform
-import statistics
 import sys
-import time
 from contextlib import nullcontext
 
 import torch
@@ -43,8 +42,9 @@ from transformers import LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import peft_slim  # noqa: E402
-from benchmarks.bench_tokentune import LORA_TARGETS, results_table, smollm2_135m_shape  # noqa: E402
+from benchmarks.bench_tokentune import LORA_TARGETS, RATIOS, results_table, smollm2_135m_shape  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
+from benchmarks.side_by_side import add_ratios, time_alternating  # noqa: E402
 from peft_slim.memory import SavedActivationBytes, peak_memory_bytes  # noqa: E402
 
 TARGETS = {"lora+8bit": ("saved", 0.3), "lora+4bit": ("saved", 0.17)}
@@ -133,26 +133,19 @@ def main() -> None:
         results[name] = result
         print(name, {k: v for k, v in result.items() if k != "step_seconds"}, flush=True)
 
-    for step in range(args.steps):
-        for name, (model, compression) in methods.items():
-            start = time.perf_counter()
-            training_step(model, compression, optimizers[id(model)], batch)
-            results[name]["step_seconds"].append(time.perf_counter() - start)
-        print(f"step {step}:", {n: round(r["step_seconds"][-1], 2) for n, r in results.items()}, flush=True)
+    steps = {
+        name: functools.partial(training_step, model, compression, optimizers[id(model)], batch)
+        for name, (model, compression) in methods.items()
+    }
+    for name, seconds in time_alternating(steps, args.steps, log=True).items():
+        results[name]["step_seconds"] = seconds
 
     report = summarise(results, args)
     write(report, args)
 
 
 def summarise(results: dict, args) -> dict:
-    tokens = args.batch * args.seq
-    baseline = results["lora"]
-    for result in results.values():
-        result["median_step_seconds"] = statistics.median(result["step_seconds"])
-        result["tokens_per_second"] = tokens / result["median_step_seconds"]
-        result["saved_activation_ratio"] = result["saved_activation_bytes"] / baseline["saved_activation_bytes"]
-        result["peak_ratio"] = result["peak_step_bytes"] / baseline["peak_step_bytes"]
-        result["step_time_ratio"] = result["median_step_seconds"] / baseline["median_step_seconds"]
+    add_ratios(results, "lora", args.batch * args.seq, RATIOS)
     targets = {}
     for name, (_, bound) in TARGETS.items():
         targets[f"{name} saved bytes <= {bound}x"] = results[name]["saved_activation_ratio"] <= bound

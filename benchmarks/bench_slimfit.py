@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import math
 import os
 import platform
-import statistics
 import sys
-import time
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -38,8 +37,12 @@ from transformers import BertConfig, BertForSequenceClassification, LlamaForCaus
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import peft_slim  # noqa: E402
 from benchmarks.bench_tokentune import LORA_TARGETS, smollm2_135m_shape  # noqa: E402
+from benchmarks.measure import optimizer_state_bytes, tensor_bytes  # noqa: E402
 from benchmarks.report import markdown_table, mib, write_report  # noqa: E402
+from benchmarks.side_by_side import add_ratios, time_alternating  # noqa: E402
 from peft_slim.memory import SavedActivationBytes, peak_memory_bytes  # noqa: E402
+
+RATIOS = {"activation_bytes": "activation_ratio", "total_bytes": "total_ratio"}
 
 
 def minilm_l6_shape(layers: int = 6) -> BertConfig:
@@ -97,11 +100,7 @@ def training_step(model, optimizer, batch) -> None:
         model.slimfit_step(optimizer)
 
 
-def tensor_bytes(tensors) -> int:
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
-
-
-def activation_bytes(model, batch) -> int:
+def activation_bytes(model, batch) -> tuple[int, int]:
     tuner = model.base_model if hasattr(model, "peft_config") else None
     with SavedActivationBytes(model.parameters()) as saved:
         loss = model(**batch).loss
@@ -112,7 +111,7 @@ def activation_bytes(model, batch) -> int:
     return (stats.stored_bytes if stats is not None else saved.bytes), gradients
 
 
-def measure(methods: dict, batch: dict, warmup_batch: dict, steps: int) -> dict:
+def measure(methods: dict, batch: dict, warmup_batch: dict, rounds: int) -> dict:
     results = {}
     optimizers = {
         name: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01)
@@ -130,7 +129,7 @@ def measure(methods: dict, batch: dict, warmup_batch: dict, steps: int) -> dict:
         training_step(model, optimizers[name], batch)  # warm-up at full size
         held = {
             "parameters": tensor_bytes(model.parameters()),
-            "optimizer_state": tensor_bytes(v for s in optimizers[name].state.values() for v in s.values()),
+            "optimizer_state": optimizer_state_bytes(optimizers[name]),
         }
         peak = peak_memory_bytes(lambda m=model, o=optimizers[name]: training_step(m, o, batch))
         results[name] = {
@@ -141,22 +140,10 @@ def measure(methods: dict, batch: dict, warmup_batch: dict, steps: int) -> dict:
             "total_bytes": held["parameters"] + held["optimizer_state"] + peak,
             "step_seconds": [],
         }
-    for _ in range(steps):
-        for name, model in methods.items():
-            start = time.perf_counter()
-            training_step(model, optimizers[name], batch)
-            results[name]["step_seconds"].append(time.perf_counter() - start)
+    steps = {name: functools.partial(training_step, m, optimizers[name], batch) for name, m in methods.items()}
+    for name, seconds in time_alternating(steps, rounds).items():
+        results[name]["step_seconds"] = seconds
     return results
-
-
-def add_ratios(results: dict, baseline: str, tokens: int) -> None:
-    base = results[baseline]
-    for result in results.values():
-        result["median_step_seconds"] = statistics.median(result["step_seconds"])
-        result["tokens_per_second"] = tokens / result["median_step_seconds"]
-        for key in ("activation_bytes", "total_bytes"):
-            result[key.replace("_bytes", "_ratio")] = result[key] / base[key]
-        result["step_time_ratio"] = result["median_step_seconds"] / base["median_step_seconds"]
 
 
 def table(results: dict, baseline: str) -> str:
@@ -230,7 +217,7 @@ def main() -> None:
         batch, warmup = batch_of(vocab, args.bert_batch, args.bert_seq, "class"), batch_of(vocab, 2, 16, "class")
         results = measure(bert, batch, warmup, args.steps)
         del bert
-        add_ratios(results, "full", args.bert_batch * args.bert_seq)
+        add_ratios(results, "full", args.bert_batch * args.bert_seq, RATIOS)
         setup = (
             f"BERT, all-MiniLM-L6-v2 shape, {args.bert_layers} layers, random weights, fp32, sdpa, batch "
             f"{args.bert_batch} x sequence {args.bert_seq}, AdamW (lr 1e-4, weight decay 0.01)"
@@ -251,7 +238,7 @@ def main() -> None:
         vocab = llama["lora"].config.vocab_size
         batch, warmup = batch_of(vocab, args.llama_batch, args.llama_seq, "tokens"), batch_of(vocab, 1, 16, "tokens")
         results = measure(llama, batch, warmup, args.steps)
-        add_ratios(results, "lora", args.llama_batch * args.llama_seq)
+        add_ratios(results, "lora", args.llama_batch * args.llama_seq, RATIOS)
         setup = (
             f"Llama, SmolLM2-135M shape, {args.llama_layers} layers, random weights, fp32, sdpa, batch "
             f"{args.llama_batch} x sequence {args.llama_seq}, LoRA r=16 on {','.join(LORA_TARGETS)}, AdamW"

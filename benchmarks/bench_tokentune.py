@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import platform
-import statistics
 import sys
-import time
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -31,9 +30,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import peft_slim  # noqa: E402
 from benchmarks.report import markdown_table, mib, write_report  # noqa: E402
+from benchmarks.side_by_side import add_ratios, time_alternating  # noqa: E402
 from peft_slim.memory import SavedActivationBytes, peak_memory_bytes  # noqa: E402
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Byte counts reported as ratios to LoRA (also by bench_compression.py).
+RATIOS = {"saved_activation_bytes": "saved_activation_ratio", "peak_step_bytes": "peak_ratio"}
 
 
 def smollm2_135m_shape(layers: int) -> LlamaConfig:
@@ -106,20 +108,10 @@ def main() -> None:
         peak = peak_memory_bytes(lambda m=model, o=optimizers[name]: training_step(m, o, batch))
         results[name] = {"saved_activation_bytes": saved.bytes, "peak_step_bytes": peak, "step_seconds": []}
 
-    for _ in range(args.steps):
-        for name, model in methods.items():
-            start = time.perf_counter()
-            training_step(model, optimizers[name], batch)
-            results[name]["step_seconds"].append(time.perf_counter() - start)
-
-    tokens = args.batch * args.seq
-    baseline = results["lora"]
-    for result in results.values():
-        result["median_step_seconds"] = statistics.median(result["step_seconds"])
-        result["tokens_per_second"] = tokens / result["median_step_seconds"]
-        result["saved_activation_ratio"] = result["saved_activation_bytes"] / baseline["saved_activation_bytes"]
-        result["peak_ratio"] = result["peak_step_bytes"] / baseline["peak_step_bytes"]
-        result["step_time_ratio"] = result["median_step_seconds"] / baseline["median_step_seconds"]
+    steps = {name: functools.partial(training_step, model, optimizers[name], batch) for name, model in methods.items()}
+    for name, seconds in time_alternating(steps, args.steps).items():
+        results[name]["step_seconds"] = seconds
+    add_ratios(results, "lora", args.batch * args.seq, RATIOS)
 
     setup = {
         "model": f"Llama, SmolLM2-135M shape, {args.layers} layers, random weights, fp32, sdpa",
