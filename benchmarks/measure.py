@@ -7,12 +7,14 @@ What is measured, and how (nothing is estimated from shapes):
   bytes its compression actually stored (``last_compression_stats.stored_bytes``). Saved-tensor hooks only see
   what autograd saves: a checkpointed layer's input, held by the checkpoint itself, is not counted;
 * the peak of one training step (forward, backward, optimizer step; the last step, when the optimizer state is
-  at its largest: SlimFit's AdamW gains state for a unit the first time it trains) above what was held before it
-  (``peft_slim.memory.peak_memory_bytes``: the CPU allocator's events replayed, or
-  ``torch.cuda.max_memory_allocated``), split as: ``parameters`` (all of the model's), ``optimizer_state`` (every
-  tensor in the optimizer's state after the step), ``gradients`` (every ``.grad`` after the backward) and
-  ``activations`` (the rest of the step's peak: saved activations and operators' temporaries).
-  ``total_bytes`` is the sum of the four;
+  at its largest unless SlimFit releases it) above what was held before it (``peft_slim.memory.peak_memory_bytes``:
+  the CPU allocator's events replayed, or ``torch.cuda.max_memory_allocated``), split as: ``parameters`` (all of
+  the model's), ``optimizer_state`` (the most bytes the optimizer's state held after any step of the run: SlimFit
+  that releases the state of frozen units holds more of it mid-run than at the end), ``gradients`` (the most
+  bytes of ``.grad`` after any backward of the run: SlimFit trains units of other sizes at every step) and
+  ``activations`` (the rest of the last step's peak: saved activations and operators' temporaries).
+  ``total_bytes`` is the sum of the four: an upper bound of the run's peak, as the maxima may come from
+  different steps;
 * ``step_seconds``: wall time of each training step after the first (warm-up) and the profiled one (kept in the
   JSON; not the reported step time: on a shared machine other jobs' load drifts over the minutes a task takes);
 * the reported step time comes from ``time_steps``: a separate pass that, round by round, builds each method in
@@ -59,13 +61,16 @@ def saved_activation_bytes(model: torch.nn.Module, batch: dict) -> int:
 
 
 class Trainer:
-    """One method's training loop; ``step`` records the gradient bytes of the last backward."""
+    """One method's training loop; ``step`` records the gradient bytes of the last backward, and the largest
+    gradients and optimizer state so far (SlimFit trains other units, of other sizes, at every step)."""
 
     def __init__(self, setup: Setup, steps: int):
         self.setup = setup
         warmup = math.ceil(0.1 * steps)
         self.schedule = get_linear_schedule_with_warmup(setup.optimizer, warmup, steps)
         self.gradient_bytes = 0
+        self.max_gradient_bytes = 0
+        self.max_optimizer_state_bytes = 0
 
     def step(self, batch: dict) -> float:
         setup = self.setup
@@ -73,7 +78,10 @@ class Trainer:
             loss = setup.model(**batch).loss
         loss.backward()
         self.gradient_bytes = tensor_bytes(p.grad for p in setup.model.parameters() if p.grad is not None)
+        self.max_gradient_bytes = max(self.max_gradient_bytes, self.gradient_bytes)
         setup.optimizer.step()
+        state_bytes = optimizer_state_bytes(setup.optimizer)
+        self.max_optimizer_state_bytes = max(self.max_optimizer_state_bytes, state_bytes)
         self.schedule.step()
         setup.after_step()
         setup.optimizer.zero_grad(set_to_none=True)
@@ -97,12 +105,12 @@ def run(task: Task, method: Method, seed: int, measure_memory: bool, device: tor
     trainer = Trainer(setup, task.steps)
     for index, batch in enumerate(tqdm(batches, desc=f"{method.name} seed {seed}", position=position, leave=False)):
         batch = to_device(batch, device)
-        if measure_memory and index == len(batches) - 1:  # the last step: optimizer state at its largest
+        if measure_memory and index == len(batches) - 1:  # the last step; the optimizer state: its run maximum
             peak = peak_memory_bytes(functools.partial(record_step, trainer, batch, result["losses"]))
             result["memory"] = {
                 "parameters": tensor_bytes(model.parameters()),
-                "optimizer_state": optimizer_state_bytes(setup.optimizer),
-                "gradients": trainer.gradient_bytes,
+                "optimizer_state": trainer.max_optimizer_state_bytes,
+                "gradients": trainer.max_gradient_bytes,
                 "activations": max(peak - trainer.gradient_bytes, 0),
                 "step_peak": peak,
             }

@@ -23,6 +23,9 @@ from .tasks import Task
 LORA_R, LORA_ALPHA, WEIGHT_DECAY = 8, 16, 0.01
 TOKEN_RATIOS = (0.1, 0.2, 0.3)
 FREEZE_RATIOS = (0.8, 0.9, 0.95)
+# SlimFit's defaults keep no AdamW state for frozen units (the published code keeps it for all: 2x the model in
+# fp32): freed after one frozen step, it restarts from zero when the unit trains again.
+RELEASE_NOTE = "SlimFit's default: a unit's AdamW state is freed once it is frozen (release_after_steps=1)"
 
 
 @dataclass
@@ -120,7 +123,9 @@ def slimfit(task: Task, seed: int, freeze_ratio: float, compression: bool, stack
     # Every parameter goes to AdamW: SlimFit decides per step which get gradients; AdamW skips (and keeps no
     # state for) parameters whose gradient is None.
     optimizer = adamw(model, task.lr_adapter, every=True) if stack else adamw(model, task.lr_full, task, every=True)
-    return Setup(model, optimizer, after_step=model.slimfit_step, history=model.slimfit_history)
+    return Setup(
+        model, optimizer, after_step=lambda: model.slimfit_step(optimizer), history=model.slimfit_history
+    )
 
 
 def all_methods() -> dict[str, Method]:
@@ -142,7 +147,7 @@ def all_methods() -> dict[str, Method]:
         for compression in (True, False):
             name = f"slimfit-{ratio:g}" + ("+comp" if compression else "")
             build = lambda t, s, r=ratio, c=compression: slimfit(t, s, r, c)  # noqa: E731
-            methods.append(Method(name, build, needs_slimfit=True))
+            methods.append(Method(name, build, RELEASE_NOTE, needs_slimfit=True))
     methods.append(
         Method(
             "slimfit-0.9+tokentune-0.2+lora+comp",

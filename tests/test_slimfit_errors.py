@@ -70,10 +70,11 @@ def test_second_adapter_refused():
         model.add_adapter("other", SlimFitConfig(activation_compression=None))
 
 
-def test_slimfit_step_without_optimizer_when_releasing_state():
-    model = slimfit_model("llama", release_frozen_optimizer_state=True)
-    with pytest.raises(ValueError, match=r"slimfit_step\(optimizer\)"):
-        model.slimfit_step()
+def test_slimfit_step_before_any_optimizer_step_frees_nothing():
+    """No optimizer has stepped yet: there is no state to free, and the schedule still advances."""
+    model = slimfit_model("llama")
+    model.slimfit_step()
+    assert model.base_model.scheduler.step == 1
 
 
 def test_scheduler_state_for_another_model():

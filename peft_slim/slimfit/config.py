@@ -123,15 +123,16 @@ class SlimFitConfig(PeftConfig):
         },
     )
     release_frozen_optimizer_state: bool = field(
-        default=False,
+        default=True,
         metadata={
             "help": "Free the optimizer state (e.g. AdamW moments) of units frozen for `release_after_steps` "
-            "consecutive steps; it restarts from zero when they train again. Saves memory, changes the updates. "
-            "Needs the optimizer: slimfit_step(optimizer) or SlimFitCallback."
+            "consecutive steps; it restarts from zero when they train again. Without it the optimizer holds "
+            "state for every unit (AdamW: twice the scheduled weights), whatever the freeze ratio. It changes "
+            "the updates of units that train again (on MiniLM: accuracy unchanged). Set False to keep all state."
         },
     )
     release_after_steps: int = field(
-        default=10, metadata={"help": "Frozen steps (>= 1) after which `release_frozen_optimizer_state` applies."}
+        default=1, metadata={"help": "Frozen steps (>= 1) after which `release_frozen_optimizer_state` applies."}
     )
     keep_base_weights: bool = field(
         default=False,

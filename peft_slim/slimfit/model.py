@@ -127,16 +127,17 @@ class SlimFitModel(BaseTuner):
     def slimfit_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Close a training step: score the units that trained, re-rank, freeze for the next step.
 
-        Call it once after each ``optimizer.step()`` (``SlimFitCallback`` does with Trainer). The
-        ``optimizer`` is needed only with ``release_frozen_optimizer_state``.
+        Call it once after each ``optimizer.step()`` (``SlimFitCallback`` does with Trainer). With
+        ``release_frozen_optimizer_state``, the state of long-frozen units is freed from ``optimizer``, by
+        default the optimizer that last stepped over the units.
         """
         config = self._config
-        if config.release_frozen_optimizer_state and optimizer is None:
-            raise ValueError("SlimFit: release_frozen_optimizer_state needs slimfit_step(optimizer).")
         scores = self._observer.take_scores() if self._observer is not None else {}
         self.scheduler.advance(scores)
         self._apply_schedule()
-        if config.release_frozen_optimizer_state:
+        if optimizer is None and self._observer is not None:
+            optimizer = self._observer.last_optimizer
+        if config.release_frozen_optimizer_state and optimizer is not None:
             self._release_optimizer_state(optimizer, config.release_after_steps)
 
     def _resolve_params(self) -> None:

@@ -39,6 +39,7 @@ class StepObserver:
         self._scores: dict[int, float] = {}
         self._snapshot: dict[int, list[torch.Tensor]] | None = None
         self._warned_missing = False
+        self._last_optimizer: weakref.ref | None = None
         self._unit_of = {id(p): index for index, unit in enumerate(units) for p in unit.params}
         ref = weakref.ref(self)  # the global hooks must not keep a discarded tuner alive
         self._handles = [
@@ -50,6 +51,11 @@ class StepObserver:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    @property
+    def last_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer that last stepped over these units (None if none did, or it is gone)."""
+        return self._last_optimizer() if self._last_optimizer is not None else None
 
     def take_scores(self) -> dict[int, float]:
         scores, self._scores = self._scores, {}
@@ -67,6 +73,7 @@ class StepObserver:
         if not mine:
             return  # another model's optimizer
         self._warn_if_missing(in_optimizer)
+        self._last_optimizer = weakref.ref(optimizer)
         self._snapshot = {
             index: [p.detach().clone() for p in self.units[index].params] for index in mine if self.is_training(index)
         }
