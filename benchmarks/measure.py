@@ -61,11 +61,13 @@ def saved_activation_bytes(model: torch.nn.Module, batch: dict) -> int:
 
 
 class Trainer:
-    """One method's training loop; ``step`` records the gradient bytes of the last backward, and the largest
-    gradients and optimizer state so far (SlimFit trains other units, of other sizes, at every step)."""
+    """One method's training loop. With ``record_memory``, ``step`` also records the gradient bytes of the last
+    backward, and the largest gradients and optimizer state so far (SlimFit trains other units, of other sizes,
+    at every step); the timing pass leaves it off, so its steps carry no bookkeeping."""
 
-    def __init__(self, setup: Setup, steps: int):
+    def __init__(self, setup: Setup, steps: int, record_memory: bool = False):
         self.setup = setup
+        self.record_memory = record_memory
         warmup = math.ceil(0.1 * steps)
         self.schedule = get_linear_schedule_with_warmup(setup.optimizer, warmup, steps)
         self.gradient_bytes = 0
@@ -77,11 +79,13 @@ class Trainer:
         with setup.forward_context():
             loss = setup.model(**batch).loss
         loss.backward()
-        self.gradient_bytes = tensor_bytes(p.grad for p in setup.model.parameters() if p.grad is not None)
-        self.max_gradient_bytes = max(self.max_gradient_bytes, self.gradient_bytes)
+        if self.record_memory:
+            self.gradient_bytes = tensor_bytes(p.grad for p in setup.model.parameters() if p.grad is not None)
+            self.max_gradient_bytes = max(self.max_gradient_bytes, self.gradient_bytes)
         setup.optimizer.step()
-        state_bytes = optimizer_state_bytes(setup.optimizer)
-        self.max_optimizer_state_bytes = max(self.max_optimizer_state_bytes, state_bytes)
+        if self.record_memory:
+            state_bytes = optimizer_state_bytes(setup.optimizer)
+            self.max_optimizer_state_bytes = max(self.max_optimizer_state_bytes, state_bytes)
         self.schedule.step()
         setup.after_step()
         setup.optimizer.zero_grad(set_to_none=True)
@@ -102,7 +106,7 @@ def run(task: Task, method: Method, seed: int, measure_memory: bool, device: tor
     result: dict = {"seed": seed, "losses": [], "step_seconds": [], "tokens": []}
     if measure_memory:
         result["saved_activation_bytes"] = saved_activation_bytes(model, to_device(batches[0], device))
-    trainer = Trainer(setup, task.steps)
+    trainer = Trainer(setup, task.steps, record_memory=measure_memory)
     for index, batch in enumerate(tqdm(batches, desc=f"{method.name} seed {seed}", position=position, leave=False)):
         batch = to_device(batch, device)
         if measure_memory and index == len(batches) - 1:  # the last step; the optimizer state: its run maximum
