@@ -7,6 +7,7 @@ Importing this package registers ``PeftType.TOKENTUNE`` and ``PeftType.SLIMFIT``
 from .compression import ActivationCompressionConfig, compress_activations
 from .export import export_lora
 from .slimfit import SlimFitCallback, SlimFitConfig, SlimFitModel
+from .token_selection import TokenSelectionConfig
 from .tokentune import TokenTuneConfig, TokenTuneModel
 
 __version__ = "0.1.0"
@@ -16,6 +17,7 @@ __all__ = [
     "SlimFitCallback",
     "SlimFitConfig",
     "SlimFitModel",
+    "TokenSelectionConfig",
     "TokenTuneConfig",
     "TokenTuneModel",
     "compress_activations",

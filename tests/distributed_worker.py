@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 import peft_slim
 import peft_slim.distributed
 from peft_slim.slimfit.callback import find_slimfit
-from peft_slim.tokentune.blocks import find_blocks
+from peft_slim.token_selection.blocks import find_blocks
 
 
 def wrap(model, case):

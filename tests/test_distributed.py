@@ -36,7 +36,7 @@ from distributed_cases import (
 )
 from reference import reference_forward, selected_causal_lm_loss
 
-from peft_slim.tokentune.selection import selection_generator
+from peft_slim.token_selection.selection import selection_generator
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 CASE_PARAMS = [pytest.param(case, id=case.name) for case in CASES]

@@ -198,7 +198,7 @@ def test_import_after_peft_loaded_configs_in_fresh_process(tmp_path):
     assert out["tokentune_before"] is False
     assert out["lora_loaded_before"] == "LoraConfig"
     assert out["unknown_before"] is True
-    assert out["added_members"] == ["TOKENTUNE", "SLIMFIT"]
+    assert sorted(out["added_members"]) == ["SLIMFIT", "TOKENTUNE"]
     assert out["config_cls"] and out["tuner_cls"]
     assert out["vanilla_unchanged"] is True
     assert out["lora_reload_equal"] is True

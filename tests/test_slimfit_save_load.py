@@ -15,7 +15,14 @@ from slimfit_cases import slimfit_model, train
 from tiny_models import build, make_batch
 from transformers import PreTrainedModel
 
-from peft_slim import ActivationCompressionConfig, SlimFitConfig, SlimFitModel, TokenTuneConfig, export_lora
+from peft_slim import (
+    ActivationCompressionConfig,
+    SlimFitConfig,
+    SlimFitModel,
+    TokenSelectionConfig,
+    TokenTuneConfig,
+    export_lora,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PREFIX = "base_model.model."
@@ -172,7 +179,7 @@ def test_config_round_trip_through_json(tmp_path):
     config.save_pretrained(tmp_path)
     loaded = SlimFitConfig.from_pretrained(tmp_path)
     assert loaded.to_dict() == config.to_dict()
-    assert isinstance(loaded.tokentune, TokenTuneConfig) and loaded.tokentune.num_tokens == 8
+    assert isinstance(loaded.tokentune, TokenSelectionConfig) and loaded.tokentune.num_tokens == 8
     assert loaded.activation_compression == config.activation_compression
 
 

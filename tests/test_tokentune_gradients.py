@@ -28,7 +28,7 @@ from tokentune_cases import (
     training_step,
 )
 
-from peft_slim.tokentune.blocks import find_blocks
+from peft_slim.token_selection.blocks import find_blocks
 
 
 def _eval_logits(model, batch: dict) -> torch.Tensor:

@@ -12,8 +12,8 @@ from tiny_models import CAUSAL_LM, build, make_batch
 from tokentune_cases import ARCHS, IMPLEMENTATIONS, TASK_TYPES, tokentune_model, vanilla_lora_model
 
 from peft_slim import TokenTuneConfig
-from peft_slim.tokentune.blocks import find_blocks
-from peft_slim.tokentune.selection import TokenSelection, draw_selection, forced_positions
+from peft_slim.token_selection.blocks import find_blocks
+from peft_slim.token_selection.selection import TokenSelection, draw_selection, forced_positions
 
 
 def _inputs(batch: dict) -> dict:

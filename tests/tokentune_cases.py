@@ -8,7 +8,7 @@ from reference import reference_forward, selected_causal_lm_loss
 from tiny_models import BUILDERS, CAUSAL_LM, LORA_TARGETS, build
 
 from peft_slim import TokenTuneConfig
-from peft_slim.tokentune.blocks import find_blocks
+from peft_slim.token_selection.blocks import find_blocks
 
 ARCHS = tuple(BUILDERS)
 IMPLEMENTATIONS = ("sdpa", "eager")

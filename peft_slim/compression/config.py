@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-import numbers
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import field
+
+from ..configuration import Boolean, Choices, Integer, Mapping, OneOf, Real, ValidatedConfig, config_dataclass
 
 BITS = (8, 4, 2)
 KINDS = ("attention", "norm", "activation", "linear", "other")
@@ -21,8 +20,8 @@ _KINDS_HELP = (
 )
 
 
-@dataclass
-class ActivationCompressionConfig:
+@config_dataclass
+class ActivationCompressionConfig(ValidatedConfig):
     """How [`compress_activations`] stores the tensors autograd saves for the backward pass.
 
     Saved activations, not weights, dominate training memory once weights are frozen or adapted with LoRA.
@@ -35,7 +34,10 @@ class ActivationCompressionConfig:
 
     bits: int | None = field(
         default=8,
-        metadata={"help": "Bits per stored value: 8, 4 or 2 (narrower codes packed into bytes). None: not quantized."},
+        metadata={
+            "help": "Bits per stored value: 8, 4 or 2 (narrower codes packed into bytes). None: not quantized.",
+            "check": OneOf(BITS, optional=True),
+        },
     )
     group_size: int = field(
         default=128,
@@ -43,12 +45,16 @@ class ActivationCompressionConfig:
             "help": "Consecutive values (in memory order) sharing one fp32 scale and minimum; a multiple of 8 in "
             "[8, 65536]. Each tensor's groups are fitted to its rows (the innermost dimension): the nearest size "
             "at or below this one that divides a row, or whole rows when rows are shorter. Smaller groups are "
-            "more accurate and cost 8 bytes per group."
+            "more accurate and cost 8 bytes per group.",
+            "check": Integer(8, 65536, multiple_of=8),
         },
     )
     kinds: list[str] = field(
         default_factory=lambda: [ALL],
-        metadata={"help": f"Which saved tensors to compress, any of {KINDS} or 'all'. {_KINDS_HELP}"},
+        metadata={
+            "help": f"Which saved tensors to compress, any of {KINDS} or 'all'. {_KINDS_HELP}",
+            "check": Choices((*KINDS, ALL)),
+        },
     )
     kind_bits: dict[str, int | None] | None = field(
         default=None,
@@ -56,71 +62,48 @@ class ActivationCompressionConfig:
             "help": f"Per-kind override of `bits` (keys among {KINDS}, values 8, 4, 2 or None = kept exact), e.g. "
             "{'activation': 4} for 4-bit GELU/SiLU inputs. A kind listed here is compressed at its width even if "
             "`kinds` leaves it out (None: left unquantized even if `kinds` selects it); unlisted kinds follow "
-            "`bits` and `kinds`. None: every kind `kinds` selects uses `bits`."
+            "`bits` and `kinds`. None: every kind `kinds` selects uses `bits`.",
+            "check": Mapping(KINDS, OneOf(BITS, optional=True)),
         },
     )
     prune_ratio: float | None = field(
         default=None,
         metadata={
             "help": "Keep only this fraction in (0, 1] of the values, the largest in magnitude, of tensors of the "
-            "`prune_kinds` (the rest backpropagate as zeros; lossy). None: no pruning."
+            "`prune_kinds` (the rest backpropagate as zeros; lossy). None: no pruning.",
+            "check": Real(0.0, 1.0, low_open=True, optional=True),
         },
     )
     prune_kinds: list[str] = field(
         default_factory=lambda: ["norm"],
-        metadata={"help": f"Kinds that `prune_ratio` applies to, any of {KINDS} or 'all' (see `kinds`)."},
+        metadata={
+            "help": f"Kinds that `prune_ratio` applies to, any of {KINDS} or 'all' (see `kinds`).",
+            "check": Choices((*KINDS, ALL)),
+        },
     )
     prune_frozen_only: bool = field(
         default=False,
         metadata={
             "help": "Prune only tensors saved inside a module none of whose own parameters requires grad (a frozen "
             "norm layer, or one without parameters); a trainable layer's tensors are never pruned, so its weight "
-            "gradient stays unpruned. Tensors saved outside any module are then not pruned either."
+            "gradient stays unpruned. Tensors saved outside any module are then not pruned either.",
+            "check": Boolean(),
         },
     )
     min_numel: int = field(
         default=4096,
-        metadata={"help": "Saved tensors with fewer elements than this are kept as they are (>= 0)."},
+        metadata={
+            "help": "Saved tensors with fewer elements than this are kept as they are (>= 0).",
+            "check": Integer(0),
+        },
     )
     offload: bool = field(
         default=False,
-        metadata={"help": "Keep the compressed tensors in CPU memory while the model runs on an accelerator."},
+        metadata={
+            "help": "Keep the compressed tensors in CPU memory while the model runs on an accelerator.",
+            "check": Boolean(),
+        },
     )
-
-    def __post_init__(self):
-        if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in BITS):
-            raise ValueError(f"ActivationCompressionConfig.bits must be one of {BITS} or None, got {self.bits!r}.")
-        if not _is_int(self.group_size) or self.group_size % 8 or not 8 <= self.group_size <= 65536:
-            raise ValueError(
-                "ActivationCompressionConfig.group_size must be a multiple of 8 in [8, 65536], "
-                f"got {self.group_size!r}."
-            )
-        if self.prune_ratio is not None:
-            ratio = self.prune_ratio
-            if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not 0.0 < float(ratio) <= 1.0:
-                raise ValueError(
-                    f"ActivationCompressionConfig.prune_ratio must be a float in (0, 1] or None, got {ratio!r}."
-                )
-            self.prune_ratio = float(ratio)
-        if not _is_int(self.min_numel) or self.min_numel < 0:
-            raise ValueError(f"ActivationCompressionConfig.min_numel must be an int >= 0, got {self.min_numel!r}.")
-        for name in ("offload", "prune_frozen_only"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(
-                    f"ActivationCompressionConfig.{name} must be True or False, got {getattr(self, name)!r}."
-                )
-        self.kinds = _kinds("kinds", self.kinds)
-        if self.kind_bits is not None:
-            if not isinstance(self.kind_bits, dict) or any(
-                kind not in KINDS or (bits is not None and (isinstance(bits, bool) or bits not in BITS))
-                for kind, bits in self.kind_bits.items()
-            ):
-                raise ValueError(
-                    f"ActivationCompressionConfig.kind_bits must map kinds in {KINDS} to one of {BITS} or None, "
-                    f"got {self.kind_bits!r}."
-                )
-            self.kind_bits = dict(sorted(self.kind_bits.items()))
-        self.prune_kinds = _kinds("prune_kinds", self.prune_kinds)
 
     @property
     def compressed_kinds(self) -> frozenset[str]:
@@ -140,26 +123,3 @@ class ActivationCompressionConfig:
         if self.prune_ratio is None or self.prune_ratio == 1.0:
             return frozenset()
         return frozenset(KINDS if ALL in self.prune_kinds else self.prune_kinds)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> ActivationCompressionConfig:
-        unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"ActivationCompressionConfig has no field(s) {sorted(unknown)}.")
-        return cls(**values)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _kinds(name: str, value: Any) -> list[str]:
-    """``value`` as a list of known kinds; a single string is accepted."""
-    values = [value] if isinstance(value, str) else value
-    allowed = (*KINDS, ALL)
-    if not isinstance(values, (list, tuple, set, frozenset)) or not values or any(v not in allowed for v in values):
-        raise ValueError(f"ActivationCompressionConfig.{name} must be a non-empty list of {allowed}, got {value!r}.")
-    return sorted(set(values))

@@ -20,8 +20,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     pad = -codes.numel() % per_byte
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad)])
-    if sys.byteorder != "little":
-        return _pack_slow(codes.view(-1, per_byte), bits)
+    _check_byte_order()
     wide = codes.view(_WIDE[bits])  # byte i of each integer holds code i
     packed = wide.clone()
     for i in range(1, per_byte):
@@ -33,9 +32,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """The first ``count`` uint8 codes of ``pack_bits``' output."""
     if bits == 8:
         return packed[:count]
-    if sys.byteorder != "little":
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-        return ((packed.unsqueeze(1) >> shifts) & (2**bits - 1)).view(-1)[:count]
+    _check_byte_order()
     byte = packed.to(_WIDE[bits])
     wide = byte.clone()
     for i in range(1, 8 // bits):
@@ -43,8 +40,6 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return (wide & _SPREAD_MASK[bits]).view(torch.uint8)[:count]  # byte i of each integer: code i
 
 
-def _pack_slow(columns: torch.Tensor, bits: int) -> torch.Tensor:
-    packed = columns[:, 0].clone()
-    for i in range(1, columns.shape[1]):
-        packed |= columns[:, i] << (bits * i)
-    return packed
+def _check_byte_order() -> None:
+    if sys.byteorder != "little":  # every platform PyTorch ships for is little-endian
+        raise NotImplementedError("peft_slim packs sub-byte codes for little-endian machines only; use bits=8.")

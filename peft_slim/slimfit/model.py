@@ -8,67 +8,44 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from peft.tuners.lora import LoraLayer
-from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..compression import ActivationCompression, CompressionStats, compress_activations
-from ..nested_lora import inject_lora
-from ..tokentune.forward import TokenTuneForward, check_attention_implementation
-from ..tokentune.heads import head_kind
-from ..tokentune.selection import selection_generator
+from ..token_selection import TokenSelectionConfig
+from ..tuner import MethodTuner
 from .base_weights import BaseWeights
 from .config import SlimFitConfig
 from .observer import StepObserver
 from .scheduler import FreezeScheduler
-from .units import Unit, find_units
+from .units import find_units
 
 # Set to 1 to check, at every freeze decision, that all processes of a distributed run took the same one.
 CHECK_RANKS_ENV = "PEFT_SLIM_CHECK_RANKS"
 
 
-class SlimFitModel(BaseTuner):
+class SlimFitModel(MethodTuner):
     """Freeze most scheduling units at every step, chosen by training dynamics (Ardakani et al., NAACL 2024).
 
     A frozen unit has ``requires_grad=False`` from the start of the training forward to the optimizer step:
     it gets no gradient (so the optimizer skips it: no weight decay, no momentum), and its layer caches no
     input for backward. The decision is taken before each training forward, in a forward pre-hook on the
     transformers model, so it holds for every PEFT forward path. Optimizer hooks score the units that
-    trained; ``slimfit_step()`` re-ranks. With ``tokentune``, the forward is TokenTune's as well.
+    trained; ``slimfit_step()`` re-ranks. With ``tokentune``, the shared token selection is attached too.
     """
 
     prefix: str = "slimfit_"
-    tuner_layer_cls = LoraLayer
-    target_module_mapping: dict = {}
 
-    def _pre_injection_hook(self, model: nn.Module, config: SlimFitConfig, adapter_name: str) -> None:
-        self._units: list[Unit] = []
+    def _token_selection(self, config: SlimFitConfig) -> TokenSelectionConfig | None:
+        return config.tokentune
+
+    def _trainable_base_parameters(self, model: nn.Module, config: SlimFitConfig) -> list[str]:
+        return [name for name, _ in model.named_parameters()]  # full fine-tuning; the schedule freezes units
+
+    def _setup(self, model: nn.Module, config: SlimFitConfig) -> None:
         self._handles: list = []
         self._observer: StepObserver | None = None
-        self._tokentune: TokenTuneForward | None = None
         self._base_weights: BaseWeights | None = None
-        self._compression: ActivationCompression | None = None
         self._applied = False
-        self._own_compression_stats: CompressionStats | None = None
-
-    def inject_adapter(
-        self,
-        model: nn.Module,
-        adapter_name: str,
-        autocast_adapter_dtype: bool = True,
-        low_cpu_mem_usage: bool = False,
-        state_dict: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        if len(self.peft_config) > 1:
-            raise ValueError("SlimFit supports a single adapter per model.")
-        config: SlimFitConfig = self.peft_config[adapter_name]
-        if config.tokentune is not None:  # refuse what TokenTune cannot run before changing the model
-            check_attention_implementation(model)
-            head_kind(model)
-        if config.lora is not None:
-            inject_lora(model, config, adapter_name, low_cpu_mem_usage=low_cpu_mem_usage, state_dict=state_dict)
-        self._mark_only_adapters_as_trainable(model)
         self._units, always = find_units(model, config)
         if config.lora is None:
             tracked = {id(p) for unit in self._units for p in unit.params} | {id(p) for p in always}
@@ -78,7 +55,6 @@ class SlimFitModel(BaseTuner):
             len(self._units), config.freeze_ratio, config.schedule_every, config.max_frozen_steps, config.seed
         )
         if config.inference_mode:
-            model.requires_grad_(False)
             return
         # Every unit keeps requires_grad=True until the first training forward, so that an optimizer (or DDP)
         # built before it holds them all; freezing starts there.
@@ -90,30 +66,15 @@ class SlimFitModel(BaseTuner):
             resolve=self._resolve_params,
         )
         self._handles.append(model.register_forward_pre_hook(self._before_forward))
-        self._handles.append(model.register_forward_hook(self._after_forward, always_call=True))
-        if config.tokentune is not None:
-            tokentune = config.tokentune
-            generator = selection_generator(tokentune.seed)  # offset by the process's rank
-            self._tokentune = TokenTuneForward(model, tokentune, generator, config.activation_compression)
 
-    def _create_and_replace(self, *args, **kwargs):
-        raise NotImplementedError("SlimFit toggles requires_grad on units; it replaces no module.")
-
-    def _prepare_adapter_config(self, peft_config: SlimFitConfig, model_config: dict) -> SlimFitConfig:
-        return peft_config
-
-    def _mark_only_adapters_as_trainable(self, model: nn.Module) -> None:
-        config: SlimFitConfig = self.peft_config[self.active_adapters[0]]
-        if config.lora is not None:
-            super()._mark_only_adapters_as_trainable(model)
-        else:
-            model.requires_grad_(True)  # full fine-tuning; the scheduler freezes units step by step
+    def _remove_method_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._observer is not None:
+            self._observer.remove()
 
     # ------------------------------------------------------------------ the schedule
-
-    @property
-    def _config(self) -> SlimFitConfig:
-        return self.peft_config[self.active_adapters[0]]
 
     @property
     def unit_names(self) -> list[str]:
@@ -195,38 +156,8 @@ class SlimFitModel(BaseTuner):
         check_ddp(DistributedDataParallel._get_active_ddp_module(), self.scheduler)
         if not self._applied:
             self._apply_schedule()
-        compression = self._config.activation_compression
-        if compression is not None and self._tokentune is None:  # TokenTune enters it within its own forward
-            self._compression = compress_activations(compression).__enter__()
-            self._own_compression_stats = self._compression.stats
-
-    def _after_forward(self, model: nn.Module, args: tuple, output: Any) -> None:
-        if self._compression is not None:
-            self._compression.__exit__(None, None, None)
-            self._compression = None
-
-    @property
-    def last_compression_stats(self) -> CompressionStats | None:
-        """Saved-activation bytes of the latest training forward, with `activation_compression` set."""
-        if self._tokentune is not None:  # TokenTune's forward entered the compression
-            return self._tokentune.last_compression_stats
-        return self._own_compression_stats
-
-    @property
-    def last_token_mask(self) -> torch.Tensor | None:
-        return None if self._tokentune is None else self._tokentune.last_token_mask
 
     # ------------------------------------------------------------------ unloading and saving
-
-    def remove_hooks(self) -> None:
-        """Detach SlimFit from the model (done by unload / merge_and_unload)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        if self._observer is not None:
-            self._observer.remove()
-        if self._tokentune is not None:
-            self._tokentune.remove()
 
     def _unload_and_optionally_merge(self, merge: bool = True, **kwargs):
         config = self._config
@@ -238,26 +169,13 @@ class SlimFitModel(BaseTuner):
                     "set SlimFitConfig(keep_base_weights=True)."
                 )
             self._base_weights.restore(self.model)
-        self.remove_hooks()
         if config.lora is None:
             self.model.requires_grad_(True)  # a plain model again
         return super()._unload_and_optionally_merge(merge=merge, **kwargs)
 
-    @classmethod
-    def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
-        if config.lora is not None:
-            return super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
+    def _saves_base_tensor(self, name: str, tensor: torch.Tensor) -> bool:
         # Standalone SlimFit trains base tensors in place: save those that changed (modules_to_save are PEFT's).
-        tuner = model.base_model if isinstance(getattr(model, "base_model", None), SlimFitModel) else None
-        if tuner is None or tuner._base_weights is None:
-            raise ValueError("SlimFit: saving needs the PeftModel that holds the SlimFit tuner.")
-        # By name and from ``state_dict``'s tensors: under FSDP those are gathered, the model's are shards.
-        prefix = next(name for name, module in model.named_modules() if module is tuner.model) + "."
-        return {
-            key: value
-            for key, value in state_dict.items()
-            if key.startswith(prefix) and tuner._base_weights.changed(key[len(prefix) :], value)
-        }
+        return self._base_weights.changed(name, tensor)
 
 
 def check_ddp(ddp: DistributedDataParallel | None, scheduler: FreezeScheduler) -> None:

@@ -22,10 +22,6 @@ class Unit:
     param_names: list[str]
     params: list[nn.Parameter]
 
-    @property
-    def numel(self) -> int:
-        return sum(p.numel() for p in self.params)
-
 
 def find_units(model: nn.Module, config: SlimFitConfig) -> tuple[list[Unit], list[nn.Parameter]]:
     """The scheduled units of ``model`` (after LoRA injection) and the parameters that train at every step.

@@ -75,6 +75,8 @@ class BlockRunner:
         self.current = current
         self.config = config  # the model config whose `_attn_implementation` routes attention to TokenTune
         self.blocks = blocks
+        # One signature per block, taken once: inspecting it on every call is a hot-path cost.
+        self.signatures = {id(block): inspect.signature(block.forward) for block in blocks}
         self.handles = []
         for block in blocks:
             self.handles.append(block.register_forward_pre_hook(self._before, with_kwargs=True))
@@ -93,13 +95,14 @@ class BlockRunner:
     def _before(self, block: nn.Module, args: tuple, kwargs: dict):
         if PASS_KWARG in kwargs:  # already prepared (e.g. a wrapper that calls the block again)
             return None
-        bound = inspect.signature(block.forward).bind(*args, **kwargs)
-        params = list(bound.signature.parameters.values())
+        signature = self.signatures[id(block)]
+        params = list(signature.parameters.values())
         hidden_name = params[0].name
-        hidden = bound.arguments[hidden_name]
+        hidden = args[0] if args else kwargs.get(hidden_name)
         selection = self.current(hidden)
-        if selection is None:
+        if selection is None:  # outside training forwards: nothing to bind
             return None
+        bound = signature.bind(*args, **kwargs)
         block_name = type(block).__name__
         block_pass = BlockPass(selection=selection, block_name=block_name)
         extra_name = next((p.name for p in params if p.kind is inspect.Parameter.VAR_KEYWORD), None)

@@ -1,6 +1,7 @@
-"""TokenTune's training forward, as hooks on a transformers model: select tokens, run blocks twice, score them.
+"""Token selection's training forward, as hooks on a transformers model: select tokens, run blocks twice, score.
 
-Kept apart from the tuner so that another tuner (SlimFit) can put the same forward path on its model.
+A component any tuner attaches (TokenTune always, SlimFit with its ``tokentune`` field): ``attach`` refuses a
+model it cannot make exact before changing anything, ``detach`` leaves the model as it was.
 """
 
 from __future__ import annotations
@@ -12,13 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compression import ActivationCompression, ActivationCompressionConfig, CompressionStats, compress_activations
 from .attention import REGISTERED_NAMES, SUPPORTED_IMPLEMENTATIONS
 from .blocks import BlockRunner, find_blocks
-from .config import TokenTuneConfig
+from .config import TokenSelectionConfig
 from .heads import head_kind, is_decoder
 from .loss import IGNORE_INDEX, selected_token_loss
-from .selection import TokenSelection, check_token_mask, draw_selection, forced_positions
+from .selection import TokenSelection, check_token_mask, draw_selection, forced_positions, selection_generator
 
 
 @dataclass
@@ -31,7 +31,6 @@ class _TrainingForward:
     num_items_in_batch: Any
     attn_implementation: str
     selection: TokenSelection | None = None
-    compression: ActivationCompression | None = None  # entered by the pre-hook, exited by the post-hook
 
 
 def check_attention_implementation(model: nn.Module) -> None:
@@ -43,32 +42,26 @@ def check_attention_implementation(model: nn.Module) -> None:
         )
 
 
-class TokenTuneForward:
-    """TokenTune's hooks on ``model``, active in training forwards only (train mode and grad enabled).
+class TokenSelector:
+    """Token selection's hooks on ``model``, active in training forwards only (train mode and grad enabled).
 
     Every block runs on all tokens without gradient tracking, then again on the selected tokens with it;
     unselected keys and values enter attention as constants. The loss covers selected positions only, and
-    a causal LM's head runs only on them. ``compression``, when given, is entered for the whole forward
-    and the loss. ``remove()`` detaches everything.
+    a causal LM's head runs only on them. Selections are drawn from a generator seeded with
+    ``config.seed`` plus the process's rank.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        config: TokenTuneConfig,
-        generator: torch.Generator,
-        compression: ActivationCompressionConfig | None = None,
-    ):
-        check_attention_implementation(model)
+    def __init__(self, model: nn.Module, config: TokenSelectionConfig):
+        self.check(model)
         self.model = model
         self.config = config
-        self.compression = compression
         self.last_token_mask: torch.Tensor | None = None
-        self.last_compression_stats: CompressionStats | None = None
-        self._generator = generator
+        self.generator = selection_generator(config.seed)
         self._head = head_kind(model)
         self._decoder = is_decoder(model)
         self._state: _TrainingForward | None = None
+        # Computed once: inspecting the signature on every forward cost ~19% of a tiny model's generate().
+        self._forward_signature = inspect.signature(model.forward)
         _, blocks = find_blocks(model)
         self._runner: BlockRunner | None = BlockRunner(blocks, self._selection_for, model.config)
         self._handles = [
@@ -78,11 +71,24 @@ class TokenTuneForward:
         if self._head == "causal_lm":
             self._handles.append(model.get_output_embeddings().register_forward_pre_hook(self._before_head))
 
+    @classmethod
+    def attach(cls, model: nn.Module, config: TokenSelectionConfig) -> TokenSelector:
+        """Put token selection on ``model`` (a transformers model); ``detach()`` removes it."""
+        return cls(model, config)
+
+    @staticmethod
+    def check(model: nn.Module) -> None:
+        """Refuse a model whose attention or head token selection cannot make exact, before changing it."""
+        check_attention_implementation(model)
+        head_kind(model)
+        find_blocks(model)
+
     @property
     def active(self) -> bool:
         return self.model.training and torch.is_grad_enabled()
 
-    def remove(self) -> None:
+    def detach(self) -> None:
+        """Remove every hook: the model is as it was before ``attach``."""
         if self._runner is not None:
             self._runner.remove()
             self._runner = None
@@ -101,7 +107,7 @@ class TokenTuneForward:
                 f"TokenTune needs attn_implementation in {SUPPORTED_IMPLEMENTATIONS}, got {implementation!r}."
             )
         # Name every argument, so that a positional attention mask or labels are found (and labels removed).
-        kwargs = named_arguments(model, args, kwargs)
+        kwargs = named_arguments(model, self._forward_signature, args, kwargs)
         args = ()
         padding_mask = kwargs.get("attention_mask")
         labels = kwargs.get("labels")
@@ -111,7 +117,7 @@ class TokenTuneForward:
             num_items = kwargs.pop("num_items_in_batch", None)
         # No KV cache in training: the full pass would write every key/value into it and the selected pass
         # would then attend over a cache longer than the sequence (decoders default to use_cache=True).
-        if "use_cache" in inspect.signature(model.forward).parameters:
+        if "use_cache" in self._forward_signature.parameters:
             kwargs["use_cache"] = False
         self._state = _TrainingForward(
             padding_mask=padding_mask if isinstance(padding_mask, torch.Tensor) and padding_mask.dim() == 2 else None,
@@ -121,9 +127,6 @@ class TokenTuneForward:
             attn_implementation=implementation,
         )
         model.config._attn_implementation = REGISTERED_NAMES[implementation]
-        if self.compression is not None:  # entered last: the always_call post-hook exits it, after an exception too
-            self._state.compression = compress_activations(self.compression).__enter__()
-            self.last_compression_stats = self._state.compression.stats
         return args, kwargs
 
     def _selection_for(self, hidden: torch.Tensor) -> TokenSelection | None:
@@ -152,7 +155,7 @@ class TokenTuneForward:
             labelled = labels.to(device) != IGNORE_INDEX
             if self._head == "causal_lm":
                 labelled = torch.cat([labelled[:, 1:], torch.zeros_like(labelled[:, :1])], dim=1)
-        return draw_selection(self.config, real, forced, labelled, self._generator)
+        return draw_selection(self.config, real, forced, labelled, self.generator)
 
     def _before_head(self, head: nn.Module, args: tuple):
         state = self._state
@@ -167,11 +170,7 @@ class TokenTuneForward:
         state, self._state = self._state, None
         if state is None:
             return None
-        try:
-            return self._finish_forward(model, state, output)
-        finally:  # after the selected-token loss, whose saved tensors are compressed too
-            if state.compression is not None:
-                state.compression.__exit__(None, None, None)
+        return self._finish_forward(model, state, output)
 
     def _finish_forward(self, model: nn.Module, state: _TrainingForward, output: Any):
         model.config._attn_implementation = state.attn_implementation
@@ -195,11 +194,11 @@ class TokenTuneForward:
         return (loss, *output)
 
 
-def named_arguments(model: nn.Module, args: tuple, kwargs: dict) -> dict:
-    """``args`` and ``kwargs`` of ``model.forward`` as one dict of keyword arguments."""
+def named_arguments(model: nn.Module, signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+    """``args`` and ``kwargs`` of ``model.forward`` (whose signature is ``signature``) as one dict of keywords."""
     if not args:
         return kwargs
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    bound = signature.bind(*args, **kwargs)
     named = {}
     for name, value in bound.arguments.items():
         if bound.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:

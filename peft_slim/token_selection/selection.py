@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..distributed import rank
-from .config import TokenTuneConfig
+from .config import TokenSelectionConfig
 
 # Tiers added to a uniform [0, 1) draw: a position of a higher tier is always chosen before a lower one.
 _FORCED, _LABELLED, _OTHER = 3.0, 2.0, 1.0
@@ -114,7 +114,7 @@ def forced_positions(real: torch.Tensor, keep_first: bool, keep_last: bool) -> t
 
 
 def draw_selection(
-    config: TokenTuneConfig,
+    config: TokenSelectionConfig,
     real: torch.Tensor,
     forced: torch.Tensor,
     labelled: torch.Tensor | None,

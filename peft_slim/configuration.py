@@ -1,0 +1,432 @@
+"""One path for every peft_slim config: field checks, coercion, unknown keys and (de)serialisation.
+
+Each config field declares its check in ``metadata={"help": ..., "check": <Check>}``; :func:`validate` runs
+the checks of every field (coercing, e.g. ``np.int64`` to ``int``), then the config's cross-field
+``_check()``. Nested configs are checked the same way, by :class:`Nested`. The contract, kept in one place:
+
+* a wrong value is a ``ValueError`` naming ``Class.field``, what was given and what would work;
+* an unknown key given by the user is a ``TypeError``/``ValueError`` naming it and the nearest valid field;
+* an unknown key in a saved ``adapter_config.json`` (written by a newer version) is a warning naming it and
+  the version that saved it, and is dropped;
+* ``to_dict()`` is JSON-ready (nested configs as dicts, sets as sorted lists) and records the saving version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import json
+import math
+import numbers
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from peft import LoraConfig
+
+VERSION_KEY = "peft_slim_version"
+
+
+class SavedDict(dict):
+    """A nested config dict read from a saved ``adapter_config.json``: unknown keys warn instead of raising."""
+
+
+def field_name(config_or_cls: Any, name: str) -> str:
+    cls = config_or_cls if isinstance(config_or_cls, type) else type(config_or_cls)
+    return f"{cls.__name__}.{name}"
+
+
+def nearest(name: str, valid: list[str]) -> str:
+    """' (did you mean `x`?)' for the closest valid name, or ''."""
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+    return f" (did you mean `{close[0]}`?)" if close else ""
+
+
+def unknown_keys_message(cls: type, unknown: list[str]) -> str:
+    valid = sorted(f.name for f in dataclasses.fields(cls) if f.init)
+    hints = "".join(f"\n  `{key}`{nearest(key, valid)}" for key in unknown)
+    return f"{cls.__name__} has no field(s):{hints}\nValid fields: {', '.join(valid)}."
+
+
+def warn_unknown_saved_keys(cls: type, unknown: list[str], version: Any) -> None:
+    saved_by = f"peft_slim {version}" if version else "another version of peft_slim"
+    from . import __version__
+
+    warnings.warn(
+        f"{cls.__name__}: the saved config has field(s) {sorted(unknown)} that this version of peft_slim "
+        f"({__version__}) does not know; they are ignored. It was written by {saved_by}: upgrade peft_slim to "
+        "use them.",
+        stacklevel=3,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- field checks
+
+
+class Check:
+    """A field check: ``check(value, where)`` returns the (coerced) value or raises ``ValueError``."""
+
+    optional: bool = False
+    expected: str = ""
+
+    def __call__(self, value: Any, where: str) -> Any:
+        if value is None and self.optional:
+            return None
+        return self.coerce(value, where)
+
+    def coerce(self, value: Any, where: str) -> Any:
+        raise NotImplementedError
+
+    def fail(self, value: Any, where: str):
+        none = " or None" if self.optional else ""
+        raise ValueError(f"{where} must be {self.expected}{none}, got {value!r}.")
+
+
+@dataclasses.dataclass
+class Integer(Check):
+    low: int | None = None
+    high: int | None = None
+    optional: bool = False
+    multiple_of: int = 1
+
+    @property
+    def expected(self) -> str:
+        what = "an int" if self.multiple_of == 1 else f"a multiple of {self.multiple_of}"
+        if self.low is not None and self.high is not None:
+            return f"{what} in [{self.low}, {self.high}]"
+        return f"{what} >= {self.low}" if self.low is not None else what
+
+    def coerce(self, value: Any, where: str) -> int:
+        # Exact integers only (numpy ints included): 4.0 or True is a mistake more often than an int.
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            self.fail(value, where)
+        value = int(value)
+        if (self.low is not None and value < self.low) or (self.high is not None and value > self.high):
+            self.fail(value, where)
+        if value % self.multiple_of:
+            self.fail(value, where)
+        return value
+
+
+@dataclasses.dataclass
+class Real(Check):
+    low: float
+    high: float
+    low_open: bool = False
+    high_open: bool = False
+    optional: bool = False
+
+    @property
+    def expected(self) -> str:
+        if math.isinf(self.high):
+            return f"a finite float {'>' if self.low_open else '>='} {self.low:g}"
+        left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+        return f"a float in {left}{self.low:g}, {self.high:g}{right}"
+
+    def coerce(self, value: Any, where: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            self.fail(value, where)
+        number = float(value)
+        above = number > self.low if self.low_open else number >= self.low
+        below = number < self.high if self.high_open else number <= self.high
+        if not (math.isfinite(number) or (number == self.high and not self.high_open)) or not (above and below):
+            self.fail(value, where)
+        return number
+
+
+@dataclasses.dataclass
+class Boolean(Check):
+    expected: str = "True or False"
+
+    def coerce(self, value: Any, where: str) -> bool:
+        if not isinstance(value, bool):  # numpy bools included via their type's `item` below
+            if type(value).__name__ == "bool_" and hasattr(value, "item"):
+                return bool(value.item())
+            self.fail(value, where)
+        return value
+
+
+@dataclasses.dataclass
+class OneOf(Check):
+    """One of ``choices`` (strings or ints; an int choice is not matched by a float or a bool)."""
+
+    choices: tuple
+    optional: bool = False
+
+    @property
+    def expected(self) -> str:
+        return f"one of {self.choices}"
+
+    def coerce(self, value: Any, where: str) -> Any:
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            value = int(value)
+        elif not isinstance(value, str):
+            self.fail(value, where)
+        if value not in self.choices:
+            hint = nearest(value, [str(c) for c in self.choices]) if isinstance(value, str) else ""
+            none = " or None" if self.optional else ""
+            raise ValueError(f"{where} must be {self.expected}{none}, got {value!r}{hint}.")
+        return value
+
+
+def _string_list(value: Any, where: str, what: str, allow_empty: bool = False) -> list[str]:
+    """A list of strings from a list, tuple or set; a single string is refused where it would be ambiguous."""
+    if isinstance(value, (set, frozenset)):
+        value = sorted(value, key=str)
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{where} must be {what}, got {value!r}.")
+    bad = [item for item in value if not isinstance(item, str) or not item]
+    if bad or (not value and not allow_empty):
+        raise ValueError(f"{where} must be {what}; got {value!r} (entries must be non-empty strings).")
+    return list(value)
+
+
+def _compiled(pattern: str, where: str) -> str:
+    try:
+        re.compile(pattern)
+    except re.error as error:
+        raise ValueError(f"{where}: {pattern!r} is not a valid regular expression ({error}).") from None
+    return pattern
+
+
+@dataclasses.dataclass
+class ModuleNames(Check):
+    """Module names (list, suffix match) or one regex (a string, full match), as LoRA's ``target_modules``."""
+
+    optional: bool = True
+    expected: str = "a list of module names or one regex string"
+
+    def coerce(self, value: Any, where: str) -> list[str] | str:
+        if isinstance(value, str):
+            return _compiled(value, where)
+        return _string_list(value, where, self.expected)
+
+
+@dataclasses.dataclass
+class NameList(Check):
+    """A list of module names; a single string is one name (never its characters)."""
+
+    optional: bool = True
+    expected: str = "a list of module names"
+
+    def coerce(self, value: Any, where: str) -> list[str]:
+        if isinstance(value, str):
+            value = [value]
+        return _string_list(value, where, self.expected)
+
+
+@dataclasses.dataclass
+class Regexes(Check):
+    """A non-empty list of regexes; a single string is one regex."""
+
+    optional: bool = True
+    expected: str = "a non-empty list of regexes"
+
+    def coerce(self, value: Any, where: str) -> list[str]:
+        if isinstance(value, str):
+            value = [value]
+        return [_compiled(pattern, where) for pattern in _string_list(value, where, self.expected)]
+
+
+@dataclasses.dataclass
+class Choices(Check):
+    """A non-empty list drawn from ``choices`` (a single string is one entry), returned sorted and unique."""
+
+    choices: tuple
+    optional: bool = False
+
+    @property
+    def expected(self) -> str:
+        return f"a non-empty list of {self.choices}"
+
+    def coerce(self, value: Any, where: str) -> list[str]:
+        values = _string_list([value] if isinstance(value, str) else value, where, self.expected)
+        unknown = [v for v in values if v not in self.choices]
+        if unknown:
+            raise ValueError(f"{where} must be {self.expected}, got {value!r}{nearest(unknown[0], self.choices)}.")
+        return sorted(set(values))
+
+
+@dataclasses.dataclass
+class Mapping(Check):
+    """A dict whose keys are among ``keys`` and whose values pass ``values``; returned with sorted keys."""
+
+    keys: tuple
+    values: Check
+    optional: bool = True
+
+    @property
+    def expected(self) -> str:
+        return f"a dict with keys among {self.keys}"
+
+    def coerce(self, value: Any, where: str) -> dict:
+        if not isinstance(value, dict):
+            self.fail(value, where)
+        unknown = [k for k in value if k not in self.keys]
+        if unknown:
+            hint = nearest(unknown[0], self.keys) if isinstance(unknown[0], str) else ""
+            raise ValueError(f"{where} must be {self.expected}, got key {unknown[0]!r}{hint}.")
+        return {key: self.values(value[key], f"{where}[{key!r}]") for key in sorted(value)}
+
+
+@dataclasses.dataclass
+class Nested(Check):
+    """A nested peft_slim config: an instance of ``cls``, or its dict (unknown keys: see the module docstring)."""
+
+    cls: type
+    optional: bool = True
+    convert: Callable[[Any, str], Any] | None = None  # other accepted forms (e.g. an older config type)
+
+    @property
+    def expected(self) -> str:
+        return f"a peft_slim.{self.cls.__name__} or its dict"
+
+    def coerce(self, value: Any, where: str) -> Any:
+        if self.convert is not None:
+            value = self.convert(value, where)
+        if isinstance(value, dict):
+            return from_dict(self.cls, value, saved=isinstance(value, SavedDict), where=where)
+        if not isinstance(value, self.cls):
+            raise ValueError(f"{where} must be {self.expected}{' or None' if self.optional else ''}, got {value!r}.")
+        return value
+
+
+@dataclasses.dataclass
+class Lora(Check):
+    """A nested ``peft.LoraConfig``, or its dict (as saved). Unknown keys follow the contract above."""
+
+    optional: bool = True
+    expected: str = "a peft.LoraConfig or its dict"
+
+    def coerce(self, value: Any, where: str) -> LoraConfig:
+        if isinstance(value, dict):
+            valid = [f.name for f in dataclasses.fields(LoraConfig) if f.init]
+            unknown = sorted(key for key in value if key not in valid)
+            saved = isinstance(value, SavedDict) or "peft_type" in value
+            if unknown and not saved:
+                raise ValueError(f"{where}: {unknown_keys_message(LoraConfig, unknown)}")
+            if unknown:
+                warn_unknown_saved_keys(LoraConfig, unknown, value.get(VERSION_KEY))
+            value = LoraConfig.from_peft_type(**{k: v for k, v in value.items() if k in valid})
+        if not isinstance(value, LoraConfig):
+            self.fail(value, where)
+        return value
+
+
+# ---------------------------------------------------------------------------------------------- configs
+
+
+def validate(config: Any) -> None:
+    """Run every field's check (storing the coerced value), then the config's cross-field ``_check()``."""
+    for spec in dataclasses.fields(config):
+        check = spec.metadata.get("check")
+        if check is not None:
+            setattr(config, spec.name, check(getattr(config, spec.name), field_name(config, spec.name)))
+    config._check()
+
+
+def to_json_value(value: Any) -> Any:
+    """``value`` as JSON-ready data: nested configs as dicts, sets as sorted lists, enums as their value."""
+    if isinstance(value, LoraConfig):
+        return {key: to_json_value(item) for key, item in value.to_dict().items()}
+    if hasattr(value, "to_dict") and dataclasses.is_dataclass(value):
+        return value.to_dict()
+    if isinstance(value, (set, frozenset)):
+        return sorted((to_json_value(v) for v in value), key=str)
+    if isinstance(value, (list, tuple)):
+        return [to_json_value(v) for v in value]
+    if isinstance(value, dict):
+        return {key: to_json_value(item) for key, item in value.items()}
+    if isinstance(value, str):  # str-valued enums such as PeftType and TaskType
+        return str(value.value) if hasattr(value, "value") else value
+    return value
+
+
+def from_dict(cls: type, values: dict[str, Any], saved: bool = False, where: str | None = None) -> Any:
+    """``cls(**values)``; an unknown key raises (``saved``: warns and is dropped, as a newer version wrote it)."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{where or cls.__name__} must be a dict of {cls.__name__}'s fields, got {values!r}.")
+    valid = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(key for key in values if key not in valid)
+    if unknown and not saved:
+        prefix = f"{where}: " if where else ""
+        raise ValueError(prefix + unknown_keys_message(cls, unknown))
+    if unknown:
+        warn_unknown_saved_keys(cls, unknown, values.get(VERSION_KEY))
+    known = {key: SavedDict(value) if saved and isinstance(value, dict) else value for key, value in values.items()}
+    return cls(**{key: value for key, value in known.items() if key in valid})
+
+
+def _suggest_on_unknown_keyword(init: Callable) -> Callable:
+    """Wrap a dataclass ``__init__``: a misspelt keyword names the nearest field (still a TypeError, as Python's).
+
+    Keywords that carry ``peft_type`` come from a saved ``adapter_config.json`` (users never pass it; PEFT's
+    loaders pass the whole file): there unknown keys warn and are dropped, and nested dicts are read as saved.
+    """
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        valid = [f.name for f in dataclasses.fields(self) if f.init]
+        unknown = sorted(key for key in kwargs if key not in valid)
+        if "peft_type" in kwargs:
+            if unknown:
+                warn_unknown_saved_keys(type(self), unknown, kwargs.get(VERSION_KEY))
+            kwargs = {k: SavedDict(v) if isinstance(v, dict) else v for k, v in kwargs.items() if k not in unknown}
+        elif unknown:
+            raise TypeError(
+                f"{type(self).__name__}.__init__() got an unexpected keyword argument {unknown[0]!r}"
+                f"{nearest(unknown[0], valid)}. " + unknown_keys_message(type(self), unknown)
+            )
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+def config_dataclass(cls: type) -> type:
+    """``@dataclass`` for peft_slim configs: adds the misspelt-keyword hint to ``__init__``."""
+    cls = dataclasses.dataclass(cls)
+    cls.__init__ = _suggest_on_unknown_keyword(cls.__init__)
+    return cls
+
+
+class ValidatedConfig:
+    """Base of peft_slim's plain configs (not PEFT types): validated on construction, JSON-ready."""
+
+    def __post_init__(self):
+        validate(self)
+
+    def _check(self) -> None:
+        """Cross-field checks; subclasses extend it (calling ``super()._check()``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {spec.name: to_json_value(getattr(self, spec.name)) for spec in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], saved: bool = False):
+        return from_dict(cls, values, saved=saved)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so that a failure leaves any existing file as it was."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+
+
+def dump_json(data: Any) -> str:
+    """``data`` as the JSON PEFT writes (indented, sorted keys); raises before anything touches the disk."""
+    return json.dumps(data, indent=2, sort_keys=True)

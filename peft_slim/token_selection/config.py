@@ -1,0 +1,73 @@
+"""Which tokens receive gradients: the selection fields every method that trains on a token subset shares."""
+
+from __future__ import annotations
+
+from dataclasses import field
+
+from ..configuration import Integer, OneOf, Real, ValidatedConfig, config_dataclass
+
+SELECTION_RULES = ("random", "supervised")
+DEFAULT_TOKEN_RATIO = 0.3
+MAX_TOKENS = 2**31 - 1  # more positions than any sequence holds; keeps the count an int32/int64 everywhere
+MAX_SEED = 2**62  # the generator is seeded with seed + rank, which must stay a valid 64-bit seed
+
+
+@config_dataclass
+class TokenSelectionConfig(ValidatedConfig):
+    """How many positions of each sequence receive gradients, and which.
+
+    Give exactly one of `token_ratio` or `num_tokens` (neither means `token_ratio=0.3`, the paper's Llama
+    setting). Positions a head reads ([CLS], BOS, a decoder's last real token) are always selected and
+    padding never is. Used as TokenTune's selection fields and as `SlimFitConfig.tokentune`.
+    """
+
+    token_ratio: float | None = field(
+        default=None,
+        metadata={
+            "help": "Fraction in (0, 1] of each sequence's real tokens that receive gradients.",
+            "check": Real(0.0, 1.0, low_open=True, optional=True),
+        },
+    )
+    num_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": f"Absolute number (1 to {MAX_TOKENS}) of tokens per sequence that receive gradients.",
+            "check": Integer(1, MAX_TOKENS, optional=True),
+        },
+    )
+    selection: str = field(
+        default="random",
+        metadata={
+            "help": "'random': uniform per sequence, redrawn every forward (the paper). 'supervised': draw first "
+            "among positions that carry a loss label, then among the rest. Head positions ([CLS], BOS and the "
+            "last real token) are always selected; padding never is.",
+            "check": OneOf(SELECTION_RULES),
+        },
+    )
+    seed: int | None = field(
+        default=None,
+        metadata={
+            "help": f"Seed (0 to {MAX_SEED}) of the selection generator, for reproducible selections; each process "
+            "of a distributed run adds its rank. None: a fresh seed.",
+            "check": Integer(0, MAX_SEED, optional=True),
+        },
+    )
+
+    def _check(self) -> None:
+        super()._check()
+        if self.token_ratio is not None and self.num_tokens is not None:
+            raise ValueError(
+                f"{type(self).__name__}: give exactly one of `token_ratio` or `num_tokens`, not both "
+                f"(got token_ratio={self.token_ratio!r}, num_tokens={self.num_tokens!r})."
+            )
+        if self.token_ratio is None and self.num_tokens is None:
+            self.token_ratio = DEFAULT_TOKEN_RATIO
+
+    def selection_config(self) -> TokenSelectionConfig:
+        """The selection fields alone (a subclass such as TokenTuneConfig carries more)."""
+        return TokenSelectionConfig(
+            token_ratio=self.token_ratio,
+            num_tokens=self.num_tokens,
+            selection=self.selection,
+            seed=self.seed,
+        )

@@ -1,0 +1,187 @@
+"""One config path: every field of every config (nested ones included) is checked, coerced and (de)serialised
+the same way; unknown keys raise for the user and warn for a saved file; a failed save damages nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from peft import LoraConfig, PeftConfig
+
+from peft_slim import ActivationCompressionConfig, SlimFitConfig, TokenSelectionConfig, TokenTuneConfig
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "v0.1.0")
+CONFIGS = [TokenTuneConfig, SlimFitConfig, TokenSelectionConfig, ActivationCompressionConfig]
+
+
+# ---------------------------------------------------------------------------------------------- unknown keys
+
+
+@pytest.mark.parametrize("cls", CONFIGS)
+def test_misspelt_keyword_names_the_nearest_field(cls):
+    field = {TokenTuneConfig: "token_ratio", SlimFitConfig: "freeze_ratio"}.get(cls, "seed")
+    if cls is ActivationCompressionConfig:
+        field = "group_size"
+    typo = field[:-1] + field[-1] * 2 + "x"
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{typo}'.*did you mean `{field}`"):
+        cls(**{typo: 1})
+
+
+@pytest.mark.parametrize(
+    ("fields", "where", "nearest"),
+    [
+        ({"lora": {"r": 4, "target_module": ["q_proj"]}}, "TokenTuneConfig.lora", "target_modules"),
+        ({"activation_compression": {"bitz": 4}}, "TokenTuneConfig.activation_compression", "bits"),
+    ],
+)
+def test_unknown_key_in_a_nested_dict_is_an_error(fields, where, nearest):
+    with pytest.raises(ValueError, match=f"(?s){where}.*did you mean `{nearest}`"):
+        TokenTuneConfig(**fields)
+
+
+def test_unknown_key_in_slimfit_tokentune_dict_is_an_error():
+    with pytest.raises(ValueError, match="(?s)SlimFitConfig.tokentune.*did you mean `token_ratio`"):
+        SlimFitConfig(tokentune={"token_ratios": 0.2})
+
+
+def test_unknown_keys_in_a_saved_config_warn_and_name_the_saving_version(tmp_path):
+    with open(os.path.join(DATA, "tokentune_adapter_config.json")) as handle:
+        config = json.load(handle)
+    config["future_field"] = 1
+    config["activation_compression"]["future_bits"] = 3
+    config["peft_slim_version"] = "9.9.9"
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.warns(UserWarning) as caught:
+        loaded = PeftConfig.from_pretrained(str(tmp_path))
+    messages = " ".join(str(w.message) for w in caught)
+    assert "future_field" in messages and "future_bits" in messages and "9.9.9" in messages
+    assert isinstance(loaded, TokenTuneConfig) and loaded.activation_compression.bits == 4
+
+
+# ---------------------------------------------------------------------------------------------- old files
+
+
+def test_configs_saved_by_0_1_0_load_unchanged():
+    tokentune = PeftConfig.from_pretrained(_copy("tokentune"))
+    assert isinstance(tokentune, TokenTuneConfig)
+    assert (tokentune.token_ratio, tokentune.selection) == (0.25, "supervised")
+    assert isinstance(tokentune.lora, LoraConfig) and set(tokentune.lora.target_modules) == {"q_proj", "v_proj"}
+    assert tokentune.activation_compression.bits == 4
+
+    slimfit = PeftConfig.from_pretrained(_copy("slimfit"))
+    assert isinstance(slimfit, SlimFitConfig) and slimfit.freeze_ratio == 0.8
+    # 0.1.0 nested a whole TokenTuneConfig; its selection fields are what SlimFit uses.
+    assert slimfit.tokentune == TokenSelectionConfig(num_tokens=8, seed=1)
+    assert slimfit.lora.r == 4
+
+
+def _copy(name: str) -> str:
+    import tempfile
+
+    folder = tempfile.mkdtemp()
+    shutil.copy(os.path.join(DATA, f"{name}_adapter_config.json"), os.path.join(folder, "adapter_config.json"))
+    return folder
+
+
+def test_a_tokentune_config_in_slimfit_gives_its_selection_fields():
+    config = SlimFitConfig(tokentune=TokenTuneConfig(num_tokens=8, selection="supervised", seed=3))
+    assert config.tokentune == TokenSelectionConfig(num_tokens=8, selection="supervised", seed=3)
+
+
+# ---------------------------------------------------------------------------------------------- coercion
+
+
+def test_numpy_values_are_coerced_to_python_and_save(tmp_path):
+    config = TokenTuneConfig(num_tokens=np.int64(8), seed=np.int32(3))
+    slim = SlimFitConfig(freeze_ratio=np.float32(0.5), max_frozen_steps=np.int64(7))
+    assert type(config.num_tokens) is int and type(config.seed) is int
+    assert type(slim.freeze_ratio) is float and type(slim.max_frozen_steps) is int
+    config.save_pretrained(str(tmp_path))
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["num_tokens"] == 8
+
+
+def test_a_single_module_name_is_one_name_not_its_characters():
+    assert TokenTuneConfig(modules_to_save="score").modules_to_save == ["score"]
+    assert SlimFitConfig(modules_to_save="classifier").modules_to_save == ["classifier"]
+
+
+@pytest.mark.parametrize(
+    ("cls", "fields", "message"),
+    [
+        (ActivationCompressionConfig, {"bits": 4.0}, "ActivationCompressionConfig.bits must be one of"),
+        (ActivationCompressionConfig, {"group_size": 64.0}, "group_size"),
+        (ActivationCompressionConfig, {"kind_bits": {"activation": 4.0}}, r"kind_bits\['activation'\]"),
+        (SlimFitConfig, {"epsilon": float("inf")}, "epsilon must be a finite float > 0"),
+        (SlimFitConfig, {"epsilon": float("nan")}, "epsilon"),
+        (TokenTuneConfig, {"num_tokens": 10**30}, "num_tokens must be an int in"),
+        (TokenTuneConfig, {"seed": 2**64}, "seed must be an int in"),
+        (TokenTuneConfig, {"seed": -1}, "seed must be an int in"),
+        (SlimFitConfig, {"seed": 2**64}, "seed must be an int in"),
+        (SlimFitConfig, {"units": ["(unclosed"]}, "SlimFitConfig.units: '\\(unclosed' is not a valid regular"),
+        (SlimFitConfig, {"always_trainable": "(bad"}, "always_trainable: '\\(bad' is not a valid regular"),
+        (TokenTuneConfig, {"trainable_modules": "[x"}, "trainable_modules"),
+        (TokenTuneConfig, {"modules_to_save": ["score", None]}, "TokenTuneConfig.modules_to_save"),
+        (TokenTuneConfig, {"trainable_modules": ["q_proj", None]}, "TokenTuneConfig.trainable_modules"),
+        (SlimFitConfig, {"always_trainable": [None]}, "SlimFitConfig.always_trainable"),
+        (TokenTuneConfig, {"token_ratio": True}, "token_ratio"),
+        (TokenTuneConfig, {"selection": "randm"}, "did you mean `random`"),
+        (SlimFitConfig, {"keep_base_weights": 1}, "keep_base_weights must be True or False"),
+    ],
+)
+def test_bad_values_are_value_errors_naming_the_field(cls, fields, message):
+    with pytest.raises(ValueError, match=message):
+        cls(**fields)
+
+
+# ---------------------------------------------------------------------------------------------- round trips
+
+_ratios = st.one_of(st.none(), st.floats(0.01, 1.0))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ratio=_ratios,
+    count=st.one_of(st.none(), st.integers(1, 4096)),
+    rule=st.sampled_from(["random", "supervised"]),
+    seed=st.one_of(st.none(), st.integers(0, 2**62)),
+    bits=st.sampled_from([None, 2, 4, 8]),
+    freeze=st.floats(0.0, 0.99),
+)
+def test_every_valid_config_round_trips_through_json(tmp_path_factory, ratio, count, rule, seed, bits, freeze):
+    if ratio is not None and count is not None:
+        with pytest.raises(ValueError, match="exactly one of"):
+            TokenTuneConfig(token_ratio=ratio, num_tokens=count)
+        return
+    selection = {"token_ratio": ratio, "num_tokens": count, "selection": rule, "seed": seed}
+    compression = {"bits": bits, "kind_bits": {"activation": 4}}
+    for config in (
+        TokenTuneConfig(**selection, activation_compression=compression, lora=LoraConfig(r=2)),
+        SlimFitConfig(freeze_ratio=freeze, tokentune=selection, activation_compression=compression),
+    ):
+        folder = str(tmp_path_factory.mktemp("config"))
+        config.save_pretrained(folder)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a config this version saved loads without a word
+            loaded = PeftConfig.from_pretrained(folder)
+        assert type(loaded) is type(config)
+        assert loaded.to_dict() == config.to_dict()
+
+
+# ---------------------------------------------------------------------------------------------- atomic saves
+
+
+def test_a_failed_config_save_leaves_the_existing_file_untouched(tmp_path):
+    TokenTuneConfig(token_ratio=0.5).save_pretrained(str(tmp_path))
+    before = (tmp_path / "adapter_config.json").read_bytes()
+    broken = TokenTuneConfig(token_ratio=0.5)
+    broken.revision = object()  # not JSON-serialisable: the save must fail before touching the disk
+    with pytest.raises(TypeError):
+        broken.save_pretrained(str(tmp_path))
+    assert (tmp_path / "adapter_config.json").read_bytes() == before
+    assert os.listdir(tmp_path) == ["adapter_config.json"]  # no temporary file left behind
