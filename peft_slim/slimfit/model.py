@@ -13,6 +13,7 @@ from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..compat import active_ddp_module
 from ..compression import ActivationCompression, CompressionStats, compress_activations
 from ..nested_lora import inject_lora
 from ..tokentune.forward import TokenTuneForward, check_attention_implementation
@@ -192,7 +193,7 @@ class SlimFitModel(BaseTuner):
     def _before_forward(self, model: nn.Module, args: tuple) -> None:
         if not (model.training and torch.is_grad_enabled()):
             return
-        check_ddp(DistributedDataParallel._get_active_ddp_module(), self.scheduler)
+        check_ddp(active_ddp_module(), self.scheduler)
         if not self._applied:
             self._apply_schedule()
         compression = self._config.activation_compression

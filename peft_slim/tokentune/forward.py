@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compat import get_attn_implementation, set_attn_implementation
 from ..compression import ActivationCompression, ActivationCompressionConfig, CompressionStats, compress_activations
 from .attention import REGISTERED_NAMES, SUPPORTED_IMPLEMENTATIONS
 from .blocks import BlockRunner, find_blocks
@@ -35,7 +36,7 @@ class _TrainingForward:
 
 
 def check_attention_implementation(model: nn.Module) -> None:
-    implementation = getattr(model.config, "_attn_implementation", None)
+    implementation = get_attn_implementation(model.config)
     if implementation not in SUPPORTED_IMPLEMENTATIONS:
         raise ValueError(
             f"TokenTune needs attn_implementation in {SUPPORTED_IMPLEMENTATIONS}; "
@@ -95,7 +96,7 @@ class TokenTuneForward:
         self._state = None
         if not self.active:
             return args, kwargs
-        implementation = model.config._attn_implementation
+        implementation = get_attn_implementation(model.config)
         if implementation not in SUPPORTED_IMPLEMENTATIONS:
             raise ValueError(
                 f"TokenTune needs attn_implementation in {SUPPORTED_IMPLEMENTATIONS}, got {implementation!r}."
@@ -120,7 +121,7 @@ class TokenTuneForward:
             num_items_in_batch=num_items,
             attn_implementation=implementation,
         )
-        model.config._attn_implementation = REGISTERED_NAMES[implementation]
+        set_attn_implementation(model.config, REGISTERED_NAMES[implementation])
         if self.compression is not None:  # entered last: the always_call post-hook exits it, after an exception too
             self._state.compression = compress_activations(self.compression).__enter__()
             self.last_compression_stats = self._state.compression.stats
@@ -174,7 +175,7 @@ class TokenTuneForward:
                 state.compression.__exit__(None, None, None)
 
     def _finish_forward(self, model: nn.Module, state: _TrainingForward, output: Any):
-        model.config._attn_implementation = state.attn_implementation
+        set_attn_implementation(model.config, state.attn_implementation)
         if state.selection is None or state.labels is None or self._head not in ("causal_lm", "per_position"):
             return None
         if output is None:  # the forward raised; always_call hooks still run
