@@ -8,6 +8,8 @@ from peft import PeftModel
 from peft.utils import SAFETENSORS_WEIGHTS_NAME, get_peft_model_state_dict
 from safetensors.torch import save_file
 
+from .compat import base_model_class
+
 
 def export_lora(model: PeftModel, out_dir: str, adapter_name: str = "default") -> str:
     """Write ``model``'s LoRA adapter to ``out_dir`` as vanilla PEFT would save a LoraConfig adapter.
@@ -31,7 +33,7 @@ def export_lora(model: PeftModel, out_dir: str, adapter_name: str = "default") -
         lora_config.base_model_name_or_path = model.get_base_model().__dict__.get("name_or_path", None) or None
     auto_mapping = None
     if lora_config.task_type is None:  # as PeftModel.save_pretrained does, so AutoPeftModel* can load it
-        base_cls = model._get_base_model_class()
+        base_cls = base_model_class(model)
         auto_mapping = {"base_model_class": base_cls.__name__, "parent_library": base_cls.__module__}
     os.makedirs(out_dir, exist_ok=True)
     lora_config.save_pretrained(out_dir, auto_mapping_dict=auto_mapping)

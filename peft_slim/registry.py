@@ -10,20 +10,12 @@ from __future__ import annotations
 from peft.utils import register_peft_method
 from peft.utils.peft_types import PeftType
 
+from .compat import add_enum_member
+
 
 def add_peft_type(name: str) -> PeftType:
     """Return ``PeftType[name]``, adding the member first if PEFT does not know it."""
-    if name in PeftType.__members__:
-        return PeftType[name]
-    member = str.__new__(PeftType, name)
-    member._name_ = name
-    member._value_ = name
-    member.__objclass__ = PeftType
-    PeftType._member_map_[name] = member
-    PeftType._value2member_map_[name] = member
-    PeftType._member_names_.append(name)
-    type.__setattr__(PeftType, name, member)
-    return member
+    return add_enum_member(PeftType, name)
 
 
 def register_method(name: str, config_cls: type, model_cls: type) -> PeftType:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import re
 
-from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
+
+from .compat import auxiliary_training_wrapper_cls
+
+AuxiliaryTrainingWrapper = auxiliary_training_wrapper_cls()
 
 
 def trainable_parameter_names(model: nn.Module, targets: list[str] | str | None, field: str) -> list[str]:

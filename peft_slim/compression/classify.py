@@ -14,10 +14,12 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from ..compat import ACTIVATION_MODULES, CONV_BASE_CLASSES, NORM_BASE_CLASSES, autocast_copy_source, storage_base
+
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm, nn.modules.batchnorm._NormBase)
-_LINEAR = (nn.Linear, nn.modules.conv._ConvNd)
-_ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm, *NORM_BASE_CLASSES)
+_LINEAR = (nn.Linear, *CONV_BASE_CLASSES)
+_ACTIVATION_MODULES = ACTIVATION_MODULES
 
 
 @functools.cache
@@ -79,15 +81,12 @@ def is_weight(tensor: torch.Tensor, module: nn.Module | None) -> bool:
     ``ToCopyBackward`` of the parameter's accumulator; that of a frozen weight has no history at all, and is
     recognised by having the shape, but not the dtype, of one of the saving module's own parameters.
     """
-    root = tensor if tensor._base is None else tensor._base
+    root = storage_base(tensor)
     if isinstance(root, nn.Parameter):
         return True
     grad_fn = root.grad_fn
     if grad_fn is not None:
-        if type(grad_fn).__name__ != "ToCopyBackward0":
-            return False
-        source = grad_fn.next_functions[0][0]
-        return isinstance(getattr(source, "variable", None), nn.Parameter)
+        return isinstance(autocast_copy_source(grad_fn), nn.Parameter)
     # (Autocast's own state cannot be asked here: its dispatch key is excluded while it runs the op.)
     if module is None or root.requires_grad:
         return False

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from ..compat import storage_base
+from ..compat import tensor_version as version_of
 from .classify import ModuleStack, is_compressible, is_weight, module_kind
 from .config import KINDS, ActivationCompressionConfig
 from .tensor import CompressedTensor, compress
@@ -91,7 +93,7 @@ class ActivationCompression(saved_tensors_hooks):
         wanted = bits is not None or pruned or (offloaded and kind in self._handled)
         if not wanted or not is_compressible(tensor, config.min_numel):
             return self._keep(entry, tensor)
-        key = (tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor._version)
+        key = (tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, version_of(tensor))
         key += (bits, pruned)
         cached = entry.packed.get(key)
         packed = cached() if cached is not None else None
@@ -119,7 +121,7 @@ class ActivationCompression(saved_tensors_hooks):
         storage = tensor.untyped_storage()
         entry = self._storages.get(storage.data_ptr())
         if entry is None or entry.owner() is None:
-            entry = _Storage(weakref.ref(tensor if tensor._base is None else tensor._base))
+            entry = _Storage(weakref.ref(storage_base(tensor)))
             self._storages[storage.data_ptr()] = entry
             self.stats.original_bytes += storage.nbytes()
         return entry

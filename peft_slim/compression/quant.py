@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..compat import rowwise_byte_kernels
 from .packing import pack_bits, unpack_bits
 
 
@@ -207,8 +208,10 @@ def _row_stats(rows: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
 def _rowwise_kernels():
     """torch's fused row-wise 8-bit (prepack, unpack) ops, if present and coding as expected here; else None."""
     try:
-        prepack = torch.ops.quantized.embedding_bag_byte_prepack
-        unpack = torch.ops.quantized.embedding_bag_byte_unpack
+        kernels = rowwise_byte_kernels()
+        if kernels is None:
+            return None
+        prepack, unpack = kernels
         values = torch.linspace(-1.5, 2.0, 16).view(2, 8) ** 3
         rows = prepack(values)
         scale, low = _row_stats(rows, 8)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 from transformers import TrainerCallback
-from transformers.trainer_callback import ExportableState
+
+from ..compat import exportable_state_cls
+
+ExportableState = exportable_state_cls()
 
 
 def find_slimfit(model: nn.Module):

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..compat import active_ddp_module
 from ..token_selection import TokenSelectionConfig
 from ..tuner import MethodTuner
 from .base_weights import BaseWeights
@@ -153,7 +154,7 @@ class SlimFitModel(MethodTuner):
     def _before_forward(self, model: nn.Module, args: tuple) -> None:
         if not (model.training and torch.is_grad_enabled()):
             return
-        check_ddp(DistributedDataParallel._get_active_ddp_module(), self.scheduler)
+        check_ddp(active_ddp_module(), self.scheduler)
         if not self._applied:
             self._apply_schedule()
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 
+from ..compat import auxiliary_training_wrapper_cls
 from ..trainable import trainable_parameter_names
 from .config import SlimFitConfig
 
+AuxiliaryTrainingWrapper = auxiliary_training_wrapper_cls()
 LORA_MARK = ".lora_"  # lora_A, lora_B, lora_embedding_A/B, lora_magnitude_vector (DoRA)
 
 

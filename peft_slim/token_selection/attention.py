@@ -14,7 +14,6 @@ With no ``BlockPass`` in the arguments the original implementation runs unchange
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +23,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..compat import eager_attention_function
 from .selection import TokenSelection
 
 PASS_KWARG = "tokentune_pass"
@@ -47,7 +47,7 @@ class BlockPass:
 def _original_attention(module: torch.nn.Module, implementation: str) -> Callable:
     if implementation == "sdpa":
         return ALL_ATTENTION_FUNCTIONS["sdpa"]
-    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    eager = eager_attention_function(module)
     if eager is None:
         raise ValueError(
             f"TokenTune: {type(module).__name__} has no module-level `eager_attention_forward`; "

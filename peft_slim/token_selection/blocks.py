@@ -19,6 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compat import (
+    checkpointing_function,
+    get_attn_implementation,
+    set_attn_implementation,
+    set_checkpointing_function,
+)
 from .attention import PASS_KWARG, BlockPass
 from .selection import TokenSelection
 
@@ -88,9 +94,9 @@ class BlockRunner:
             handle.remove()
         self.handles.clear()
         for block in self.blocks:
-            checkpoint_func = getattr(block, "_gradient_checkpointing_func", None)
+            checkpoint_func = checkpointing_function(block, strict=False)
             if getattr(checkpoint_func, "_tokentune_replay", False):
-                block._gradient_checkpointing_func = checkpoint_func.__wrapped__
+                set_checkpointing_function(block, checkpoint_func.__wrapped__)
 
     def _before(self, block: nn.Module, args: tuple, kwargs: dict):
         if PASS_KWARG in kwargs:  # already prepared (e.g. a wrapper that calls the block again)
@@ -153,10 +159,10 @@ class BlockRunner:
         replay runs in backward, after the model forward has restored ``config._attn_implementation``, so
         the attention function would be looked up under the original name and miss the recorded keys/values.
         """
-        checkpoint_func = getattr(block, "_gradient_checkpointing_func", None)
+        checkpoint_func = checkpointing_function(block)
         if self.config is None or checkpoint_func is None or getattr(checkpoint_func, "_tokentune_replay", False):
             return
-        block._gradient_checkpointing_func = _replaying_under_same_attention(checkpoint_func, self.config)
+        set_checkpointing_function(block, _replaying_under_same_attention(checkpoint_func, self.config))
 
     def _after(self, block: nn.Module, args: tuple, kwargs: dict, output: Any):
         block_pass: BlockPass | None = kwargs.get(PASS_KWARG)
@@ -174,15 +180,15 @@ def _replaying_under_same_attention(checkpoint_func: Callable, config: Any) -> C
     """``checkpoint_func`` whose function (first run and backward replay) sees today's attention name."""
 
     def checkpoint_with_attention(function, *args, **kwargs):
-        name = config._attn_implementation
+        name = get_attn_implementation(config)
 
         def run(*run_args, **run_kwargs):
-            saved = config._attn_implementation
-            config._attn_implementation = name
+            saved = get_attn_implementation(config)
+            set_attn_implementation(config, name)
             try:
                 return function(*run_args, **run_kwargs)
             finally:
-                config._attn_implementation = saved
+                set_attn_implementation(config, saved)
 
         return checkpoint_func(run, *args, **kwargs)
 

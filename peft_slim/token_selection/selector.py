@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compat import get_attn_implementation, set_attn_implementation
 from .attention import REGISTERED_NAMES, SUPPORTED_IMPLEMENTATIONS
 from .blocks import BlockRunner, find_blocks
 from .config import TokenSelectionConfig
@@ -34,7 +35,7 @@ class _TrainingForward:
 
 
 def check_attention_implementation(model: nn.Module) -> None:
-    implementation = getattr(model.config, "_attn_implementation", None)
+    implementation = get_attn_implementation(model.config)
     if implementation not in SUPPORTED_IMPLEMENTATIONS:
         raise ValueError(
             f"TokenTune needs attn_implementation in {SUPPORTED_IMPLEMENTATIONS}; "
@@ -101,7 +102,7 @@ class TokenSelector:
         self._state = None
         if not self.active:
             return args, kwargs
-        implementation = model.config._attn_implementation
+        implementation = get_attn_implementation(model.config)
         if implementation not in SUPPORTED_IMPLEMENTATIONS:
             raise ValueError(
                 f"TokenTune needs attn_implementation in {SUPPORTED_IMPLEMENTATIONS}, got {implementation!r}."
@@ -126,7 +127,7 @@ class TokenSelector:
             num_items_in_batch=num_items,
             attn_implementation=implementation,
         )
-        model.config._attn_implementation = REGISTERED_NAMES[implementation]
+        set_attn_implementation(model.config, REGISTERED_NAMES[implementation])
         return args, kwargs
 
     def _selection_for(self, hidden: torch.Tensor) -> TokenSelection | None:
@@ -173,7 +174,7 @@ class TokenSelector:
         return self._finish_forward(model, state, output)
 
     def _finish_forward(self, model: nn.Module, state: _TrainingForward, output: Any):
-        model.config._attn_implementation = state.attn_implementation
+        set_attn_implementation(model.config, state.attn_implementation)
         if state.selection is None or state.labels is None or self._head not in ("causal_lm", "per_position"):
             return None
         if output is None:  # the forward raised; always_call hooks still run

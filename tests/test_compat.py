@@ -1,0 +1,536 @@
+"""Every private API peft_slim uses (through ``peft_slim.compat``) still exists and behaves as relied upon.
+
+One test per compat entry runs the real private API of the installed torch / transformers / PEFT / Python and
+fails with the name of the API that moved; a second test per entry takes the private API away (monkeypatch) and
+checks the documented fallback or error. A last test keeps private APIs out of the rest of the package.
+"""
+
+from __future__ import annotations
+
+import ast
+import enum
+import os
+import pickle
+import sys
+import types
+
+import peft
+import peft.utils.other
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+import transformers.trainer_callback
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.utils import ModulesToSaveWrapper
+from peft.utils.peft_types import PeftType
+from tiny_models import build, make_batch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+import peft_slim
+from peft_slim import compat
+from peft_slim.compression import quant
+from peft_slim.compression.classify import is_weight, module_kind
+
+PACKAGE = os.path.dirname(os.path.abspath(peft_slim.__file__))
+
+
+def moved(api: str) -> str:
+    return f"private API moved or changed behaviour: {api} (see peft_slim/compat.py)"
+
+
+# ---------------------------------------------------------------------------------------------- DDP
+
+
+@pytest.fixture
+def process_group(tmp_path):
+    """A one-process gloo group (the default group of the test process, destroyed afterwards)."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+def test_active_ddp_module_is_the_wrapper_during_its_forward_only(process_group):
+    api = "DistributedDataParallel._get_active_ddp_module"
+    assert hasattr(DistributedDataParallel, "_get_active_ddp_module"), moved(api)
+    seen = []
+
+    class Probe(nn.Linear):
+        def forward(self, x):
+            seen.append(compat.active_ddp_module())
+            return super().forward(x)
+
+    ddp = DistributedDataParallel(Probe(4, 4), find_unused_parameters=True)
+    assert compat.active_ddp_module() is None, moved(f"{api} (not None outside a DDP forward)")
+    ddp(torch.randn(2, 4)).sum().backward()
+    assert seen == [ddp], moved(f"{api} (not the running wrapper inside its forward)")
+    assert compat.active_ddp_module() is None, moved(f"{api} (not reset after the forward)")
+    # What SlimFit's check_ddp reads from it.
+    assert ddp.find_unused_parameters is True and ddp.static_graph is False, moved("DDP.find_unused_parameters")
+
+
+def test_active_ddp_module_falls_back_to_none_with_a_warning(monkeypatch):
+    monkeypatch.delattr(DistributedDataParallel, "_get_active_ddp_module")
+    with pytest.warns(RuntimeWarning, match=r"torch .* DistributedDataParallel._get_active_ddp_module.*skipped"):
+        assert compat.active_ddp_module() is None
+
+
+# ---------------------------------------------------------------------------------------------- row-wise kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rowwise_byte_kernels_round_trip(dtype):
+    api = "torch.ops.quantized.embedding_bag_byte_prepack/unpack"
+    kernels = compat.rowwise_byte_kernels()
+    assert kernels is not None, moved(api)
+    prepack, unpack = kernels
+    values = torch.randn(3, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+    rows = prepack(values)
+    assert rows.dtype == torch.uint8 and rows.shape == (3, 24), moved(f"{api} (layout [rows, n + 8] uint8)")
+    stats = rows[:, 16:].view(torch.float32)
+    exact = values.float()
+    assert torch.equal(stats[:, 1], exact.amin(dim=1)), moved(f"{api} (fp32 minimum after the codes)")
+    restored = unpack(rows)
+    assert restored.shape == (3, 16), moved(api)
+    bound = stats[:, :1] / 2 * (1 + 1e-5) + 1e-6
+    assert ((restored.float() - exact).abs() <= bound).all(), moved(f"{api} (round trip within half a step)")
+    # The stricter check peft_slim.compression.quant makes before using them.
+    assert quant._rowwise_kernels() is not None, moved(f"{api} (quant's grid check)")
+
+
+def test_rowwise_byte_kernels_missing_falls_back_to_the_packed_path(monkeypatch):
+    values = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.ops, "quantized", types.SimpleNamespace())
+            assert compat.rowwise_byte_kernels() is None
+            quant._rowwise_kernels.cache_clear()
+            assert quant._rowwise_kernels() is None
+            quantized = quant.quantize(values.view(-1), 8, 128)
+            assert not quantized.rowwise
+            restored = quant.dequantize(quantized, torch.float32).view(64, 128)
+            span = values.amax(dim=1, keepdim=True) - values.amin(dim=1, keepdim=True)
+            assert ((restored - values).abs() <= span / 255 / 2 * (1 + 1e-4) + 1e-6).all()
+    finally:
+        quant._rowwise_kernels.cache_clear()
+    assert quant._rowwise_kernels() is not None
+
+
+# ---------------------------------------------------------------------------------------------- module classes
+
+
+NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LazyBatchNorm2d)
+NORMS += (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LazyInstanceNorm2d, nn.LazyBatchNorm3d)
+CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+CONVS += (nn.LazyConv2d, nn.LazyConvTranspose1d)
+
+
+def test_norm_base_covers_batch_and_instance_norms():
+    api = "torch.nn.modules.batchnorm._NormBase"
+    private = getattr(nn.modules.batchnorm, "_NormBase", None)
+    assert private is not None and compat.NORM_BASE_CLASSES[0] is private, moved(api)
+    for cls in NORMS:
+        assert issubclass(cls, compat.NORM_BASE_CLASSES), moved(f"{api} (base of {cls.__name__})")
+        assert module_kind(cls) == "norm"
+    assert not issubclass(nn.LayerNorm, compat.NORM_BASE_CLASSES)
+
+
+def test_conv_base_covers_convolutions():
+    api = "torch.nn.modules.conv._ConvNd"
+    private = getattr(nn.modules.conv, "_ConvNd", None)
+    assert private is not None and compat.CONV_BASE_CLASSES[0] is private, moved(api)
+    for cls in CONVS:
+        assert issubclass(cls, compat.CONV_BASE_CLASSES), moved(f"{api} (base of {cls.__name__})")
+        assert module_kind(cls) == "linear"
+
+
+def test_norm_and_conv_bases_fall_back_to_the_public_classes(monkeypatch):
+    monkeypatch.delattr(nn.modules.batchnorm, "_NormBase")
+    monkeypatch.delattr(nn.modules.conv, "_ConvNd")
+    norms, convs = compat._norm_base_classes(), compat._conv_base_classes()
+    assert all(issubclass(cls, norms) for cls in NORMS)
+    assert all(issubclass(cls, convs) for cls in CONVS)
+    assert not issubclass(nn.LayerNorm, norms) and not issubclass(nn.Linear, convs)
+
+
+def test_activation_classes_live_in_the_listed_modules():
+    import transformers.activations
+
+    classes = [nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Softmax, nn.LeakyReLU]
+    classes += [transformers.activations.GELUActivation, type(transformers.activations.ACT2FN["gelu"])]
+    for cls in classes:
+        assert cls.__module__ in compat.ACTIVATION_MODULES, moved(f"module path of {cls.__qualname__}")
+        assert module_kind(cls) == "activation"
+
+
+# ---------------------------------------------------------------------------------------------- tensor internals
+
+
+class _NoPrivateAttrs(torch.Tensor):
+    """A tensor on which ``_base`` and ``_version`` are gone, as if torch had renamed them."""
+
+    @property
+    def _base(self):
+        raise AttributeError("_base")
+
+    @property
+    def _version(self):
+        raise AttributeError("_version")
+
+
+def test_storage_base_is_the_root_of_a_view_chain():
+    api = "Tensor._base"
+    tensor = torch.randn(4, 6)
+    assert compat.storage_base(tensor) is tensor, moved(f"{api} (None for a non-view)")
+    view = tensor.t()[1:]
+    assert compat.storage_base(view) is tensor, moved(f"{api} (the root of a view of a view)")
+    weight = nn.Parameter(torch.randn(3, 3))
+    assert compat.storage_base(weight.t()) is weight, moved(f"{api} (a Parameter behind its transpose)")
+    assert is_weight(weight.t(), None)
+    assert not is_weight(torch.randn(3, 3).t(), None)
+
+
+def test_storage_base_missing_raises_a_clear_error():
+    tensor = torch.randn(2).as_subclass(_NoPrivateAttrs)
+    with pytest.raises(RuntimeError, match=r"torch .* has no Tensor\._base.*weight"):
+        compat.storage_base(tensor)
+
+
+def test_tensor_version_counts_in_place_changes_of_the_storage():
+    api = "Tensor._version"
+    tensor = torch.zeros(4)
+    view = tensor[1:]
+    before = compat.tensor_version(tensor)
+    assert isinstance(before, int), moved(api)
+    tensor + 1  # noqa: B018 - out of place: no change
+    assert compat.tensor_version(tensor) == before, moved(f"{api} (changed without an in-place op)")
+    tensor.add_(1)
+    assert compat.tensor_version(tensor) > before, moved(f"{api} (unchanged by an in-place op)")
+    assert compat.tensor_version(view) == compat.tensor_version(tensor), moved(f"{api} (not shared with views)")
+
+
+def test_tensor_version_missing_falls_back_to_never_equal_values():
+    tensor = torch.randn(2).as_subclass(_NoPrivateAttrs)
+    with pytest.warns(RuntimeWarning, match=r"Tensor\._version"):
+        first, second = compat.tensor_version(tensor), compat.tensor_version(tensor)
+    assert first != second
+
+
+def test_autocast_copy_source_finds_the_weight_behind_its_dtype_copy():
+    api = "autograd ToCopyBackward0 / AccumulateGrad.variable"
+    assert compat._copy_graph_problem() is None, moved(f"{api}: {compat._copy_graph_problem()}")
+    weight = nn.Parameter(torch.randn(4, 4))
+    assert compat.autocast_copy_source(weight.to(torch.bfloat16).grad_fn) is weight, moved(api)
+    assert compat.autocast_copy_source((weight * 2).grad_fn) is None, moved(f"{api} (matched another node)")
+    # What autocast really saves for a trainable weight: its bf16 copy, recognised as the weight.
+    saved = []
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
+    with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.nn.functional.linear(torch.randn(2, 4, requires_grad=True), weight)
+    roots = [compat.storage_base(t) for t in saved]
+    copies = [t for t in roots if t.grad_fn is not None and compat.autocast_copy_source(t.grad_fn) is weight]
+    assert copies, moved(f"{api} (autocast's saved weight copy not recognised)")
+    assert all(is_weight(t, None) for t in copies)
+
+
+@pytest.mark.parametrize("attr", ["_TO_COPY_NODE", "_LEAF_ATTR"])
+def test_autocast_copy_source_raises_when_the_graph_changed(monkeypatch, attr):
+    try:
+        monkeypatch.setattr(compat, attr, "renamed_by_a_future_torch")
+        compat._copy_graph_problem.cache_clear()
+        weight = nn.Parameter(torch.randn(2))
+        with pytest.raises(RuntimeError, match=r"torch .* has no .*(ToCopyBackward0|renamed_by_a_future_torch)"):
+            compat.autocast_copy_source(weight.to(torch.float16).grad_fn)
+    finally:
+        monkeypatch.undo()
+        compat._copy_graph_problem.cache_clear()
+    assert compat._copy_graph_problem() is None
+
+
+# ---------------------------------------------------------------------------------------------- attention
+
+
+PROBE = "peft_slim_compat_probe"
+
+
+def test_attn_implementation_switches_what_the_model_dispatches_to():
+    api = "PretrainedConfig._attn_implementation"
+    calls = []
+
+    def probe(module, query, key, value, attention_mask, **kwargs):
+        calls.append(type(module).__name__)
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(PROBE, probe)
+    AttentionMaskInterface.register(PROBE, sdpa_mask)
+    model = build("llama").train()
+    batch = make_batch("llama")
+    assert compat.get_attn_implementation(model.config) == "sdpa", moved(api)
+    reference = model(**batch).loss
+    compat.set_attn_implementation(model.config, PROBE)
+    assert compat.get_attn_implementation(model.config) == PROBE, moved(api)
+    probed = model(**batch).loss
+    assert calls == ["LlamaAttention"] * model.config.num_hidden_layers, moved(f"{api} (not read at each forward)")
+    torch.testing.assert_close(probed, reference)
+    compat.set_attn_implementation(model.config, "sdpa")
+    calls.clear()
+    model(**batch)
+    assert calls == [], moved(f"{api} (switching back had no effect)")
+    # Not a transformers config: None, for the caller to refuse the model.
+    assert compat.get_attn_implementation(types.SimpleNamespace()) is None
+
+
+def test_attn_implementation_missing_raises_a_clear_error(monkeypatch):
+    config = build("llama").config
+    owner = next(cls for cls in type(config).__mro__ if "_attn_implementation" in cls.__dict__)
+    monkeypatch.delattr(owner, "_attn_implementation")
+    with pytest.raises(RuntimeError, match=r"transformers .* has no PretrainedConfig\._attn_implementation"):
+        compat.get_attn_implementation(config)
+    with pytest.raises(RuntimeError, match=r"transformers .* has no LlamaConfig\._attn_implementation"):
+        compat.set_attn_implementation(config, "sdpa")
+
+
+def _blocks(model):
+    return model.model.layers if hasattr(model, "model") else model.bert.encoder.layer
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_checkpointing_function_is_what_the_block_checkpoints_through(arch):
+    api = "GradientCheckpointingLayer._gradient_checkpointing_func"
+    model = build(arch)
+    blocks = _blocks(model)
+    assert compat.checkpointing_function(blocks[0]) is None  # off by default
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    original = compat.checkpointing_function(blocks[0])
+    assert callable(original), moved(api)
+    calls = []
+
+    def spy(function, *args, **kwargs):
+        calls.append(function)
+        return original(function, *args, **kwargs)
+
+    compat.set_checkpointing_function(blocks[0], spy)
+    assert compat.checkpointing_function(blocks[0]) is spy
+    model.train()
+    model(**make_batch(arch)).loss.backward()
+    assert len(calls) == 1, moved(f"{api} (the block's forward did not checkpoint through it)")
+
+
+def test_checkpointing_function_missing_raises_a_clear_error(monkeypatch):
+    model = build("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    block = _blocks(model)[0]
+    monkeypatch.delattr(block, "_gradient_checkpointing_func")
+    with pytest.raises(RuntimeError, match=r"transformers .* has no LlamaDecoderLayer\._gradient_checkpointing_func"):
+        compat.checkpointing_function(block)
+    assert compat.checkpointing_function(block, strict=False) is None
+    with pytest.raises(RuntimeError, match=r"_gradient_checkpointing_func.*disable gradient checkpointing"):
+        compat.set_checkpointing_function(block, lambda function, *args: function(*args))
+
+
+def _attention_module(model):
+    if hasattr(model, "model"):
+        return model.model.layers[0].self_attn
+    return model.bert.encoder.layer[0].attention.self
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_eager_attention_function_matches_sdpa(arch):
+    module = _attention_module(build(arch))
+    eager = compat.eager_attention_function(module)
+    assert callable(eager), moved(f"module-level eager_attention_forward of {type(module).__module__}")
+    generator = torch.Generator().manual_seed(0)
+    kv_heads = getattr(module.config, "num_key_value_heads", module.config.num_attention_heads)
+    query = torch.randn(2, module.config.num_attention_heads, 5, 8, generator=generator)
+    key, value = (torch.randn(2, kv_heads, 5, 8, generator=generator) for _ in range(2))
+    mask = torch.zeros(2, 1, 5, 5)
+    mask[1, ..., :2] = torch.finfo(torch.float32).min
+    module.eval()
+    out, _ = eager(module, query, key, value, mask, scaling=module.scaling, dropout=0.0)
+    expected, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, mask, scaling=module.scaling, dropout=0.0)
+    torch.testing.assert_close(out, expected, msg=lambda m: moved(f"eager_attention_forward's signature: {m}"))
+
+
+def test_eager_attention_function_missing_is_refused_with_a_hint(monkeypatch):
+    from peft_slim.token_selection.attention import _original_attention
+
+    module = _attention_module(build("llama"))
+    monkeypatch.delattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    assert compat.eager_attention_function(module) is None
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        _original_attention(module, "eager")
+
+
+# ---------------------------------------------------------------------------------------------- Trainer state
+
+
+def test_exportable_state_is_what_the_trainer_saves():
+    api = "transformers.trainer_callback.ExportableState"
+    cls = compat.exportable_state_cls()
+    assert cls is getattr(transformers.trainer_callback, "ExportableState", None), moved(api)
+    callback = peft_slim.SlimFitCallback()
+    assert isinstance(callback, cls), moved(api)
+    state = transformers.TrainerState(stateful_callbacks=[callback])
+    saved = {"SlimFitCallback": callback.state()}
+    assert state.stateful_callbacks == saved, moved(f"{api} (not saved by the Trainer)")
+
+
+def test_exportable_state_missing_falls_back_with_a_warning(monkeypatch):
+    monkeypatch.delattr(transformers.trainer_callback, "ExportableState")
+    with pytest.warns(RuntimeWarning, match=r"ExportableState.*schedule"):
+        cls = compat.exportable_state_cls()
+
+    class Callback(transformers.TrainerCallback, cls):
+        pass
+
+    assert Callback().state() == {"args": {}, "attributes": {}}
+
+
+# ---------------------------------------------------------------------------------------------- PEFT
+
+
+def _peft_llama(**lora):
+    return get_peft_model(build("llama"), LoraConfig(r=2, target_modules=["q_proj"], **lora))
+
+
+def test_base_model_class_is_what_peft_records():
+    api = "PeftModel._get_base_model_class"
+    model = _peft_llama()
+    assert hasattr(PeftModel, "_get_base_model_class"), moved(api)
+    assert compat.base_model_class(model) is transformers.LlamaForCausalLM, moved(api)
+    assert compat.base_model_class(model) is model._get_base_model_class()
+
+
+def test_base_model_class_falls_back_to_get_base_model(monkeypatch):
+    model = _peft_llama()
+    monkeypatch.delattr(PeftModel, "_get_base_model_class")
+    assert compat.base_model_class(model) is transformers.LlamaForCausalLM
+
+
+def test_auxiliary_training_wrapper_is_the_base_of_modules_to_save():
+    api = "peft.utils.other.AuxiliaryTrainingWrapper"
+    cls = compat.auxiliary_training_wrapper_cls()
+    assert cls is getattr(peft.utils.other, "AuxiliaryTrainingWrapper", None), moved(api)
+    model = _peft_llama(modules_to_save=["lm_head"])
+    wrapped = [name for name, module in model.named_modules() if isinstance(module, cls)]
+    assert wrapped == ["base_model.model.lm_head"], moved(f"{api} (not the wrapper of modules_to_save)")
+
+
+def test_auxiliary_training_wrapper_falls_back_then_raises(monkeypatch):
+    monkeypatch.delattr(peft.utils.other, "AuxiliaryTrainingWrapper")
+    assert compat.auxiliary_training_wrapper_cls() is ModulesToSaveWrapper
+    monkeypatch.delattr(peft.utils, "ModulesToSaveWrapper")
+    with pytest.raises(ImportError, match=r"peft .* has no peft\.utils\.other\.AuxiliaryTrainingWrapper"):
+        compat.auxiliary_training_wrapper_cls()
+
+
+# ---------------------------------------------------------------------------------------------- enum members
+
+
+def _colours():
+    class Colour(str, enum.Enum):
+        RED = "RED"
+
+    Colour.__module__, Colour.__qualname__ = __name__, "Colour"
+    globals()["Colour"] = Colour  # so that pickle finds the class
+    return Colour
+
+
+def test_add_enum_member_is_a_full_member_and_idempotent():
+    api = "enum internals _member_map_ / _value2member_map_ / _member_names_"
+    colour = _colours()
+    blue = compat.add_enum_member(colour, "BLUE")
+    assert compat.add_enum_member(colour, "BLUE") is blue
+    assert colour["BLUE"] is blue and colour("BLUE") is blue and colour.BLUE is blue, moved(api)
+    assert list(colour) == [colour.RED, blue] and "BLUE" in colour.__members__, moved(api)
+    assert blue in colour, moved(api)
+    assert colour._member_names_.count("BLUE") == 1
+    assert isinstance(blue, str) and blue == "BLUE" and blue.name == blue.value == "BLUE", moved(api)
+    assert pickle.loads(pickle.dumps(blue)) is blue, moved(api)
+    assert compat.add_enum_member(colour, "RED") is colour.RED
+    # PEFT's own enum, as peft_slim registers its methods.
+    for name in ("TOKENTUNE", "SLIMFIT"):
+        member = compat.add_enum_member(PeftType, name)
+        assert PeftType[name] is member and PeftType(name) is member and member in list(PeftType), moved(api)
+    assert PeftType._member_names_.count("TOKENTUNE") == 1
+
+
+def test_add_enum_member_refuses_what_it_cannot_do(monkeypatch):
+    colour = _colours()
+    monkeypatch.delattr(colour, "_value2member_map_")
+    with pytest.raises(RuntimeError, match=r"Python .* has no enum internals \['_value2member_map_'\]"):
+        compat.add_enum_member(colour, "GREEN")
+    monkeypatch.undo()
+    assert "GREEN" not in colour.__members__  # nothing half-added
+
+    class Number(enum.Enum):
+        ONE = 1
+
+    with pytest.raises(TypeError, match=r"\(str, Enum\)"):
+        compat.add_enum_member(Number, "TWO")
+
+
+# ---------------------------------------------------------------------------------------------- one place
+
+
+# Private APIs that compat wraps: no other module of the package may use them directly.
+PRIVATE_ATTRIBUTES = {
+    "_get_active_ddp_module",
+    "_NormBase",
+    "_ConvNd",
+    "_attn_implementation",
+    "_gradient_checkpointing_func",
+    "_base",
+    "_version",
+    "_get_base_model_class",
+    "_member_map_",
+    "_value2member_map_",
+    "_member_names_",
+    "_name_",
+    "_value_",
+    "next_functions",
+    "eager_attention_forward",
+}
+PRIVATE_MODULES = {"peft.utils.other", "transformers.trainer_callback", "torch.nn.modules.batchnorm"}
+
+
+def _private_uses(path: str) -> list[str]:
+    with open(path) as handle:
+        tree = ast.parse(handle.read(), path)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in PRIVATE_ATTRIBUTES:
+            found.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Attribute) and node.attr == "ops" and ast.unparse(node.value) == "torch":
+            found.append(f"line {node.lineno}: torch.ops")
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "setattr", "hasattr"):
+            name = node.args[1] if len(node.args) > 1 else None
+            if isinstance(name, ast.Constant) and name.value in PRIVATE_ATTRIBUTES:
+                found.append(f"line {node.lineno}: {node.func.id}(..., {name.value!r})")
+        elif isinstance(node, ast.Constant) and node.value == "ToCopyBackward0":
+            found.append(f"line {node.lineno}: 'ToCopyBackward0'")
+        elif isinstance(node, ast.ImportFrom) and node.module in PRIVATE_MODULES:
+            found.append(f"line {node.lineno}: from {node.module} import ...")
+    return found
+
+
+def test_private_apis_are_used_only_through_compat():
+    offenders = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for file in files:
+            path = os.path.join(folder, file)
+            if file.endswith(".py") and path != compat.__file__:
+                uses = _private_uses(path)
+                if uses:
+                    offenders[os.path.relpath(path, PACKAGE)] = uses
+    assert not offenders, f"use these private APIs through peft_slim.compat (add an entry there): {offenders}"
+    assert _private_uses(compat.__file__), "the scan no longer finds the private APIs in compat.py itself"
