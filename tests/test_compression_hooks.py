@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
+import threading
 
 import pytest
 import torch
@@ -326,3 +329,112 @@ def test_prune_frozen_only_leaves_trainable_norms_exact():
     calls = _recording_kinds(context)
     _grads(model, batch, context)
     assert {module for kind, module, packed in calls if isinstance(packed, CompressedTensor)} > {frozen_norm}
+
+
+# ---------------------------------------------------------------- one thread and one context only
+
+# GELU inputs at 4 bits, the rest at 8: a tensor taken for another module's kind is stored at the wrong width.
+_SCOPED = ActivationCompressionConfig(bits=8, kind_bits={"activation": 4}, **TINY)
+
+
+def _scoped_models():
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+    b = nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 32))
+    return a, b, torch.randn(64, 32), torch.randn(64, 32)
+
+
+def _forward(model, x):
+    return model(x).pow(2).sum()
+
+
+def _weight_grads(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def _alone(model_a, model_b, x_a, x_b):
+    """Each model trained by itself: A inside its own compression context, B without any."""
+    with compress_activations(_SCOPED) as context:
+        loss = _forward(model_a, x_a)
+    return _weight_grads(model_a, loss), context.stats, _weight_grads(model_b, _forward(model_b, x_b))
+
+
+def _pause(arrived: threading.Event, resume: threading.Event):
+    """A forward pre-hook that says it has arrived, then waits for ``resume`` (on the module stack by then)."""
+
+    def hook(module, args):
+        arrived.set()
+        assert resume.wait(timeout=60), "the other thread never got there"  # a deadlock guard, not a timing check
+
+    return hook
+
+
+@pytest.mark.parametrize("b_context", ["new thread", "copy of A's context"])
+def test_another_threads_model_is_untouched_and_does_not_disturb_the_context(b_context):
+    """Thread A trains model A inside compress_activations while thread B trains model B without it.
+
+    Interleaved by events: A stops inside its GELU (on A's module stack), B runs until it is inside its
+    LayerNorm, A saves the GELU's input and finishes its forward, then B finishes. Global module hooks see
+    both threads; a stack shared between them would take A's GELU input for B's LayerNorm (a norm: 8 bits).
+    "copy of A's context" starts B as ``asyncio.to_thread`` does, with A's contextvars.
+    """
+    model_a, model_b, x_a, x_b = _scoped_models()
+    grads_a, stats_a, grads_b = _alone(model_a, model_b, x_a, x_b)
+    a_inside, b_inside, a_done, b_done = (threading.Event() for _ in range(4))
+    model_a[1].register_forward_pre_hook(_pause(a_inside, b_inside))
+    model_b[1].register_forward_pre_hook(_pause(b_inside, a_done))
+    result = {}
+
+    def train_b():
+        try:
+            assert a_inside.wait(timeout=60)
+            result["b"] = _weight_grads(model_b, _forward(model_b, x_b))
+        finally:
+            b_done.set()
+
+    with compress_activations(_SCOPED) as context:
+        run = contextvars.copy_context().run if b_context != "new thread" else (lambda f: f())
+        thread = threading.Thread(target=run, args=(train_b,))
+        thread.start()
+        try:
+            loss = _forward(model_a, x_a)
+        finally:
+            a_done.set()
+            b_done.wait(timeout=60)  # B's whole forward and backward happen while A's context is open
+    thread.join()
+    assert torch.equal(result["b"], grads_b)  # not compressed: bit-identical to B trained alone
+    assert context.stats.compressed > 0
+    assert context.stats == stats_a  # A's tensors: the same kinds, widths and bytes as A trained alone
+    assert torch.equal(_weight_grads(model_a, loss), grads_a)
+
+
+def test_an_asyncio_task_created_outside_the_context_is_untouched():
+    """torch's saved-tensor hooks are per thread: task B, started before task A entered the context, runs while
+    A's hooks are installed in the same thread, and must be neither compressed nor counted."""
+    model_a, model_b, x_a, x_b = _scoped_models()
+    grads_a, stats_a, grads_b = _alone(model_a, model_b, x_a, x_b)
+    result = {}
+
+    async def main():
+        a_inside, b_done = asyncio.Event(), asyncio.Event()
+
+        async def task_a():
+            with compress_activations(_SCOPED) as context:
+                a_inside.set()
+                await b_done.wait()  # B trains while A's context is open
+                loss = _forward(model_a, x_a)
+            result["a"] = _weight_grads(model_a, loss), context.stats
+
+        async def task_b():
+            await a_inside.wait()
+            result["b"] = _weight_grads(model_b, _forward(model_b, x_b))
+            b_done.set()
+
+        await asyncio.gather(task_a(), task_b())  # each task runs in a copy of this (compression-free) context
+
+    asyncio.run(main())
+    assert torch.equal(result["b"], grads_b)
+    assert result["a"][1] == stats_a and stats_a.compressed > 0
+    assert torch.equal(result["a"][0], grads_a)

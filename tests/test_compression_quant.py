@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import peft_slim.compression.quant as quant
 from peft_slim.compression.packing import pack_bits, unpack_bits
 from peft_slim.compression.prune import prune, unprune
 from peft_slim.compression.quant import _rowwise_kernels, dequantize, quantize, row_aligned_group
@@ -120,6 +121,44 @@ def test_groups_follow_rows_so_a_large_row_does_not_coarsen_a_small_one():
     restored = dequantize(quantize(rows.view(-1), 4, 128, row=96), torch.float32).view(8, 96)
     small_error = (restored[1:] - rows[1:]).abs().max()
     assert small_error <= (rows[1:].max() - rows[1:].min()) / 15  # set by the small rows' own range
+
+
+# (bits, row-wise layout, dtype, row length): the row-wise kernel takes fp32/bf16/fp16 groups of a multiple of 4
+_CHUNKED = [(8, True, dtype, None) for dtype in DTYPES] + [
+    (bits, False, dtype, row) for bits in (8, 4, 2) for dtype in (*DTYPES, torch.float64) for row in (None, 27)
+]
+
+
+@pytest.mark.parametrize("bits, rowwise, dtype, row", _CHUNKED, ids=str)
+def test_a_tensor_spanning_several_chunks_is_coded_as_in_one(monkeypatch, bits, rowwise, dtype, row):
+    """Every loop over chunks of groups (quantize, the row-wise bf16 prepack, dequantize in both layouts) must
+    read and write each chunk's own groups. Real chunks hold 4M values; a smaller chunk size makes a small
+    tensor span four of them (the last partial, with a partial last group) and must change no bit. Rows of 27
+    values give groups of 27, which end mid-byte at 4 and 2 bits: chunks must still end on whole bytes."""
+    if rowwise and _rowwise_kernels() is None:
+        pytest.skip("this torch build has no row-wise 8-bit kernel")
+    if not rowwise:
+        monkeypatch.setattr(quant, "_rowwise_applies", lambda *args: False)
+    group_size, groups = row or 32, 29
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(groups, group_size, generator=generator, dtype=torch.float64)
+    # each group its own range, from 1e-5 (narrow: the row-wise path redoes these groups the packed way) to 10
+    values *= 10.0 ** (torch.arange(groups, dtype=torch.float64) % 7 - 5)[:, None]
+    values = values.view(-1)[:-5].to(dtype)
+    whole = quantize(values, bits, 32, row=row)  # one chunk
+    assert whole.group_size == group_size
+    restored = dequantize(whole, dtype)
+    monkeypatch.setattr(quant, "CHUNK", 9 * group_size)  # 8 groups a chunk (9 would split a byte at 27 values)
+    assert len(quant._chunks(groups, group_size)) == 4
+    chunked = quantize(values, bits, 32, row=row)
+    assert chunked.rowwise == whole.rowwise == rowwise
+    for name in ("codes", "scale", "low"):
+        assert torch.equal(getattr(chunked, name), getattr(whole, name)), name
+    assert torch.equal(dequantize(chunked, dtype), restored)
+    # and that one chunk is right: within half a step, plus the output dtype's rounding (subnormals included)
+    step = whole.scale.double().repeat_interleave(group_size)[: values.numel()]
+    rounding = values.double().abs() * 2**-7 + torch.finfo(dtype).tiny * torch.finfo(dtype).eps
+    assert ((restored.double() - values.double()).abs() <= step * 0.51 + rounding).all()
 
 
 @given(

@@ -4,11 +4,17 @@ A pack hook sees only the tensor, not the operation saving it. The module runnin
 known, though: global forward hooks keep a stack of the modules entered, and a saved tensor takes the
 kind of the innermost one (see ``ActivationCompressionConfig.kinds``). Classifying by module works for
 any model built from ``nn.Module``s, including code that calls functional ops inside them.
+
+Global hooks run for every model in every thread, so each stack only follows the thread and the
+``contextvars`` context that started it: another thread's model (even one run in a copy of this context,
+as ``asyncio.to_thread`` does) or an asyncio task created outside never lands on it.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import threading
 
 import torch
 from torch import nn
@@ -37,14 +43,22 @@ def module_kind(module_type: type) -> str:
     return "other"
 
 
+# The stacks started in the running context (a new thread starts with none; a copied context, e.g. an asyncio
+# task's, has those of the code that created it).
+_STARTED: contextvars.ContextVar[tuple[ModuleStack, ...]] = contextvars.ContextVar("module_stacks", default=())
+
+
 class ModuleStack:
-    """The modules running right now, innermost last, while ``start()``ed (global forward hooks)."""
+    """The modules running right now in the thread and context that ``start()``ed it, innermost last."""
 
     def __init__(self):
         self.modules: list[nn.Module] = []
         self._handles = []
+        self._thread: int | None = None
 
     def start(self) -> None:
+        self._thread = threading.get_ident()
+        _STARTED.set((*_STARTED.get(), self))
         self._handles = [
             register_module_forward_pre_hook(self._enter),
             register_module_forward_hook(self._leave, always_call=True),
@@ -55,6 +69,13 @@ class ModuleStack:
             handle.remove()
         self._handles = []
         self.modules.clear()
+        self._thread = None
+        # Filtered, not reset by token (which raises if left from another context); a stale entry is inert: no thread.
+        _STARTED.set(tuple(stack for stack in _STARTED.get() if stack is not self))
+
+    def here(self) -> bool:
+        """Whether the running code is in the thread and the context that started this stack."""
+        return self._thread == threading.get_ident() and any(stack is self for stack in _STARTED.get())
 
     @property
     def innermost(self) -> nn.Module | None:
@@ -65,11 +86,12 @@ class ModuleStack:
         return "other" if module is None else module_kind(type(module))
 
     def _enter(self, module: nn.Module, args) -> None:
-        self.modules.append(module)
+        if self.here():
+            self.modules.append(module)
 
     def _leave(self, module: nn.Module, args, output) -> None:
         # A module entered before start() (e.g. the one whose pre-hook started us) was never pushed.
-        if self.modules and self.modules[-1] is module:
+        if self.modules and self.modules[-1] is module and self.here():
             self.modules.pop()
 
 

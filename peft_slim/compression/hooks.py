@@ -5,6 +5,10 @@ Saved-tensor hooks nest and only the innermost pair is active: inside ``torch.ut
 and this one sees none of them; entered around this context, they see nothing. The reentrant
 checkpoint saves only its inputs, which are compressed like any activation. Call ``backward`` after
 leaving the context, so that a checkpoint's recomputation is not compressed for nothing.
+
+A context acts only in the thread and the ``contextvars`` context that entered it: torch's saved-tensor
+hooks are per thread, and the module stack (``classify.ModuleStack``) and the pack hook check the rest, so
+other threads' models and asyncio tasks created outside the context are neither compressed nor counted.
 """
 
 from __future__ import annotations
@@ -81,6 +85,9 @@ class ActivationCompression(saved_tensors_hooks):
         self._active = False
 
     def _pack(self, tensor: torch.Tensor):
+        # torch keeps these hooks per thread, not per context: an asyncio task created outside this one runs here too
+        if not self._modules.here():
+            return tensor.detach()  # not saved in this context: as if there were no hook
         module = self._modules.innermost
         if is_weight(tensor, module) or (tensor.requires_grad and tensor.grad_fn is None):
             return tensor.detach()  # weights and leaf inputs: held by their owner anyway, not activations
