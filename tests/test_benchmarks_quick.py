@@ -159,8 +159,12 @@ def test_merge_and_retime_rebuild_one_report(reports):
     again (CPU time: one thread)."""
     report = check_report(reports, "merged", [*((name, EVERY_TASK) for name in TASK_NAMES), (ONE_TASK, OTHER_KINDS)])
     runs = {task["name"]: task for task in _load(reports, "tasks")["tasks"]}
-    for task in report["tasks"][:-1]:  # the runs are the merged reports' own, the timings new
+    for task in report["tasks"][:-1]:  # the training runs are the merged report's own; only the timing pass reran
         assert task["runs"] == runs[task["name"]]["runs"]
+    assert [setup["mode"] for setup in report["setup"]] == ["quick", "quick"]
+    assert all(
+        setup["retimed"].startswith("`--merge ... --retime` (1 rounds, 1 thread(s))") for setup in report["setup"]
+    )
     markdown = (reports / "merged.md").read_text()
     assert markdown.count("Measured on:") == 2 and markdown.count("Step times measured again") == 2
     for task in report["tasks"]:
