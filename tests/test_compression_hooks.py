@@ -183,11 +183,17 @@ def test_pruning_applies_to_its_kinds_only():
     model = _model("llama", lora=False)
     batch = make_batch("llama", batch=4, length=32)
     context = compress_activations(bits=None, prune_ratio=0.5, prune_kinds=["norm"], **TINY)
-    calls = _recording(context)
+    calls = _recording_kinds(context)
     gradients = _grads(model, batch, context)
-    pruned = [packed for _, packed in calls if isinstance(packed, CompressedTensor)]
+    pruned = [packed for _, _, packed in calls if isinstance(packed, CompressedTensor)]
     assert pruned and all(packed.positions is not None for packed in pruned)
     assert len({id(p) for p in pruned}) == context.stats.compressed
+    # only what norms save is pruned; the other kinds' (floating-point, large enough) activations are kept as they are
+    assert {kind for kind, _, packed in calls if isinstance(packed, CompressedTensor)} == {"norm"}
+    kept = {
+        kind for kind, _, packed in calls if not isinstance(packed, CompressedTensor) and packed.is_floating_point()
+    }
+    assert {"attention", "activation", "linear"} <= kept
     assert torch.isfinite(gradients).all()
 
 

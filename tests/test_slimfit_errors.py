@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from peft import LoraConfig, get_peft_model
 from slimfit_cases import slimfit_model
 from tiny_models import build
@@ -56,12 +57,21 @@ def test_no_unit_left_to_schedule():
         slimfit_model("llama", lora=True, always_trainable=".*")
 
 
-def test_tokentune_on_an_unsupported_model_refused_before_changes():
+@pytest.mark.parametrize("lora", [False, True], ids=["standalone", "lora"])
+def test_tokentune_on_an_unsupported_model_refused_before_changes(lora):
     model = build("llama", attn_implementation="eager")
     model.config._attn_implementation = "flash_attention_2"
+    before = {name: (param.requires_grad, param.detach().clone()) for name, param in model.named_parameters()}
+    fields = {"lora": LoraConfig(r=2, target_modules=["q_proj"])} if lora else {}
     with pytest.raises(ValueError, match="attn_implementation"):
-        get_peft_model(model, SlimFitConfig(tokentune=TokenTuneConfig(), activation_compression=None))
-    assert not any("lora" in name for name, _ in model.named_parameters())
+        get_peft_model(model, SlimFitConfig(tokentune=TokenTuneConfig(), activation_compression=None, **fields))
+    # the model is as it was: no LoRA layer, no hook, the same parameters and trainable flags
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    assert all(
+        after[name].requires_grad == flag and torch.equal(after[name], value) for name, (flag, value) in before.items()
+    )
+    assert not any(module._forward_pre_hooks or module._forward_hooks for module in model.modules())
 
 
 def test_second_adapter_refused():

@@ -35,10 +35,14 @@ def _eval_logits(model, arch: str) -> torch.Tensor:
         return model(**batch).logits
 
 
-def _run_fresh(code: str) -> None:
-    env = {**os.environ, "PYTHONPATH": HERE}
+def _run_fresh(code: str) -> dict:
+    """Run ``code`` in a fresh interpreter (the tests' helpers and this checkout importable); returns what it
+    printed as ``RESULT=<json>``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)])}
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
+    line = [ln for ln in result.stdout.splitlines() if ln.startswith("RESULT=")][-1]
+    return json.loads(line.removeprefix("RESULT="))
 
 
 def test_eval_outputs_equal_the_base_model_before_training():
@@ -47,9 +51,64 @@ def test_eval_outputs_equal_the_base_model_before_training():
         assert torch.equal(_eval_logits(slimfit_model(arch), arch), base_logits)
 
 
-def test_standalone_saves_only_changed_tensors_and_reloads_exactly(tmp_path):
-    model = slimfit_model("bert", freeze_ratio=0.9, max_frozen_steps=50)
-    train(model, "bert", steps=2)
+# A fresh process loads both saved SlimFit adapters (one import of peft_slim, transformers and PEFT for both);
+# another, which never imports peft_slim, loads the exported LoRA adapter with vanilla PEFT.
+_SLIM_CHILD = """
+    import json, sys, torch, peft_slim
+    from peft import PeftModel
+    from tiny_models import build, make_batch
+    report = {{}}
+    for name, arch in (("standalone", "bert"), ("adapter", "llama")):
+        model = PeftModel.from_pretrained(build(arch), {root!r} + "/" + name).eval()
+        batch = {{k: v for k, v in make_batch(arch).items() if k != "labels"}}
+        with torch.no_grad():
+            torch.save(model(**batch).logits, {root!r} + "/" + name + ".reloaded.pt")
+        config = model.peft_config["default"]
+        report[name] = {{
+            "tuner": type(model.base_model).__name__,
+            "token_ratio": config.tokentune.token_ratio if config.tokentune is not None else None,
+        }}
+    print("RESULT=" + json.dumps(report))
+"""
+_VANILLA_CHILD = """
+    import json, sys, torch
+    from peft import PeftModel
+    from tiny_models import build, make_batch
+    model = PeftModel.from_pretrained(build("llama"), {root!r} + "/lora").eval()
+    batch = {{k: v for k, v in make_batch("llama").items() if k != "labels"}}
+    with torch.no_grad():
+        torch.save(model(**batch).logits, {root!r} + "/lora.reloaded.pt")
+    slim_imported = any(m.startswith("peft_slim") for m in sys.modules)
+    report = {{"tuner": type(model.base_model).__name__, "slim_imported": slim_imported}}
+    print("RESULT=" + json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A standalone SlimFit BERT and a SlimFit + TokenTune + LoRA + compression Llama, trained, saved (the stack
+    also exported as plain LoRA), and loaded again in fresh processes."""
+    root = tmp_path_factory.mktemp("slimfit_saved")
+    standalone = slimfit_model("bert", freeze_ratio=0.9, max_frozen_steps=50)
+    train(standalone, "bert", steps=2)
+    standalone.save_pretrained(root / "standalone")
+
+    tokentune = TokenTuneConfig(token_ratio=0.5, seed=0)
+    compression = ActivationCompressionConfig(bits=4, min_numel=0)
+    stack = slimfit_model(
+        "llama", lora=True, freeze_ratio=0.5, tokentune=tokentune, activation_compression=compression
+    )
+    train(stack, "llama", steps=3)
+    stack.save_pretrained(root / "adapter")
+    export_lora(stack, str(root / "lora"))
+
+    slim = _run_fresh(_SLIM_CHILD.format(root=str(root)))
+    vanilla = _run_fresh(_VANILLA_CHILD.format(root=str(root)))
+    return {"root": root, "standalone": standalone, "stack": stack, "slim": slim, "vanilla": vanilla}
+
+
+def test_standalone_saves_only_changed_tensors_and_reloads_exactly(saved):
+    model, root = saved["standalone"], saved["root"]
     tuner = model.base_model
     ever_trained = {
         n
@@ -57,74 +116,34 @@ def test_standalone_saves_only_changed_tensors_and_reloads_exactly(tmp_path):
         if any(r[i] for r in tuner.scheduler.history)
         for n in unit.param_names
     }
-    model.save_pretrained(tmp_path)
-    saved = load_file(tmp_path / "adapter_model.safetensors")
+    adapter = load_file(root / "standalone" / "adapter_model.safetensors")
     base = dict(build("bert").named_parameters())
     tuned = {n.removeprefix(PREFIX): p for n, p in model.named_parameters()}
     changed = {n for n, p in base.items() if n in tuned and not torch.equal(p, tuned[n])}
     assert changed, "training changed nothing: the test would prove nothing"
-    keys = {k.removeprefix(PREFIX).replace("base_model.model.", "") for k in saved}
+    keys = {k.removeprefix(PREFIX).replace("base_model.model.", "") for k in adapter}
     # every changed base tensor is saved; never-trained units (unchanged) are not
     assert changed <= keys
     never = {n for unit in tuner._units for n in unit.param_names} - ever_trained
     assert never and not (never & keys)
     assert {k for k in keys if k.startswith("classifier")} == {"classifier.weight", "classifier.bias"}
-    expected = _eval_logits(model, "bert")
-    torch.save(expected, tmp_path / "expected.pt")
-    _run_fresh(f"""
-        import torch, peft_slim
-        from peft import PeftModel
-        from tiny_models import build, make_batch
-        model = PeftModel.from_pretrained(build("bert"), {str(tmp_path)!r})
-        assert isinstance(model.base_model, peft_slim.SlimFitModel)
-        model.eval()
-        batch = {{k: v for k, v in make_batch("bert").items() if k != "labels"}}
-        with torch.no_grad():
-            logits = model(**batch).logits
-        assert torch.equal(logits, torch.load({str(tmp_path / "expected.pt")!r})), (logits,)
-    """)
+    # a fresh process loads it (through PEFT's registry) to the same outputs
+    assert saved["slim"]["standalone"]["tuner"] == "SlimFitModel"
+    assert torch.equal(torch.load(root / "standalone.reloaded.pt"), _eval_logits(model, "bert"))
 
 
-def test_lora_stack_saves_reloads_and_exports_for_vanilla_peft(tmp_path):
-    tokentune = TokenTuneConfig(token_ratio=0.5, seed=0)
-    compression = ActivationCompressionConfig(bits=4, min_numel=0)
-    model = slimfit_model(
-        "llama", lora=True, freeze_ratio=0.5, tokentune=tokentune, activation_compression=compression
-    )
-    train(model, "llama", steps=3)
-    model.save_pretrained(tmp_path / "adapter")
-    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+def test_lora_stack_saves_reloads_and_exports_for_vanilla_peft(saved):
+    model, root = saved["stack"], saved["root"]
+    config = json.loads((root / "adapter" / "adapter_config.json").read_text())
     assert config["peft_type"] == "SLIMFIT" and config["tokentune"]["token_ratio"] == 0.5
     assert config["activation_compression"]["bits"] == 4 and config["lora"]["r"] == 4
-    export_lora(model, str(tmp_path / "lora"))
-    torch.save(_eval_logits(model, "llama"), tmp_path / "expected.pt")
-    load = f"""
-        import torch
-        from tiny_models import build, make_batch
-        from peft import PeftModel
-        batch = {{k: v for k, v in make_batch("llama").items() if k != "labels"}}
-        expected = torch.load({str(tmp_path / "expected.pt")!r})
-    """
-    _run_fresh(
-        load
-        + f"""
-        import peft_slim
-        model = PeftModel.from_pretrained(build("llama"), {str(tmp_path / "adapter")!r}).eval()
-        assert model.peft_config["default"].tokentune.token_ratio == 0.5
-        with torch.no_grad():
-            assert torch.equal(model(**batch).logits, expected)
-    """
-    )
-    _run_fresh(
-        load
-        + f"""
-        import sys
-        model = PeftModel.from_pretrained(build("llama"), {str(tmp_path / "lora")!r}).eval()
-        assert "peft_slim" not in sys.modules
-        with torch.no_grad():
-            assert torch.allclose(model(**batch).logits, expected, atol=1e-6)
-    """
-    )
+    expected = _eval_logits(model, "llama")
+    assert not torch.equal(expected, _eval_logits(build("llama"), "llama"))  # training changed the outputs
+    assert saved["slim"]["adapter"] == {"tuner": "SlimFitModel", "token_ratio": 0.5}
+    assert torch.equal(torch.load(root / "adapter.reloaded.pt"), expected)
+    # the exported plain LoRA adapter, in a process that never imports peft_slim
+    assert saved["vanilla"] == {"tuner": "LoraModel", "slim_imported": False}
+    assert torch.allclose(torch.load(root / "lora.reloaded.pt"), expected, atol=1e-6)
 
 
 def test_merge_and_unload_returns_a_plain_tuned_model():
