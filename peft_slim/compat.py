@@ -64,6 +64,33 @@ def active_ddp_module() -> nn.Module | None:
     return getter()
 
 
+_OPTIMIZER_HOOK_DICTS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+
+
+def optimizer_step_hook_counts() -> tuple[int, int]:
+    """How many global optimizer step pre-hooks and post-hooks are registered now, process-wide.
+
+    Private API: ``torch.optim.optimizer._global_optimizer_pre_hooks`` / ``_global_optimizer_post_hooks``, the dicts
+    that the public ``register_optimizer_step_pre_hook`` / ``..._post_hook`` fill. Only the tests read them, to check
+    that SlimFit's step hooks go with the model (on unload, and when it is garbage-collected).
+
+    No fallback: a RuntimeError that names the attribute.
+    """
+    import torch.optim.optimizer as optimizer_module
+
+    hooks = [getattr(optimizer_module, name, None) for name in _OPTIMIZER_HOOK_DICTS]
+    if not all(isinstance(found, dict) for found in hooks):
+        raise RuntimeError(
+            _moved(
+                "torch",
+                torch.__version__,
+                "torch.optim.optimizer._global_optimizer_pre_hooks / _global_optimizer_post_hooks",
+                "the tests cannot count global optimizer step hooks.",
+            )
+        )
+    return len(hooks[0]), len(hooks[1])
+
+
 def rowwise_byte_kernels() -> tuple[Callable, Callable] | None:
     """torch's fused row-wise 8-bit quantization ops ``(prepack, unpack)``, or None where this build lacks them.
 

@@ -84,6 +84,29 @@ def test_active_ddp_module_falls_back_to_none_with_a_warning(monkeypatch):
         assert compat.active_ddp_module() is None
 
 
+# ---------------------------------------------------------------------------------------------- optimizer hooks
+
+
+def test_optimizer_step_hook_counts_follow_the_public_registration():
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    before = compat.optimizer_step_hook_counts()
+    pre = register_optimizer_step_pre_hook(lambda *args: None)
+    post = register_optimizer_step_post_hook(lambda *args: None)
+    assert compat.optimizer_step_hook_counts() == (before[0] + 1, before[1] + 1)
+    pre.remove()
+    post.remove()
+    assert compat.optimizer_step_hook_counts() == before
+
+
+def test_optimizer_step_hook_counts_missing_raises_a_clear_error(monkeypatch):
+    import torch.optim.optimizer as optimizer_module
+
+    monkeypatch.delattr(optimizer_module, "_global_optimizer_post_hooks")
+    with pytest.raises(RuntimeError, match=r"torch .* _global_optimizer_post_hooks"):
+        compat.optimizer_step_hook_counts()
+
+
 # ---------------------------------------------------------------------------------------------- row-wise kernels
 
 
@@ -499,6 +522,8 @@ PRIVATE_ATTRIBUTES = {
     "_value_",
     "next_functions",
     "eager_attention_forward",
+    "_global_optimizer_pre_hooks",
+    "_global_optimizer_post_hooks",
 }
 PRIVATE_MODULES = {"peft.utils.other", "transformers.trainer_callback", "torch.nn.modules.batchnorm"}
 

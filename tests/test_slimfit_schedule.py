@@ -48,6 +48,26 @@ def test_scheduler_invariants(num_units, ratio, max_frozen, every, seed):
     assert longest <= max_frozen + every - 1 + math.ceil(num_units / k) * every
 
 
+@pytest.mark.parametrize("max_frozen", [1, 2, 5])
+def test_a_unit_frozen_max_frozen_steps_trains_at_the_next_step(max_frozen):
+    """The exact starvation bound: frozen for `max_frozen_steps` consecutive steps, a unit trains at the next
+    re-ranking (here every step), not one step later, however low its score."""
+    scheduler = FreezeScheduler(2, 0.5, 1, max_frozen, seed=0)  # one of two units trains at each step
+    scores = [1.0, 1e-6]  # unit 1 always ranks last: only the bound makes it train
+    for _ in range(6 * (max_frozen + 1)):
+        if scheduler.trained[1] and scheduler.step >= 2:  # after the first sweep (two steps)
+            assert scheduler.frozen_for[1] == max_frozen, scheduler.frozen_for
+        scheduler.advance({u: scores[u] for u, t in enumerate(scheduler.trained) if t})
+    runs, run = [], 0
+    for row in scheduler.history[2:]:  # after the sweep
+        if row[1]:
+            runs.append(run)
+            run = 0
+        else:
+            run += 1
+    assert len(runs) >= 4 and set(runs) == {max_frozen}, runs
+
+
 def test_sweep_order_is_seeded():
     def sweep(seed: int) -> list[int]:
         """The order in which the first sweep trains 20 units, one per step."""

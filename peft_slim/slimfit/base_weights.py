@@ -2,7 +2,7 @@
 
 Saving writes only the tensors that changed, and telling which did must not cost a copy of the model:
 a hash of each tensor's bytes, taken at wrapping time, settles it exactly. A full copy (on the CPU) is
-kept only when asked for, so that unload() can give the base model back.
+kept only when asked for, so that unload() and disable_adapter() can give the base model back.
 """
 
 from __future__ import annotations
@@ -38,8 +38,19 @@ class BaseWeights:
         digest = self._digests.get(name)
         return digest is not None and tensor_digest(tensor) != digest
 
+    @property
+    def names(self) -> list[str]:
+        return list(self._digests)
+
+    def tracks(self, name: str) -> bool:
+        return name in self._digests
+
     def any_changed(self, model: nn.Module) -> bool:
         return any(self.changed(name, model.get_parameter(name)) for name in self._digests)
+
+    def changed_except(self, model: nn.Module, names: set[str]) -> list[str]:
+        """Tracked parameters, other than ``names``, that differ from wrapping time."""
+        return [name for name in self._digests if name not in names and self.changed(name, model.get_parameter(name))]
 
     @torch.no_grad()
     def restore(self, model: nn.Module) -> None:
@@ -47,3 +58,19 @@ class BaseWeights:
             raise RuntimeError("BaseWeights.restore: no copies were kept.")
         for name, copy in self._copies.items():
             model.get_parameter(name).copy_(copy)
+
+    @torch.no_grad()
+    def swap_in(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Put the kept originals into the model; returns (CPU copies of) the values they replaced, for put_back.
+
+        Copies in place, so the parameters (and an optimizer's references to them) stay the same objects and the
+        device holds no second copy of the weights.
+        """
+        current = {name: model.get_parameter(name).detach().to("cpu", copy=True) for name in self._digests}
+        self.restore(model)
+        return current
+
+    @torch.no_grad()
+    def put_back(self, model: nn.Module, values: dict[str, torch.Tensor]) -> None:
+        for name, value in values.items():
+            model.get_parameter(name).copy_(value)

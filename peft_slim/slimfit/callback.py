@@ -22,17 +22,31 @@ class SlimFitCallback(TrainerCallback, ExportableState):
 
     The scheduler state (scores, frozen ages, sweep order, history) is written into ``trainer_state.json``
     and restored when training resumes from a checkpoint, whether or not
-    ``restore_callback_states_from_checkpoint`` is set.
+    ``restore_callback_states_from_checkpoint`` is set. During ``trainer.train()`` a standalone SlimFit
+    checkpoint holds every tensor SlimFit trains (not only those changed so far), so that
+    ``load_best_model_at_end`` loads it into the trained model exactly. When the Trainer is built and when
+    training ends, every scheduled unit requires grad again, so that another Trainer (or optimizer) on the same
+    model holds them all; the schedule freezes again at the next training forward.
     """
 
     def __init__(self):
         self.scheduler_state: dict | None = None
         self._tuner = None
 
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        tuner = find_slimfit(model) if model is not None else None
+        if tuner is not None and not tuner.slimfit_paused:
+            tuner._unfreeze()  # the Trainer builds its optimizer from what requires grad when train() starts
+
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._tuner = find_slimfit(model) if model is not None else None
         if self._tuner is None:
             raise ValueError("SlimFitCallback: the Trainer's model has no SlimFit adapter.")
+        if self._tuner.slimfit_paused:
+            raise ValueError(
+                "SlimFitCallback: the SlimFit schedule is paused (model.slimfit_pause()). Call model.slimfit_resume() "
+                "before trainer.train(), or train without SlimFitCallback to train every unit."
+            )
         restored = self.scheduler_state
         if restored is None and state.global_step > 0:  # resuming: the checkpoint's trainer_state.json has it
             stored = state.stateful_callbacks.get(type(self).__name__)
@@ -43,9 +57,14 @@ class SlimFitCallback(TrainerCallback, ExportableState):
         if restored is not None:
             self._tuner.load_slimfit_state_dict(restored)
         self.scheduler_state = None
+        self._tuner._full_checkpoints = True
 
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
         self._tuner.slimfit_step(optimizer)  # used only with release_frozen_optimizer_state
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._tuner._full_checkpoints = False
+        self._tuner._unfreeze()
 
     def state(self) -> dict:
         scheduler_state = self._tuner.slimfit_state_dict() if self._tuner is not None else None

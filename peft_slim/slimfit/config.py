@@ -171,8 +171,9 @@ class SlimFitConfig(MethodConfig):
     keep_base_weights: bool = field(
         default=False,
         metadata={
-            "help": "Keep a CPU copy of the original weights of every scheduled unit and bias, so that unload() can "
-            "return the base model (without `lora`). Costs one copy of those weights in CPU memory.",
+            "help": "Keep a CPU copy of the original weights of every scheduled unit and bias, so that unload() and "
+            "disable_adapter() can give the base model back (without `lora`). Costs one copy of those weights in CPU "
+            "memory.",
             "check": Boolean(),
         },
     )

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -22,6 +23,24 @@ from .units import find_units
 
 # Set to 1 to check, at every freeze decision, that all processes of a distributed run took the same one.
 CHECK_RANKS_ENV = "PEFT_SLIM_CHECK_RANKS"
+BASE_WEIGHTS_FIX = (
+    "Set SlimFitConfig(keep_base_weights=True) (a CPU copy of the original weights), or train a LoRA with SlimFit "
+    "(SlimFitConfig(lora=LoraConfig(...)): the base weights then never change)."
+)
+
+
+class BaseWeightsSwitch(nn.Module, BaseTunerLayer):
+    """Standalone SlimFit's adapter, as PEFT's adapter-layer status sees it: the base weights trained in place.
+
+    PEFT's ``disable_adapter()`` looks for adapter layers before it calls the tuner, and standalone SlimFit has
+    none; this one (no parameters, outside the transformers model) says whether the adapter is enabled, while
+    ``SlimFitModel`` swaps the weights.
+    """
+
+    def __init__(self, adapter_name: str):
+        super().__init__()
+        self.set_adapter(adapter_name)
+        self.merged_adapters = []
 
 
 class SlimFitModel(MethodTuner):
@@ -47,11 +66,16 @@ class SlimFitModel(MethodTuner):
         self._observer: StepObserver | None = None
         self._base_weights: BaseWeights | None = None
         self._applied = False
+        self._paused = False
+        self._swapped: dict[str, torch.Tensor] | None = None  # inside disable_adapter(): the tuned weights
+        self._swapped_requires_grad: dict[str, bool] = {}
+        self._full_checkpoints = False  # set by SlimFitCallback during trainer.train()
         self._units, always = find_units(model, config)
         if config.lora is None:
             tracked = {id(p) for unit in self._units for p in unit.params} | {id(p) for p in always}
             named = {name: p for name, p in model.named_parameters() if id(p) in tracked}
             self._base_weights = BaseWeights(named, keep_copies=config.keep_base_weights)
+            self.slimfit_base_weights = BaseWeightsSwitch(self.active_adapters[0])
         self.scheduler = FreezeScheduler(
             len(self._units), config.freeze_ratio, config.schedule_every, config.max_frozen_steps, config.seed
         )
@@ -65,6 +89,7 @@ class SlimFitModel(MethodTuner):
             config.metric,
             config.epsilon,
             resolve=self._resolve_params,
+            guard=lambda: self._refuse_while_disabled("optimizer.step()"),
         )
         self._handles.append(model.register_forward_pre_hook(self._before_forward))
 
@@ -86,21 +111,65 @@ class SlimFitModel(MethodTuner):
         """Units that train at the next step."""
         return [unit.name for unit, trained in zip(self._units, self.scheduler.trained) if trained]
 
-    def slimfit_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def slimfit_step(self, optimizer: torch.optim.Optimizer | list | tuple | None = None) -> None:
         """Close a training step: score the units that trained, re-rank, freeze for the next step.
 
-        Call it once after each ``optimizer.step()`` (``SlimFitCallback`` does with Trainer). With
-        ``release_frozen_optimizer_state``, the state of long-frozen units is freed from ``optimizer``, by
-        default the optimizer that last stepped over the units.
+        Call it once per training step, after ``optimizer.step()`` (after every optimizer's step when the
+        parameters are split over several); ``SlimFitCallback`` does with Trainer. With
+        ``release_frozen_optimizer_state``, the state of long-frozen units is freed from ``optimizer`` (one, or a
+        list), by default the optimizers that last stepped over the units.
         """
+        if self._paused:
+            raise RuntimeError(
+                "SlimFit: slimfit_step() while the schedule is paused (slimfit_pause()): no unit was scheduled, so "
+                "there is no step to close. Call model.slimfit_resume() first."
+            )
+        self._refuse_while_disabled("slimfit_step()")
         config = self._config
-        scores = self._observer.take_scores() if self._observer is not None else {}
+        scores = self._observer.take_scores(stacklevel=2) if self._observer is not None else {}
         self.scheduler.advance(scores)
         self._apply_schedule()
-        if optimizer is None and self._observer is not None:
-            optimizer = self._observer.last_optimizer
-        if config.release_frozen_optimizer_state and optimizer is not None:
-            self._release_optimizer_state(optimizer, config.release_after_steps)
+        if optimizer is None:
+            optimizers = self._observer.optimizers() if self._observer is not None else []
+        else:
+            optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        if config.release_frozen_optimizer_state:
+            for opt in optimizers:
+                self._release_optimizer_state(opt, config.release_after_steps)
+
+    @property
+    def slimfit_paused(self) -> bool:
+        return self._paused
+
+    def slimfit_pause(self) -> None:
+        """Suspend the schedule: every scheduled unit requires grad again, as when the model was wrapped.
+
+        Until ``slimfit_resume()``, training forwards freeze nothing (so they train every unit, like plain
+        fine-tuning or LoRA), optimizer steps are not scored and ``slimfit_step()`` raises. The schedule's state
+        (scores, frozen ages, history) is kept.
+        """
+        self._refuse_while_disabled("slimfit_pause()")
+        self._unfreeze()
+        self._paused = True
+        if self._observer is not None:
+            self._observer.active = False
+
+    def slimfit_resume(self) -> None:
+        """End a pause: the schedule freezes again from the next training forward, where it stopped."""
+        self._refuse_while_disabled("slimfit_resume()")
+        self._paused = False
+        if self._observer is not None:
+            self._observer.active = True
+
+    def _unfreeze(self) -> None:
+        """Every scheduled unit requires grad until the next training forward re-applies the schedule."""
+        if self._config.inference_mode:
+            return  # loaded for inference: nothing trains
+        self._resolve_params()
+        for unit in self._units:
+            for param in unit.params:
+                param.requires_grad_(True)
+        self._applied = False
 
     def _resolve_params(self) -> None:
         """Point every unit at the parameters the model holds now, found by name: FSDP2's ``fully_shard`` replaces
@@ -152,15 +221,61 @@ class SlimFitModel(MethodTuner):
     # ------------------------------------------------------------------ forward path
 
     def _before_forward(self, model: nn.Module, args: tuple) -> None:
-        if not (model.training and torch.is_grad_enabled()):
+        if not torch.is_grad_enabled() or self._paused or self._swapped is not None:
             return
-        check_ddp(active_ddp_module(), self.scheduler)
-        if not self._applied:
-            self._apply_schedule()
+        if model.training:
+            check_ddp(active_ddp_module(), self.scheduler)
+            if not self._applied:
+                self._apply_schedule()
+        self._observer.note_forward()  # any forward that can produce gradients opens a training step
+
+    # ------------------------------------------------------------------ disable_adapter()
+
+    def disable_adapter_layers(self) -> None:
+        """What PEFT's ``disable_adapter()`` calls. Without LoRA the adapter is the base weights trained in place:
+        swap the kept originals in (exactly, by copy) and freeze them. With LoRA, PEFT's own switch."""
+        if self._config.lora is None and self._swapped is None:
+            self._swap_base_weights_in()
+            self.slimfit_base_weights.enable_adapters(False)
+        super().disable_adapter_layers()
+
+    def enable_adapter_layers(self) -> None:
+        """Undo ``disable_adapter_layers``: the tuned weights back, exactly."""
+        if self._config.lora is None and self._swapped is not None:
+            self._swap_base_weights_out()
+            self.slimfit_base_weights.enable_adapters(True)
+        super().enable_adapter_layers()
+
+    def _swap_base_weights_in(self) -> None:
+        if not self._base_weights.kept:
+            raise ValueError(
+                "SlimFit: disable_adapter() cannot give the base model's outputs: without `lora` SlimFit trains the "
+                f"base weights in place and did not keep the originals (keep_base_weights=False). {BASE_WEIGHTS_FIX}"
+            )
+        params = {name: self.model.get_parameter(name) for name in self._base_weights.names}
+        self._swapped_requires_grad = {name: p.requires_grad for name, p in params.items()}
+        for param in params.values():
+            param.requires_grad_(False)  # the base model is frozen while disabled, as LoRA's is
+        self._swapped = self._base_weights.swap_in(self.model)
+
+    def _swap_base_weights_out(self) -> None:
+        swapped, self._swapped = self._swapped, None
+        self._base_weights.put_back(self.model, swapped)
+        for name, requires_grad in self._swapped_requires_grad.items():
+            self.model.get_parameter(name).requires_grad_(requires_grad)
+        self._swapped_requires_grad = {}
+
+    def _refuse_while_disabled(self, what: str) -> None:
+        if self._swapped is not None:
+            raise RuntimeError(
+                f"SlimFit: {what} inside disable_adapter(): the model holds the original base weights there, not "
+                "the tuned ones. Leave the disable_adapter() context first."
+            )
 
     # ------------------------------------------------------------------ unloading and saving
 
     def _unload_and_optionally_merge(self, merge: bool = True, **kwargs):
+        self._refuse_while_disabled("unload() / merge_and_unload()")
         config = self._config
         if config.lora is None and not merge and self._base_weights.any_changed(self.model):
             if not self._base_weights.kept:
@@ -175,8 +290,43 @@ class SlimFitModel(MethodTuner):
         return super()._unload_and_optionally_merge(merge=merge, **kwargs)
 
     def _saves_base_tensor(self, name: str, tensor: torch.Tensor) -> bool:
-        # Standalone SlimFit trains base tensors in place: save those that changed (modules_to_save are PEFT's).
+        # Standalone SlimFit trains base tensors in place: save those that changed (modules_to_save are PEFT's);
+        # in Trainer checkpoints all it trains, so that loading one into the trained model is exact.
+        self._refuse_while_disabled("save_pretrained()")
+        if self._full_checkpoints:
+            return self._base_weights.tracks(name)
         return self._base_weights.changed(name, tensor)
+
+    @classmethod
+    def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
+        state_dict = super()._remap_adapter_state_dict_for_load(
+            model=model, config=config, adapter_name=adapter_name, state_dict=state_dict
+        )
+        tuner = getattr(model, "base_model", None)
+        if config.lora is None and isinstance(tuner, cls):
+            prefix = "base_model.model."
+            tuner._before_loading({key[len(prefix) :] for key in state_dict if key.startswith(prefix)})
+        return state_dict
+
+    def _before_loading(self, names: set[str]) -> None:
+        """A standalone adapter file holds only the tensors its training changed: the others must hold the base
+        model's values for the load to be exact. Restore them (kept originals) or refuse."""
+        self._refuse_while_disabled("loading an adapter")
+        stale = self._base_weights.changed_except(self.model, names)
+        if not stale:
+            return
+        if self._base_weights.kept:
+            self._base_weights.restore(self.model)  # every tracked tensor; the file's then overwrite theirs
+            return
+        raise ValueError(
+            f"SlimFit: loading a standalone SlimFit adapter into this model would mix two sets of weights: the file "
+            f"holds only the base tensors its training changed, and {len(stale)} tensor(s) it does not hold were "
+            f"trained in this model since it was wrapped (e.g. {stale[:3]}) and would keep their trained values. "
+            "Load it onto a fresh base model (PeftModel.from_pretrained(base_model, path)), or set "
+            "SlimFitConfig(keep_base_weights=True) so that the originals are restored first. With "
+            "Trainer(load_best_model_at_end=True), pass peft_slim.SlimFitCallback(): its checkpoints hold every "
+            "tensor SlimFit trains."
+        )
 
 
 def check_ddp(ddp: DistributedDataParallel | None, scheduler: FreezeScheduler) -> None:

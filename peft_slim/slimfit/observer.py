@@ -4,6 +4,11 @@ Global optimizer step hooks (``torch.optim.optimizer.register_optimizer_step_*_h
 optimizer, including ones built by Trainer or accelerate, so the user's loop needs no extra call
 for scoring. The snapshot is taken after backward, when activations are freed, so it never adds to the
 activation peak.
+
+A model's parameters may be split over several optimizers (one for the head, one for the body): each step
+scores the tensors that optimizer holds, and a unit's score sums over every optimizer step between two
+training forwards, so it is the same as if one optimizer had stepped the whole unit. The hooks go when the
+observer does: on unload, or when the model is garbage-collected.
 """
 
 from __future__ import annotations
@@ -15,12 +20,18 @@ from collections.abc import Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .scheduler import unit_score
+from .scheduler import finish_score, score_parts
 from .units import Unit
+
+ORDER = "loss.backward(); optimizer.step(); optimizer.zero_grad(); model.slimfit_step()"
 
 
 class StepObserver:
-    """Scores of the units trained in each optimizer step, collected until ``take_scores()``."""
+    """Scores of the units trained in each training step, collected until ``take_scores()`` (``slimfit_step``).
+
+    A training step is what happens between two training forwards: any number of optimizer steps, each over
+    some of the units. ``note_forward()`` marks its start; ``take_scores()`` closes it.
+    """
 
     def __init__(
         self,
@@ -29,81 +40,141 @@ class StepObserver:
         metric: str,
         epsilon: float,
         resolve: Callable[[], None] | None = None,
+        guard: Callable[[], None] | None = None,
     ):
         self.units = units
         self.resolve = resolve  # re-points units at the model's current parameters (FSDP2 replaces them)
+        self.guard = guard  # called before an optimizer steps over the units; raises if it must not
         self.is_training = is_training
         self.metric = metric
         self.epsilon = epsilon
-        self.steps_since_take = 0
-        self._scores: dict[int, float] = {}
-        self._snapshot: dict[int, list[torch.Tensor]] | None = None
+        self.active = True  # False while the schedule is paused: steps are not watched
+        self._scores: dict[int, float] = {}  # training steps closed since take_scores
+        self._parts: dict[int, list[float]] = {}  # the open training step's summed score parts
+        self._snapshot: list[tuple[int, list[torch.Tensor], list[torch.Tensor]]] | None = None
+        self._depth = 0  # nesting of optimizer steps over the units (a wrapper's step around the inner one's)
+        self._stepped: set[int] = set()  # ids of unit parameters held by an optimizer that stepped since take
+        self._optimizers: list[weakref.ref] = []  # optimizers that stepped over the units since take
+        self._last_optimizers: list[weakref.ref] = []
+        self._closed = False  # slimfit_step() ran and no training forward since
+        self._warned_twice = False
         self._warned_missing = False
-        self._last_optimizer: weakref.ref | None = None
         self._unit_of = {id(p): index for index, unit in enumerate(units) for p in unit.params}
-        ref = weakref.ref(self)  # the global hooks must not keep a discarded tuner alive
-        self._handles = [
+        ref = weakref.ref(self)  # the global hooks must not keep a discarded tuner alive...
+        handles = [
             register_optimizer_step_pre_hook(lambda opt, args, kwargs: _call(ref, "_before_step", opt)),
             register_optimizer_step_post_hook(lambda opt, args, kwargs: _call(ref, "_after_step", opt)),
         ]
+        # ...and must not outlive it: removed when the observer is collected, or by remove().
+        self._finalizer = weakref.finalize(self, _remove_handles, handles)
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._finalizer()
 
-    @property
-    def last_optimizer(self) -> torch.optim.Optimizer | None:
-        """The optimizer that last stepped over these units (None if none did, or it is gone)."""
-        return self._last_optimizer() if self._last_optimizer is not None else None
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers that stepped over these units in the latest training step in which any did."""
+        return [opt for opt in (ref() for ref in self._last_optimizers) if opt is not None]
 
-    def take_scores(self) -> dict[int, float]:
+    def note_forward(self) -> None:
+        """A forward that can produce gradients starts: the previous training step is complete."""
+        self._finish_step()
+        self._closed = False
+        self._depth, self._snapshot = 0, None  # a step that raised half-way left these set
+
+    def take_scores(self, stacklevel: int = 1) -> dict[int, float]:
+        """Close the training step (``slimfit_step``): the scores since the last call, by unit index."""
+        if self._closed and self.active:
+            raise RuntimeError(
+                "SlimFit: slimfit_step() was called twice without a training forward in between; each call closes "
+                f"one training step and advances the schedule. Call it once per step: {ORDER}."
+            )
+        self._finish_step()
+        self._warn_if_missing(stacklevel + 1)
         scores, self._scores = self._scores, {}
-        self.steps_since_take = 0
+        if self._optimizers:
+            self._last_optimizers = self._optimizers
+        self._optimizers, self._stepped = [], set()
+        self._closed = True
+        self._warned_twice = False
         return scores
 
+    def _finish_step(self) -> None:
+        for index, parts in self._parts.items():
+            self._scores[index] = finish_score(self.metric, parts, self.epsilon)
+        self._parts = {}
+
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._snapshot is not None:
-            return  # a wrapper's step (accelerate) around the inner optimizer's: one snapshot
+        if not self.active:
+            return
+        if self._depth:  # a wrapper's step (accelerate) around the inner optimizer's: one snapshot
+            self._depth += 1
+            return
         if self.resolve is not None:  # the optimizer holds the parameters the model holds between steps
             self.resolve()
             self._unit_of = {id(p): index for index, unit in enumerate(self.units) for p in unit.params}
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        mine = {index for pid, index in self._unit_of.items() if pid in in_optimizer}
+        mine = in_optimizer & self._unit_of.keys()
         if not mine:
             return  # another model's optimizer
-        self._warn_if_missing(in_optimizer)
-        self._last_optimizer = weakref.ref(optimizer)
-        self._snapshot = {
-            index: [p.detach().clone() for p in self.units[index].params] for index in mine if self.is_training(index)
-        }
-
-    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        snapshot, self._snapshot = self._snapshot, None
-        if snapshot is None:
-            return
-        self.steps_since_take += 1
-        with torch.no_grad():
-            for index, before in snapshot.items():
-                self._scores[index] = unit_score(self.metric, before, self.units[index].params, self.epsilon)
-        if self.steps_since_take == 2:
+        if self.guard is not None:
+            self.guard()
+        if self._closed:
+            raise RuntimeError(
+                "SlimFit: optimizer.step() was called after model.slimfit_step() with no training forward in "
+                "between. slimfit_step() closes a training step and re-freezes units, so calling it before the "
+                "optimizer step loses that step's scores and drops the gradients of the units it freezes. Call "
+                f"it after the optimizer step: {ORDER} (with several optimizers, after all of their steps)."
+            )
+        if mine & self._stepped and not self._warned_twice:
+            self._warned_twice = True
             warnings.warn(
-                "SlimFit: the optimizer stepped twice without model.slimfit_step(); the frozen set does not change "
-                "until it is called (after each optimizer.step(), or use peft_slim.SlimFitCallback with Trainer).",
+                "SlimFit: an optimizer stepped twice over the same units without model.slimfit_step(); the frozen "
+                "set does not change until it is called (after each optimizer.step(), or use "
+                "peft_slim.SlimFitCallback with Trainer).",
                 stacklevel=5,  # the optimizer.step() call: _call, the hook lambda, torch's step wrapper
             )
+        self._depth = 1
+        self._stepped |= mine
+        if not any(ref() is optimizer for ref in self._optimizers):
+            self._optimizers.append(weakref.ref(optimizer))
+        snapshot = []
+        for index, unit in enumerate(self.units):
+            params = [p for p in unit.params if id(p) in mine]
+            if params and self.is_training(index):
+                snapshot.append((index, params, [p.detach().clone() for p in params]))
+        self._snapshot = snapshot
 
-    def _warn_if_missing(self, in_optimizer: set[int]) -> None:
-        if self._warned_missing:  # once is enough: skip the scan on every later step
+    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._depth:
             return
-        missing = [unit.name for unit in self.units if any(id(p) not in in_optimizer for p in unit.params)]
+        self._depth -= 1
+        if self._depth:
+            return
+        snapshot, self._snapshot = self._snapshot or [], None
+        with torch.no_grad():
+            for index, params, before in snapshot:
+                parts = score_parts(self.metric, before, params, self.epsilon)
+                total = self._parts.setdefault(index, [0.0, 0.0])
+                total[0] += parts[0]
+                total[1] += parts[1]
+
+    def _warn_if_missing(self, stacklevel: int) -> None:
+        """Units that trained in this step but that no optimizer which stepped holds: their gradient is lost."""
+        if self._warned_missing or not self._stepped:  # no step at all: skipped (inf gradients under AMP)
+            return
+        missing = [
+            unit.name
+            for index, unit in enumerate(self.units)
+            if self.is_training(index) and any(id(p) not in self._stepped for p in unit.params)
+        ]
         if missing:
             self._warned_missing = True
             warnings.warn(
-                f"SlimFit: {len(missing)} scheduled unit(s) are not in the optimizer (e.g. {missing[:3]}); they will "
-                "never change. Build the optimizer before the first training forward, from every parameter that "
-                "requires grad at that point (SlimFit freezes units only once training starts).",
-                stacklevel=6,
+                f"SlimFit: {len(missing)} scheduled unit(s) trained in this step but are in no optimizer that stepped "
+                f"(e.g. {missing[:3]}); they will never change. Build the optimizer(s) before the first training "
+                "forward, from every parameter that requires grad at that point (SlimFit freezes units only once "
+                "training starts; after a Trainer run or slimfit_pause() every unit requires grad again).",
+                stacklevel=stacklevel + 1,
             )
 
 
@@ -111,3 +182,8 @@ def _call(ref: weakref.ref, method: str, optimizer: torch.optim.Optimizer) -> No
     observer = ref()
     if observer is not None:
         getattr(observer, method)(optimizer)
+
+
+def _remove_handles(handles: list) -> None:
+    for handle in handles:
+        handle.remove()

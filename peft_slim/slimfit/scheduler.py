@@ -87,17 +87,33 @@ class FreezeScheduler:
 
 def unit_score(metric: str, before: list[torch.Tensor], after: list[torch.Tensor], epsilon: float) -> float:
     """How much a unit changed in one step; consumes ``before`` (a snapshot it may overwrite)."""
-    if metric == "relative_change":  # mean(|after - before| / (|before| + eps)) over all of the unit's values
+    return finish_score(metric, score_parts(metric, before, after, epsilon), epsilon)
+
+
+def score_parts(metric: str, before: list[torch.Tensor], after: list[torch.Tensor], epsilon: float) -> list[float]:
+    """The two sums a unit's score is made of, over some of its tensors; consumes ``before``.
+
+    Sums add up over tensors, so a unit whose tensors are stepped by two optimizers is scored from both steps
+    exactly as if one optimizer had stepped it all.
+    """
+    if metric == "relative_change":  # sum of |after - before| / (|before| + eps), and the count of values
         total, count = 0.0, 0
         for old, new in zip(before, after):
             delta = (new.detach().float() - old.float()).abs_()
             total += _item(delta.div_(old.float().abs_().add_(epsilon)).sum())
             count += old.numel()
-        return total / max(count, 1)
-    # update_norm: ||after - before|| / (||before|| + eps), over the unit's values as one vector
+        return [total, float(count)]
+    # update_norm: squared norms of the change and of the old values
     change = sum(_item((new.detach().float() - old.float()).pow_(2).sum()) for old, new in zip(before, after))
     size = sum(_item(old.float().pow(2).sum()) for old in before)
-    return math.sqrt(change) / (math.sqrt(size) + epsilon)
+    return [float(change), float(size)]
+
+
+def finish_score(metric: str, parts: list[float], epsilon: float) -> float:
+    """The score from the summed ``score_parts`` of all of a unit's tensors."""
+    if metric == "relative_change":  # mean(|after - before| / (|before| + eps)) over all of the unit's values
+        return parts[0] / max(parts[1], 1.0)
+    return math.sqrt(parts[0]) / (math.sqrt(parts[1]) + epsilon)  # ||after - before|| / (||before|| + eps)
 
 
 def _item(total: torch.Tensor) -> float:

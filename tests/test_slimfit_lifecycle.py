@@ -1,0 +1,418 @@
+"""SlimFit around the training loop: disable_adapter(), the optimizer hooks' lifetime, several optimizers, the
+order of slimfit_step(), pausing the schedule, a second Trainer, and load_best_model_at_end."""
+
+from __future__ import annotations
+
+import gc
+import re
+import warnings
+import weakref
+
+import pytest
+import torch
+from peft import PeftModel
+from slimfit_cases import loss_of, slimfit_model, train
+from test_training_loops import make_dataset, make_tokenizer, training_args
+from tiny_models import build, make_batch
+from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback
+
+from peft_slim import SlimFitCallback, TokenSelectionConfig
+from peft_slim.compat import optimizer_step_hook_counts
+from peft_slim.slimfit.observer import ORDER
+
+
+def _eval_logits(model, arch: str) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(**{k: v for k, v in make_batch(arch).items() if k != "labels"}).logits
+
+
+def _adamw(params) -> torch.optim.AdamW:
+    return torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-2, weight_decay=0.1)
+
+
+def _tracked(model) -> dict[str, torch.Tensor]:
+    """Copies of the base tensors standalone SlimFit trains in place, by name in the transformers model."""
+    tuner = model.base_model
+    return {name: tuner.model.get_parameter(name).detach().clone() for name in tuner._base_weights.names}
+
+
+@pytest.fixture
+def no_automatic_gc():
+    """Hook counts are process-wide: collect earlier tests' models now, and nothing behind the test's back."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+# ---------------------------------------------------------------------------------------------- disable_adapter
+
+
+@pytest.mark.parametrize("arch", ["bert", "llama"])  # bert has PEFT's classifier wrapper, llama no other layer
+def test_disable_adapter_gives_the_base_model_exactly_with_kept_weights(arch):
+    model = slimfit_model(arch, freeze_ratio=0.5, keep_base_weights=True)
+    optimizer = train(model, arch, steps=3)
+    base = build(arch)
+    base_params = dict(base.named_parameters())
+    tuned = _tracked(model)
+    assert any(not torch.equal(value, base_params[name]) for name, value in tuned.items())
+    tuned_logits = _eval_logits(model, arch)
+    objects = [id(p) for p in model.parameters()]
+    with model.disable_adapter():
+        assert torch.equal(_eval_logits(model, arch), _eval_logits(base, arch))
+        for name, value in _tracked(model).items():
+            assert torch.equal(value, base_params[name]), name
+    assert torch.equal(_eval_logits(model, arch), tuned_logits)
+    for name, value in _tracked(model).items():
+        assert torch.equal(value, tuned[name]), name
+    assert [id(p) for p in model.parameters()] == objects  # the optimizer still holds the model's parameters
+    train(model, arch, steps=1, optimizer=optimizer)
+
+
+def test_nothing_trains_inside_disable_adapter(tmp_path):
+    """Inside, the model holds the original weights: they are frozen, and stepping or saving them is refused."""
+    model = slimfit_model("llama", freeze_ratio=0.5, keep_base_weights=True)
+    optimizer = train(model, "llama", steps=2)
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    model.train()
+    with model.disable_adapter():
+        assert not loss_of(model, make_batch("llama")).requires_grad
+        for what, call in (
+            ("optimizer.step", optimizer.step),
+            ("slimfit_step", model.slimfit_step),
+            ("save_pretrained", lambda: model.save_pretrained(tmp_path)),
+        ):
+            with pytest.raises(RuntimeError, match=re.escape(what) + r".*inside disable_adapter"):
+                call()
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
+    train(model, "llama", steps=1, optimizer=optimizer)
+
+
+@pytest.mark.parametrize("arch", ["bert", "llama"])
+def test_disable_adapter_without_kept_weights_is_refused(arch):
+    model = slimfit_model(arch, freeze_ratio=0.5)
+    train(model, arch, steps=2)
+    tuned = _eval_logits(model, arch)
+    with pytest.raises(ValueError, match=r"keep_base_weights=True.*LoraConfig"), model.disable_adapter():
+        pass
+    assert torch.equal(_eval_logits(model, arch), tuned)
+    assert model.get_model_status().enabled is True
+
+
+def test_disable_adapter_with_lora_is_peft_s():
+    model = slimfit_model("llama", lora=True, freeze_ratio=0.5)
+    train(model, "llama", steps=3)
+    tuned = _eval_logits(model, "llama")
+    base = _eval_logits(build("llama"), "llama")
+    assert not torch.equal(tuned, base)
+    with model.disable_adapter():
+        assert torch.equal(_eval_logits(model, "llama"), base)
+    assert torch.equal(_eval_logits(model, "llama"), tuned)
+
+
+# ---------------------------------------------------------------------------------------------- hook lifetime
+
+
+@pytest.mark.parametrize(
+    ("how", "fields"),
+    [
+        ("merge_and_unload", {}),
+        ("unload", {"keep_base_weights": True}),
+        ("merge_and_unload", {"lora": True}),
+        ("unload", {"lora": True}),
+    ],
+)
+def test_step_hooks_go_on_unload(how, fields, no_automatic_gc):
+    start = optimizer_step_hook_counts()
+    model = slimfit_model("llama", freeze_ratio=0.5, **fields)
+    assert optimizer_step_hook_counts() == (start[0] + 1, start[1] + 1)
+    train(model, "llama", steps=1)
+    getattr(model, how)()
+    assert optimizer_step_hook_counts() == start
+
+
+@pytest.mark.parametrize("fields", [{}, {"lora": True}, {"tokentune": TokenSelectionConfig(token_ratio=0.5)}])
+def test_step_hooks_go_when_the_model_is_collected(fields, no_automatic_gc):
+    start = optimizer_step_hook_counts()
+    model = slimfit_model("llama", freeze_ratio=0.5, **fields)
+    optimizer = train(model, "llama", steps=2)
+    assert optimizer_step_hook_counts() == (start[0] + 1, start[1] + 1)
+    collected = weakref.ref(model)
+    del model, optimizer
+    gc.collect()
+    assert collected() is None
+    assert optimizer_step_hook_counts() == start
+
+
+# ---------------------------------------------------------------------------------------------- several optimizers
+
+LAYER_UNITS = [r"model\.layers\.(\d+)\..*"]  # one unit per layer: the split below cuts through each
+
+
+def _split_optimizers(model) -> list[torch.optim.Optimizer]:
+    """Attention tensors in one AdamW, everything else in another."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    return [
+        _adamw(p for name, p in named if ".self_attn." in name),
+        _adamw(p for name, p in named if ".self_attn." not in name),
+    ]
+
+
+def test_two_optimizers_score_and_train_as_one():
+    """Scores (summed over both optimizers' steps), schedule and weights equal a one-optimizer run; no warning."""
+    one = slimfit_model("llama", freeze_ratio=0.5, units=LAYER_UNITS)
+    two = slimfit_model("llama", freeze_ratio=0.5, units=LAYER_UNITS)
+    runs = ((one, [_adamw(one.parameters())]), (two, _split_optimizers(two)))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SlimFit")
+        for step in range(6):
+            for model, optimizers in runs:
+                model.train()
+                torch.manual_seed(step)
+                loss_of(model, make_batch("llama", seed=step)).backward()
+                for optimizer in optimizers:
+                    optimizer.step()
+                for optimizer in optimizers:
+                    optimizer.zero_grad()
+                model.slimfit_step()
+            assert two.base_model.scheduler.scores == pytest.approx(one.base_model.scheduler.scores, rel=1e-9)
+    tuner = two.base_model
+    assert tuner.slimfit_history() == one.base_model.slimfit_history()
+    assert any(s not in (0.0, float("inf")) for s in tuner.scheduler.scores)
+    for (name, a), b in zip(one.named_parameters(), two.parameters()):
+        assert torch.equal(a, b), name
+    for index, unit in enumerate(tuner._units):  # frozen units' state freed from both optimizers
+        if tuner.scheduler.frozen_for[index] >= 1:
+            assert not any(p in optimizer.state for optimizer in runs[1][1] for p in unit.params), unit.name
+
+
+def test_stepping_twice_without_slimfit_step_warns():
+    model = slimfit_model("llama", freeze_ratio=0.5)
+    optimizer = _adamw(model.parameters())
+    model.train()
+    for step in range(2):
+        loss_of(model, make_batch("llama", seed=step)).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer.step()
+        optimizer.zero_grad()
+        assert any("stepped twice" in str(w.message) for w in caught) == (step == 1)
+
+
+def test_a_trained_unit_in_no_optimizer_warns():
+    model = slimfit_model("llama", freeze_ratio=0.0)
+    optimizer = _adamw(p for name, p in model.named_parameters() if "lm_head" not in name)
+    model.train()
+    loss_of(model, make_batch("llama")).backward()
+    optimizer.step()
+    with pytest.warns(UserWarning, match=r"in no optimizer that stepped \(e\.g\. \['lm_head\.weight'\]\)"):
+        model.slimfit_step()
+
+
+# ---------------------------------------------------------------------------------------------- call order
+
+
+def test_slimfit_step_before_the_optimizer_step_is_refused():
+    model = slimfit_model("llama", freeze_ratio=0.5)
+    optimizer = train(model, "llama", steps=1)
+    model.train()
+    loss_of(model, make_batch("llama", seed=1)).backward()
+    model.slimfit_step()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"after model\.slimfit_step\(\).*" + re.escape(ORDER)):
+        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_slimfit_step_twice_in_one_step_is_refused():
+    model = slimfit_model("llama", freeze_ratio=0.5)
+    train(model, "llama", steps=1)
+    with pytest.raises(RuntimeError, match="twice without a training forward"):
+        model.slimfit_step()
+    assert model.base_model.scheduler.step == 1
+
+
+def test_a_skipped_optimizer_step_is_not_an_error():
+    """GradScaler skips optimizer.step() on inf gradients and Trainer still ends the step: no error, no warning."""
+    model = slimfit_model("llama", freeze_ratio=0.5)
+    optimizer = _adamw(model.parameters())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SlimFit")
+        model.train()
+        loss_of(model, make_batch("llama")).backward()
+        optimizer.zero_grad()
+        model.slimfit_step()
+        train(model, "llama", steps=2, optimizer=optimizer)
+    assert model.base_model.scheduler.step == 3
+
+
+# ---------------------------------------------------------------------------------------------- pause / resume
+
+
+def test_pause_restores_the_trainable_set_and_resume_continues_the_schedule():
+    model = slimfit_model("llama", freeze_ratio=0.8)
+    tuner = model.base_model
+    wrapped = model.get_nb_trainable_parameters()
+    optimizer = train(model, "llama", steps=3)
+    assert model.get_nb_trainable_parameters()[0] < wrapped[0]
+    state = tuner.slimfit_state_dict()
+
+    model.slimfit_pause()
+    assert model.slimfit_paused and model.get_nb_trainable_parameters() == wrapped
+    model.train()
+    loss_of(model, make_batch("llama", seed=7)).backward()  # paused: every unit trains, nothing is scored
+    before = [[p.detach().clone() for p in unit.params] for unit in tuner._units]
+    optimizer.step()
+    optimizer.zero_grad()
+    for unit, old in zip(tuner._units, before):
+        assert all(not torch.equal(o, p) for o, p in zip(old, unit.params)), unit.name
+    with pytest.raises(RuntimeError, match="slimfit_resume"):
+        model.slimfit_step()
+    assert tuner.slimfit_state_dict() == state and model.get_nb_trainable_parameters() == wrapped
+
+    model.slimfit_resume()
+    assert not model.slimfit_paused and model.get_nb_trainable_parameters() == wrapped
+    loss_of(model, make_batch("llama", seed=8)).backward()  # the schedule freezes again, where it stopped
+    for unit, trained in zip(tuner._units, tuner.scheduler.trained):
+        assert all((p.grad is not None) == trained for p in unit.params), unit.name
+    optimizer.step()
+    optimizer.zero_grad()
+    model.slimfit_step()
+    assert tuner.scheduler.step == 4 and tuner.slimfit_history()["trained"][:3] == [
+        [c == "1" for c in row] for row in state["history"]
+    ]
+
+
+def _trainer(tmp_path, model, steps: int, callbacks=(), **overrides) -> Trainer:
+    tokenizer = make_tokenizer()
+    args = training_args(
+        tmp_path,
+        max_steps=steps,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        gradient_accumulation_steps=1,
+        lr_scheduler_type="constant",
+        **overrides,
+    )
+    return Trainer(
+        model=model,
+        args=args,
+        train_dataset=make_dataset(tokenizer, [9, 7, 12, 8] * 4),
+        eval_dataset=make_dataset(tokenizer, [10, 6, 11, 9], seed=1),
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+        callbacks=[SlimFitCallback(), *callbacks],
+    )
+
+
+class _Watch(TrainerCallback):
+    """Per optimizer step: did each unit change, and was it scheduled to train."""
+
+    def __init__(self, tuner):
+        self.tuner = tuner
+        self.steps: list[tuple[list[bool], list[bool]]] = []
+        self.optimizer_params: set[int] = set()
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.optimizer_params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._before = [[p.detach().clone() for p in unit.params] for unit in self.tuner._units]
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        changed = [
+            any(not torch.equal(o, p) for o, p in zip(old, unit.params))
+            for unit, old in zip(self.tuner._units, self._before)
+        ]
+        self.steps.append((changed, list(self.tuner.scheduler.trained)))
+
+
+@pytest.mark.parametrize("first", ["trainer", "plain loop"])
+def test_a_second_trainer_trains_what_the_config_says(tmp_path, first):
+    """After a Trainer run (its on_train_end) or a plain loop (the new Trainer's on_init_end), the next Trainer's
+    optimizer holds every unit and each step trains exactly the scheduled ones."""
+    model = slimfit_model("llama", freeze_ratio=0.8, seed=5)
+    tuner = model.base_model
+    wrapped = model.get_nb_trainable_parameters()
+    if first == "trainer":
+        _trainer(tmp_path / "first", model, steps=3).train()
+        assert model.get_nb_trainable_parameters() == wrapped  # on_train_end gave the trainable set back
+    else:
+        train(model, "llama", steps=3)
+    frozen_at_end = {index for index, trained in enumerate(tuner.scheduler.trained) if not trained}
+
+    watch = _Watch(tuner)
+    _trainer(tmp_path / "second", model, steps=4, callbacks=[watch]).train()
+    assert all(id(p) in watch.optimizer_params for unit in tuner._units for p in unit.params)
+    assert len(watch.steps) == 4
+    for changed, trained in watch.steps:
+        assert changed == trained
+    trained_now = {index for _, trained in watch.steps for index, t in enumerate(trained) if t}
+    assert frozen_at_end & trained_now  # units frozen when the first Trainer ended did train in the second
+    assert len(tuner.slimfit_history()["trained"]) == 7
+
+
+def test_the_callback_refuses_a_paused_schedule(tmp_path):
+    model = slimfit_model("llama", freeze_ratio=0.8)
+    model.slimfit_pause()
+    with pytest.raises(ValueError, match=r"paused.*slimfit_resume\(\)"):
+        _trainer(tmp_path, model, steps=1).train()
+
+
+# ---------------------------------------------------------------------------------------------- reloading
+
+
+class _BestAtStep(TrainerCallback):
+    """An eval metric that makes checkpoint ``step`` the best one, whatever the losses."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        metrics["eval_closeness"] = -abs(state.global_step - self.step)
+
+
+def test_load_best_model_at_end_is_exactly_the_best_checkpoint(tmp_path):
+    model = slimfit_model("llama", freeze_ratio=0.8, seed=2)
+    trainer = _trainer(
+        tmp_path,
+        model,
+        steps=5,
+        callbacks=[_BestAtStep(2)],
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="closeness",
+        greater_is_better=True,
+    )
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best.endswith("checkpoint-2")
+    history = model.base_model.slimfit_history()["trained"]
+    late = [u for u in range(len(history[0])) if not any(r[u] for r in history[:2]) and any(r[u] for r in history[2:])]
+    assert late, "no unit trained only after the best checkpoint: the test would prove nothing"
+    fresh = PeftModel.from_pretrained(build("llama", seed=2), best)
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_loading_a_lean_adapter_into_a_trained_model(tmp_path, keep):
+    """A file holding only the tensors changed after 1 step, loaded after 5 more: exact (originals restored first)
+    with kept weights, refused without, never a mix."""
+    model = slimfit_model("llama", freeze_ratio=0.8, keep_base_weights=keep)
+    optimizer = train(model, "llama", steps=1)
+    model.save_pretrained(tmp_path)
+    train(model, "llama", steps=5, optimizer=optimizer)
+    fresh = PeftModel.from_pretrained(build("llama"), tmp_path)
+    if keep:
+        model.load_adapter(str(tmp_path), "default")
+        for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+            assert torch.equal(a, b), name
+        return
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"would mix.*keep_base_weights=True"):
+        model.load_adapter(str(tmp_path), "default")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
