@@ -87,6 +87,29 @@ class TokenSelector:
         head_of(model)
         find_blocks(model)
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The selection generator's state: restored by ``load_state_dict``, later draws repeat an uninterrupted run's.
+
+        Selections are drawn from this generator only (seeded with ``config.seed`` plus the process's rank), so
+        its state and the model's inputs determine every later selection.
+        """
+        return {"generator_state": self.generator.get_state()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore the selection generator from ``state_dict()`` (of this process's rank)."""
+        if not isinstance(state_dict, dict) or set(state_dict) != {"generator_state"}:
+            found = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"TokenSelector.load_state_dict expects {{'generator_state': ByteTensor}}, got {found}.")
+        value = state_dict["generator_state"]
+        current = self.generator.get_state()
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.shape != current.shape:
+            found = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(
+                "TokenSelector.load_state_dict: generator_state must be a uint8 tensor of shape "
+                f"{tuple(current.shape)} (from TokenSelector.state_dict()), got {found}."
+            )
+        self.generator.set_state(value.cpu())
+
     @property
     def active(self) -> bool:
         return self.model.training and torch.is_grad_enabled()
