@@ -8,7 +8,7 @@ from .compression import ActivationCompressionConfig, compress_activations
 from .export import export_lora
 from .slimfit import SlimFitCallback, SlimFitConfig, SlimFitModel
 from .token_selection import TokenSelectionConfig
-from .tokentune import TokenTuneConfig, TokenTuneModel
+from .tokentune import TokenTuneCallback, TokenTuneConfig, TokenTuneModel
 
 __version__ = "0.1.0"
 
@@ -18,6 +18,7 @@ __all__ = [
     "SlimFitConfig",
     "SlimFitModel",
     "TokenSelectionConfig",
+    "TokenTuneCallback",
     "TokenTuneConfig",
     "TokenTuneModel",
     "compress_activations",

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import Cache
 
 from ..compat import (
     checkpointing_function,
@@ -118,6 +119,12 @@ class BlockRunner:
                 "TokenTune's per-block state. This architecture is not supported."
             )
         extra = dict(bound.arguments.get(extra_name, {}))
+        for name, value in [*bound.arguments.items(), *extra.items()]:
+            if isinstance(value, Cache):
+                raise ValueError(
+                    f"TokenTune: {block_name} received a KV cache (`{name}`) in a training forward; each block runs "
+                    "twice, so the cache would be filled twice. Train without a cache (use_cache=False)."
+                )
         extra[PASS_KWARG] = block_pass
         bound.arguments[extra_name] = extra
 

@@ -17,8 +17,9 @@ class TokenSelectionConfig(ValidatedConfig):
     """How many positions of each sequence receive gradients, and which.
 
     Give exactly one of `token_ratio` or `num_tokens` (neither means `token_ratio=0.3`, the paper's Llama
-    setting). Positions a head reads ([CLS], BOS, a decoder's last real token) are always selected and
-    padding never is. Used as TokenTune's selection fields and as `SlimFitConfig.tokentune`.
+    setting). The positions the head reads (see `peft_slim.token_selection.heads`), the first real token and a
+    decoder LM's last real token are always selected; padding only where the head reads it. Used as TokenTune's
+    selection fields and as `SlimFitConfig.tokentune`.
     """
 
     token_ratio: float | None = field(
@@ -39,8 +40,8 @@ class TokenSelectionConfig(ValidatedConfig):
         default="random",
         metadata={
             "help": "'random': uniform per sequence, redrawn every forward (the paper). 'supervised': draw first "
-            "among positions that carry a loss label, then among the rest. Head positions ([CLS], BOS and the "
-            "last real token) are always selected; padding never is.",
+            "among positions that carry a loss label, then among the rest. The positions the head reads, the first "
+            "real token and a decoder LM's last real token are always selected; padding only where the head reads it.",
             "check": OneOf(SELECTION_RULES),
         },
     )

@@ -1,30 +1,227 @@
-"""Which positions a model's head reads, so that TokenTune keeps them selected."""
+"""Which positions a model's head reads, so that token selection keeps them selected; heads it cannot serve exactly.
+
+A head that reads a position token selection left unselected gets a constant there: its gradient would be
+silently wrong (zero, or ~40% off for a pooling head). So a head is accepted only where the positions it reads
+are known exactly, from transformers' own rules; every other head is refused at ``get_peft_model``.
+
+The tables below are the single source of truth: the refusal logic reads them, and so does the test that keeps
+the README's "Supported and refused" list equal to them.
+"""
 
 from __future__ import annotations
 
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
 from torch import nn
 
-# Which positions a model's head reads, by the transformers naming convention of its class.
-_HEADS = {
-    "causal_lm": ("ForCausalLM", "LMHeadModel"),
-    "per_position": ("ForTokenClassification", "ForMaskedLM"),
-    "classification": ("ForSequenceClassification", "ForImageClassification"),
+# ---------------------------------------------------------------------------------------------- the tables
+
+# Heads that read every position on its own (scored on selected positions only), by class-name suffix.
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # selected position i scored on token i+1
+PER_POSITION_SUFFIXES = ("ForTokenClassification", "ForMaskedLM")  # selected position i on its own label
+# Heads that read a few positions of the sequence to classify it: accepted only when listed below.
+CLASSIFICATION_SUFFIXES = (
+    "ForSequenceClassification",
+    "ForImageClassification",
+    "ForAudioClassification",
+    "ForVideoClassification",
+)
+
+LAST_NON_PAD = "last_non_pad"
+FIRST_POSITION = "first_position"
+
+# What each read rule means (the README quotes these).
+READ_RULES = {
+    LAST_NON_PAD: "the last non-pad token, by transformers' rule: the rightmost position whose input id is not "
+    "`pad_token_id` (whatever the padding side, also when `pad_token_id == eos_token_id`); the last position when "
+    "the config has no `pad_token_id` or the input is `inputs_embeds`",
+    FIRST_POSITION: "position 0 (the [CLS] token), whatever the padding",
 }
 
+# Decoder classifiers that read the last non-pad token: transformers' shared implementation (every subclass of
+# `transformers.modeling_layers.GenericForSequenceClassification` that keeps its `forward`: Llama, Qwen2/3,
+# Mistral, Mixtral, Gemma, Phi-3, OLMo, ...), and the classes that implement the same rule in their own forward.
+GENERIC_SEQUENCE_CLASSIFIER = "GenericForSequenceClassification"
+LAST_NON_PAD_HEADS = (
+    GENERIC_SEQUENCE_CLASSIFIER,
+    "BioGptForSequenceClassification",
+    "CTRLForSequenceClassification",
+    "GPT2ForSequenceClassification",
+    "GPTBigCodeForSequenceClassification",
+    "GPTNeoXForSequenceClassification",
+    "ModernBertDecoderForSequenceClassification",
+    "OPTForSequenceClassification",
+)
 
-def head_kind(model: nn.Module) -> str:
-    """'causal_lm', 'per_position', 'classification' or 'none' (a bare encoder/decoder)."""
-    name = type(model).__name__
-    for kind, suffixes in _HEADS.items():
-        if name.endswith(suffixes):
-            return kind
-    if "For" not in name and name.endswith("Model"):
-        return "none"
-    raise ValueError(
-        f"TokenTune does not know which positions the head of {name} reads, so it cannot keep them selected. "
-        "Supported heads: *ForCausalLM / *LMHeadModel, *ForSequenceClassification, *ForImageClassification, "
-        "*ForTokenClassification, *ForMaskedLM, and bare *Model classes."
+# Encoder classifiers that read position 0 ([CLS]). A value names the config field that chooses the pooling and
+# the one value for which the head reads position 0 only (any other value pools several positions: refused).
+FIRST_POSITION_HEADS: dict[str, tuple[str, Any] | None] = {
+    "AlbertForSequenceClassification": None,
+    "BertForSequenceClassification": None,
+    "CamembertForSequenceClassification": None,
+    "DebertaV2ForSequenceClassification": None,
+    "Data2VecTextForSequenceClassification": None,
+    "DistilBertForSequenceClassification": None,
+    "ElectraForSequenceClassification": None,
+    "ErnieForSequenceClassification": None,
+    "EsmForSequenceClassification": None,
+    "LayoutLMForSequenceClassification": None,
+    "MobileBertForSequenceClassification": None,
+    "ModernBertForSequenceClassification": ("classifier_pooling", "cls"),
+    "RobertaForSequenceClassification": None,
+    "RobertaPreLayerNormForSequenceClassification": None,
+    "RoCBertForSequenceClassification": None,
+    "UltrabertForSequenceClassification": ("classifier_pooling", "cls"),
+    "XLMRobertaForSequenceClassification": None,
+    "XLMRobertaXLForSequenceClassification": None,
+    "BeitForImageClassification": ("use_mean_pooling", False),
+    "Data2VecVisionForImageClassification": ("use_mean_pooling", False),
+    "DeiTForImageClassification": None,
+    "ViTForImageClassification": None,
+    "ViTMSNForImageClassification": None,
+}
+
+# Classifiers whose main input is audio: their heads pool over frames (refused with that reason).
+AUDIO_INPUTS = ("input_values", "input_features")
+
+
+# ---------------------------------------------------------------------------------------------- the rule of a model
+
+
+@dataclass(frozen=True)
+class Head:
+    """The head of a model: its kind and, for a classifier, which positions it reads."""
+
+    kind: str  # "causal_lm", "per_position", "classification" or "none" (a bare encoder/decoder)
+    rule: str | None = None  # for "classification": LAST_NON_PAD or FIRST_POSITION
+
+    def read_positions(
+        self, config: Any, input_ids: Any, batch: int, length: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """Bool [batch, length]: the positions this head reads in a forward with ``input_ids``; None if per position.
+
+        ``config`` is the model's config as the forward sees it (its ``pad_token_id`` now, which may have been set
+        after wrapping); ``input_ids`` the forward's ``input_ids`` (None for ``inputs_embeds``, or for images).
+        """
+        if self.kind != "classification":
+            return None
+        reads = torch.zeros(batch, length, dtype=torch.bool, device=device)
+        if self.rule == FIRST_POSITION:
+            reads[:, 0] = True
+            return reads
+        # transformers' rule (GenericForSequenceClassification.forward and the classes that copy it).
+        pad_token_id = _pad_token_id(config)
+        if pad_token_id is None or not isinstance(input_ids, torch.Tensor):
+            position = torch.full((batch,), length - 1, device=device)
+        else:
+            if tuple(input_ids.shape) != (batch, length):
+                raise ValueError(
+                    f"TokenTune: input_ids has shape {tuple(input_ids.shape)}, the sequence [batch, seq] = "
+                    f"{(batch, length)}; the position the classification head reads cannot be found."
+                )
+            non_pad = (input_ids.to(device) != pad_token_id).to(torch.int32)
+            indices = torch.arange(length, device=device, dtype=torch.int32)
+            position = (indices * non_pad).argmax(-1)
+        reads[torch.arange(batch, device=device), position.long()] = True
+        return reads
+
+
+def _generic_sequence_classifier() -> type | None:
+    """transformers' shared decoder classifier, or None where this transformers has none (then none is accepted)."""
+    try:
+        module = importlib.import_module("transformers.modeling_layers")
+    except ImportError:
+        return None
+    return getattr(module, GENERIC_SEQUENCE_CLASSIFIER, None)
+
+
+def _defining_head(cls: type, names) -> type | None:
+    """The class of ``cls``'s MRO named in ``names`` whose ``forward`` ``cls`` uses unchanged, else None.
+
+    A subclass that overrides ``forward`` may read other positions: it is not the listed head any more.
+    """
+    for klass in cls.__mro__:
+        if klass.__name__ in names:
+            return klass if cls.forward is klass.forward else None
+    return None
+
+
+def _supported_classifiers() -> str:
+    last = ", ".join(sorted(LAST_NON_PAD_HEADS[1:]))
+    first = ", ".join(sorted(FIRST_POSITION_HEADS))
+    return (
+        "Supported classification heads: reading the last non-pad token, transformers' "
+        f"{GENERIC_SEQUENCE_CLASSIFIER} subclasses (Llama, Qwen2, Qwen3, Mistral, Gemma, Phi-3, ...) and {last}; "
+        f"reading position 0, {first} (the README's 'Supported and refused' lists them)."
     )
+
+
+def head_of(model: nn.Module) -> Head:
+    """The head of ``model`` (a transformers model), or a ValueError naming it when its read positions are unknown."""
+    cls = type(model)
+    name = cls.__name__
+    kind = _kind(cls)
+    if kind in ("causal_lm", "per_position"):
+        return Head(kind)
+    if kind is None:
+        if "For" not in name and name.endswith("Model"):
+            return Head("none")
+        raise ValueError(
+            f"TokenTune does not know which positions the head of {name} reads, so it cannot keep them selected. "
+            f"Supported heads: *{', *'.join(CAUSAL_LM_SUFFIXES + PER_POSITION_SUFFIXES)}, bare *Model classes, "
+            "and the classification heads listed in the README ('Supported and refused')."
+        )
+    config = model.config
+    generic = _generic_sequence_classifier()
+    if generic is not None and issubclass(cls, generic) and cls.forward is generic.forward:
+        return Head("classification", LAST_NON_PAD)
+    if _defining_head(cls, LAST_NON_PAD_HEADS[1:]) is not None:
+        return Head("classification", LAST_NON_PAD)
+    klass = _defining_head(cls, FIRST_POSITION_HEADS)
+    if klass is not None:
+        condition = FIRST_POSITION_HEADS[klass.__name__]
+        if condition is not None:
+            field, value = condition
+            given = getattr(config, field, None)
+            if given != value or type(given) is not type(value):
+                raise ValueError(
+                    f"TokenTune cannot train {name} with config.{field}={given!r}: that head pools several "
+                    f"positions, and token selection would leave most of them constant (a wrong gradient). "
+                    f"Set {field}={value!r} (the head then reads position 0, which stays selected)."
+                )
+        return Head("classification", FIRST_POSITION)
+    if getattr(cls, "main_input_name", None) in AUDIO_INPUTS:
+        reason = (
+            f"{name} is an audio classifier: its head pools the hidden states of all frames, so no subset of "
+            "positions carries its gradient exactly. Train it without token selection (e.g. plain LoRA)."
+        )
+    else:
+        reason = (
+            f"TokenTune does not know exactly which positions the head of {name} reads (it may pool several), "
+            "so it cannot keep them selected."
+        )
+    raise ValueError(f"{reason} {_supported_classifiers()}")
+
+
+def _kind(cls: type) -> str | None:
+    """The head kind of the nearest class of ``cls``'s MRO named by transformers' convention (subclasses included)."""
+    for klass in cls.__mro__:
+        name = klass.__name__
+        if name.endswith(CAUSAL_LM_SUFFIXES):
+            return "causal_lm"
+        if name.endswith(PER_POSITION_SUFFIXES):
+            return "per_position"
+        if name.endswith(CLASSIFICATION_SUFFIXES) or name == GENERIC_SEQUENCE_CLASSIFIER:
+            return "classification"
+    return None
+
+
+def _pad_token_id(config: Any) -> int | None:
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text_config, "pad_token_id", None)
 
 
 def is_decoder(model: nn.Module) -> bool:

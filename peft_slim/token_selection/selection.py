@@ -122,8 +122,10 @@ def draw_selection(
 ) -> torch.Tensor:
     """Draw a selection mask [B, L] as ``config`` asks.
 
-    ``real`` marks non-padding positions, ``forced`` the positions a head reads, ``labelled`` the
-    positions that carry a loss label (used by ``selection="supervised"``).
+    ``real`` marks non-padding positions, ``forced`` the positions always selected (those a head reads, which
+    may be padding: transformers' classifiers read position 0, or the last position under ``inputs_embeds``,
+    whatever the padding), ``labelled`` the positions that carry a loss label (used by ``selection="supervised"``).
+    The count is taken over real tokens (never fewer than the forced real ones); forced padding comes on top.
     """
     n_real = real.sum(dim=1)
     if config.num_tokens is not None:
@@ -131,21 +133,25 @@ def draw_selection(
     else:
         wanted = torch.ceil(n_real.to(torch.float64) * config.token_ratio).to(n_real.dtype)
         wanted = torch.minimum(torch.clamp(wanted, min=1), n_real)
-    wanted = torch.maximum(wanted, forced.sum(dim=1))
+    wanted = torch.maximum(wanted, (forced & real).sum(dim=1)) + (forced & ~real).sum(dim=1)
 
+    candidates = real | forced
     draw = torch.rand(real.shape, generator=generator, device=generator.device).to(real.device)
     tier = torch.full(real.shape, _OTHER, device=real.device)
     if config.selection == "supervised" and labelled is not None:
         tier = torch.where(labelled & real, _LABELLED, tier)
     tier = torch.where(forced, _FORCED, tier)
-    score = torch.where(real, tier + draw, -math.inf)
+    score = torch.where(candidates, tier + draw, -math.inf)
     order = torch.argsort(score, dim=1, descending=True)
     rank = torch.empty_like(order).scatter_(1, order, torch.arange(real.shape[1], device=real.device).expand_as(order))
-    return (rank < wanted[:, None]) & real
+    return (rank < wanted[:, None]) & candidates
 
 
 def check_token_mask(token_mask: Any, real: torch.Tensor, required: torch.Tensor | None) -> torch.Tensor:
-    """A user's ``token_mask``, validated against the padding (``real``) and the positions a head reads."""
+    """A user's ``token_mask``, validated against the padding (``real``) and the positions a head reads (``required``).
+
+    Padding may be selected only where the head reads it (e.g. position 0 of a left-padded encoder batch).
+    """
     if not isinstance(token_mask, torch.Tensor) or token_mask.dtype != torch.bool:
         raise ValueError(f"token_mask must be a bool tensor of shape {tuple(real.shape)} [batch, seq].")
     if tuple(token_mask.shape) != tuple(real.shape):
@@ -155,11 +161,14 @@ def check_token_mask(token_mask: Any, real: torch.Tensor, required: torch.Tensor
     token_mask = token_mask.to(real.device)
     if not token_mask.any():
         raise ValueError("token_mask selects no position; select at least one token.")
-    if (token_mask & ~real).any():
+    allowed = real if required is None else real | required
+    if (token_mask & ~allowed).any():
         raise ValueError("token_mask selects padding positions (attention_mask == 0); padding cannot be trained.")
     if required is not None and (required & ~token_mask).any():
+        rows, positions = (required & ~token_mask).nonzero(as_tuple=True)
+        missing = ", ".join(f"row {r}: position {p}" for r, p in zip(rows.tolist()[:4], positions.tolist()[:4]))
         raise ValueError(
-            "token_mask must select the position the classification head reads in every row "
-            "(the first real token for encoders, the last real token for decoders)."
+            "token_mask must select every position the classification head reads (position 0 for encoders, the "
+            f"last non-pad token by transformers' rule for decoders); it misses {missing}."
         )
     return token_mask

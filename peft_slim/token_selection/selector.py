@@ -7,6 +7,7 @@ model it cannot make exact before changing anything, ``detach`` leaves the model
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ from ..compat import get_attn_implementation, set_attn_implementation
 from .attention import REGISTERED_NAMES, SUPPORTED_IMPLEMENTATIONS
 from .blocks import BlockRunner, find_blocks
 from .config import TokenSelectionConfig
-from .heads import head_kind, is_decoder
+from .heads import head_of, is_decoder
 from .loss import IGNORE_INDEX, selected_token_loss
 from .selection import TokenSelection, check_token_mask, draw_selection, forced_positions, selection_generator
 
@@ -31,6 +32,7 @@ class _TrainingForward:
     token_mask: torch.Tensor | None
     num_items_in_batch: Any
     attn_implementation: str
+    input_ids: torch.Tensor | None = None  # where a classification head reads depends on them
     selection: TokenSelection | None = None
 
 
@@ -58,8 +60,9 @@ class TokenSelector:
         self.config = config
         self.last_token_mask: torch.Tensor | None = None
         self.generator = selection_generator(config.seed)
-        self._head = head_kind(model)
+        self._head = head_of(model)
         self._decoder = is_decoder(model)
+        self._warned_cache = False
         self._state: _TrainingForward | None = None
         # Computed once: inspecting the signature on every forward cost ~19% of a tiny model's generate().
         self._forward_signature = inspect.signature(model.forward)
@@ -69,7 +72,7 @@ class TokenSelector:
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
         ]
-        if self._head == "causal_lm":
+        if self._head.kind == "causal_lm":
             self._handles.append(model.get_output_embeddings().register_forward_pre_hook(self._before_head))
 
     @classmethod
@@ -81,8 +84,31 @@ class TokenSelector:
     def check(model: nn.Module) -> None:
         """Refuse a model whose attention or head token selection cannot make exact, before changing it."""
         check_attention_implementation(model)
-        head_kind(model)
+        head_of(model)
         find_blocks(model)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The selection generator's state: restored by ``load_state_dict``, later draws repeat an uninterrupted run's.
+
+        Selections are drawn from this generator only (seeded with ``config.seed`` plus the process's rank), so
+        its state and the model's inputs determine every later selection.
+        """
+        return {"generator_state": self.generator.get_state()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore the selection generator from ``state_dict()`` (of this process's rank)."""
+        if not isinstance(state_dict, dict) or set(state_dict) != {"generator_state"}:
+            found = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"TokenSelector.load_state_dict expects {{'generator_state': ByteTensor}}, got {found}.")
+        value = state_dict["generator_state"]
+        current = self.generator.get_state()
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.shape != current.shape:
+            found = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(
+                "TokenSelector.load_state_dict: generator_state must be a uint8 tensor of shape "
+                f"{tuple(current.shape)} (from TokenSelector.state_dict()), got {found}."
+            )
+        self.generator.set_state(value.cpu())
 
     @property
     def active(self) -> bool:
@@ -107,28 +133,73 @@ class TokenSelector:
             raise ValueError(
                 f"TokenTune needs attn_implementation in {SUPPORTED_IMPLEMENTATIONS}, got {implementation!r}."
             )
+        # The head again: a pooling setting of the config may have been changed since the model was wrapped.
+        self._head = head_of(model)
         # Name every argument, so that a positional attention mask or labels are found (and labels removed).
         kwargs = named_arguments(model, self._forward_signature, args, kwargs)
         args = ()
         padding_mask = kwargs.get("attention_mask")
         labels = kwargs.get("labels")
+        input_ids = kwargs.get("input_ids")
         num_items = None
-        if self._head in ("causal_lm", "per_position") and labels is not None:
+        if self._head.kind in ("causal_lm", "per_position") and labels is not None:
+            source = "input_ids" if input_ids is not None else "inputs_embeds"
+            check_label_shape(labels, _sequence_shape(kwargs), source)
             kwargs.pop("labels")
             num_items = kwargs.pop("num_items_in_batch", None)
-        # No KV cache in training: the full pass would write every key/value into it and the selected pass
-        # would then attend over a cache longer than the sequence (decoders default to use_cache=True).
-        if "use_cache" in self._forward_signature.parameters:
-            kwargs["use_cache"] = False
+        self._without_cache(model, kwargs)
         self._state = _TrainingForward(
             padding_mask=padding_mask if isinstance(padding_mask, torch.Tensor) and padding_mask.dim() == 2 else None,
             labels=labels,
             token_mask=token_mask,
             num_items_in_batch=num_items,
             attn_implementation=implementation,
+            input_ids=input_ids if isinstance(input_ids, torch.Tensor) else None,
         )
         set_attn_implementation(model.config, REGISTERED_NAMES[implementation])
         return args, kwargs
+
+    def _without_cache(self, model: nn.Module, kwargs: dict) -> None:
+        """No KV cache in training, as transformers does under gradient checkpointing (with a warning, once).
+
+        The full pass would write every key/value into a cache and the selected pass would write its own again,
+        then attend over a cache longer than the sequence. Decoders default to ``use_cache=True`` from their
+        config, so ``use_cache=False`` is passed whenever the forward takes it; an empty cache object is dropped;
+        a cache that already holds positions (training that continues a prefix) is refused.
+        """
+        asked = []
+        if kwargs.get("use_cache"):
+            asked.append("`use_cache=True`")
+        for name in CACHE_ARGUMENTS:
+            cache = kwargs.get(name)
+            if cache is None:
+                continue
+            held = cached_positions(cache)
+            if held != 0:
+                raise ValueError(
+                    f"TokenTune training cannot continue from a KV cache: `{name}` holds "
+                    f"{'an unknown number of' if held is None else held} positions ({type(cache).__name__}). "
+                    f"Train on the whole sequence without `{name}`, or call {type(model).__name__} in eval mode or "
+                    "under torch.no_grad() to use the cache."
+                )
+            asked.append(f"an empty `{name}`")
+            if name in self._forward_signature.parameters:
+                kwargs[name] = None
+            else:
+                kwargs.pop(name)
+        if "use_cache" in self._forward_signature.parameters or "use_cache" in kwargs:
+            kwargs["use_cache"] = False
+        if asked and not self._warned_cache:
+            self._warned_cache = True
+            verb = "is" if len(asked) == 1 else "are"
+            dropped = " and dropping the cache" if len(asked) > 1 or "`use_cache=True`" not in asked else ""
+            warnings.warn(
+                f"{' and '.join(asked)} {verb} incompatible with TokenTune training (each block runs twice, so a "
+                f"cache would be filled twice): setting `use_cache=False`{dropped}. The cache is still used in eval "
+                "mode and under torch.no_grad(), e.g. by generate().",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def _selection_for(self, hidden: torch.Tensor) -> TokenSelection | None:
         state = self._state
@@ -145,16 +216,21 @@ class TokenSelector:
         real = torch.ones(batch, length, dtype=torch.bool, device=device)
         if state.padding_mask is not None and tuple(state.padding_mask.shape) == (batch, length):
             real = state.padding_mask.to(device=device).bool()
+        labels = state.labels
+        if labels is not None and self._head.kind in ("causal_lm", "per_position"):
+            check_label_shape(labels, (batch, length), "the hidden states")
+        reads = self._head.read_positions(self.model.config, state.input_ids, batch, length, device)
         forced = torch.zeros_like(real)
-        if self._head != "causal_lm" or self._decoder:
+        if reads is not None:  # a classifier: the positions it reads, and the first real token
+            forced = forced_positions(real, keep_first=True, keep_last=False) | reads
+        elif self._head.kind != "causal_lm" or self._decoder:
             forced = forced_positions(real, keep_first=True, keep_last=self._decoder)
         if state.token_mask is not None:
-            return check_token_mask(state.token_mask, real, forced if self._head == "classification" else None)
+            return check_token_mask(state.token_mask, real, reads)
         labelled = None
-        labels = state.labels
         if labels is not None and labels.dim() == 2 and tuple(labels.shape) == (batch, length):
             labelled = labels.to(device) != IGNORE_INDEX
-            if self._head == "causal_lm":
+            if self._head.kind == "causal_lm":
                 labelled = torch.cat([labelled[:, 1:], torch.zeros_like(labelled[:, :1])], dim=1)
         return draw_selection(self.config, real, forced, labelled, self.generator)
 
@@ -175,24 +251,60 @@ class TokenSelector:
 
     def _finish_forward(self, model: nn.Module, state: _TrainingForward, output: Any):
         set_attn_implementation(model.config, state.attn_implementation)
-        if state.selection is None or state.labels is None or self._head not in ("causal_lm", "per_position"):
+        if state.selection is None or state.labels is None or self._head.kind not in ("causal_lm", "per_position"):
             return None
         if output is None:  # the forward raised; always_call hooks still run
             return None
         logits = output["logits"] if isinstance(output, dict) else output[0]
-        if self._head == "per_position":
+        if self._head.kind == "per_position":
             logits = state.selection.gather(logits, 1)
         loss = selected_token_loss(
             logits,
             state.labels.to(logits.device),
             state.selection,
-            shift=self._head == "causal_lm",
+            shift=self._head.kind == "causal_lm",
             num_items_in_batch=state.num_items_in_batch,
         )
         if isinstance(output, dict):
             fields = {key: value for key, value in output.items() if key != "loss"}
             return type(output)(loss=loss, **fields)
         return (loss, *output)
+
+
+CACHE_ARGUMENTS = ("cache", "past_key_values")  # transformers 5's name, and the deprecated one it still accepts
+
+
+def cached_positions(cache: Any) -> int | None:
+    """How many positions ``cache`` already holds; None when that cannot be told."""
+    length = getattr(cache, "get_seq_length", None)
+    if length is None:
+        return None
+    try:
+        return int(length())
+    except Exception:  # e.g. a cache of linear-attention layers only
+        return None
+
+
+def _sequence_shape(kwargs: dict) -> tuple[int, ...] | None:
+    """[batch, seq] of the forward's input (input_ids or inputs_embeds), or None for other inputs."""
+    for name in ("input_ids", "inputs_embeds"):
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return tuple(value.shape[:2])
+    return None
+
+
+def check_label_shape(labels: Any, sequence: tuple[int, ...] | None, source: str) -> None:
+    """Labels of a per-position head (causal LM, token classification, masked LM) must be [batch, seq]."""
+    if sequence is None:
+        return
+    shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else None
+    if shape != tuple(sequence):
+        raise ValueError(
+            f"TokenTune: labels has shape {shape if shape is not None else type(labels).__name__}, but {source} "
+            f"has shape [batch, seq] = {tuple(sequence)}; a per-position head needs one label per position "
+            "(-100 where none), i.e. labels of exactly that shape."
+        )
 
 
 def named_arguments(model: nn.Module, signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
