@@ -36,7 +36,9 @@ def export_lora(model: PeftModel, out_dir: str, adapter_name: str = "default") -
     if lora_config.task_type is None:  # as PeftModel.save_pretrained does, so AutoPeftModel* can load it
         base_cls = base_model_class(model)
         auto_mapping = {"base_model_class": base_cls.__name__, "parent_library": base_cls.__module__}
-    tensors = {key: value.detach().contiguous().cpu() for key, value in state_dict.items()}
+    # Copies: safetensors refuses tensors that share memory (with bias="all", a modules_to_save head's bias is saved
+    # under two keys, as PEFT's save_pretrained saves it, which clones them too).
+    tensors = {key: value.detach().cpu().contiguous().clone() for key, value in state_dict.items()}
     with staged_directory(out_dir) as staging:
         lora_config.save_pretrained(staging, auto_mapping_dict=auto_mapping)
         save_file(tensors, os.path.join(staging, SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})

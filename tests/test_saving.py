@@ -258,10 +258,11 @@ def test_missing_and_unexpected_keys_are_reported_as_peft_reports_them_for_lora(
 
 # variant -> (architecture, task type, LoraConfig keywords): each as vanilla PEFT LoRA honours it
 LORA_VARIANTS = {
-    "bias_all": ("llama", "CAUSAL_LM", dict(bias="all")),
+    "bias_all": ("bert", "SEQ_CLS", dict(bias="all")),
     "bias_lora_only": ("bert", "SEQ_CLS", dict(bias="lora_only")),
+    "bias_all_gpt2": ("gpt2", "CAUSAL_LM", dict(bias="all", target_modules=["c_attn"], fan_in_fan_out=True)),
     "modules_to_save": ("bert", "SEQ_CLS", dict(modules_to_save=["pooler"])),
-    "modules_to_save_llama": ("llama", "CAUSAL_LM", dict(modules_to_save=["lm_head"], bias="all")),
+    "modules_to_save_llama": ("llama", "CAUSAL_LM", dict(modules_to_save=["lm_head"])),
     "dora": ("llama", "CAUSAL_LM", dict(use_dora=True)),
     "embedding_target": ("llama", "CAUSAL_LM", dict(target_modules=["embed_tokens", "q_proj"])),
     "trainable_tokens": ("llama", "CAUSAL_LM", dict(trainable_token_indices=[3, 5])),
@@ -272,7 +273,8 @@ TARGETS = {"llama": ["q_proj", "v_proj"], "bert": ["query", "value"]}
 def _lora(variant: str) -> LoraConfig:
     arch, _, fields = LORA_VARIANTS[variant]
     fields = json.loads(json.dumps(fields))  # fresh lists: PEFT extends modules_to_save in place
-    fields.setdefault("target_modules", TARGETS[arch])
+    if "target_modules" not in fields:
+        fields["target_modules"] = TARGETS[arch]
     return LoraConfig(r=4, lora_alpha=8, **fields)
 
 
@@ -312,7 +314,9 @@ def test_nested_lora_trains_and_saves_what_vanilla_lora_does(variant, method, tm
     assert _saved_shapes(ours, tmp_path / "ours") == _saved_shapes(vanilla, tmp_path / "vanilla")
 
 
-@pytest.mark.parametrize("variant", ["bias_all", "bias_lora_only", "modules_to_save", "modules_to_save_llama", "dora"])
+@pytest.mark.parametrize(
+    "variant", ["bias_all", "bias_lora_only", "bias_all_gpt2", "modules_to_save", "modules_to_save_llama", "dora"]
+)
 def test_export_lora_and_save_pretrained_round_trip_the_lora_fields(variant, tmp_path):
     arch, _, fields = LORA_VARIANTS[variant]
     model = _ours(variant, "tokentune")
@@ -333,17 +337,18 @@ def test_export_lora_and_save_pretrained_round_trip_the_lora_fields(variant, tmp
 
 
 def test_export_with_trained_biases_loads_in_a_process_without_peft_slim(tmp_path):
-    model = _ours("bias_all", "tokentune")
-    _train(model, "llama", steps=2)
+    arch = LORA_VARIANTS["bias_all_gpt2"][0]
+    model = _ours("bias_all_gpt2", "tokentune")
+    _train(model, arch, steps=2)
     export_lora(model, tmp_path / "export")
-    torch.save({k: v for k, v in make_batch("llama", seed=5).items() if k != "labels"}, tmp_path / "batch.pt")
-    torch.save(_logits(model, "llama"), tmp_path / "expected.pt")
+    torch.save({k: v for k, v in make_batch(arch, seed=5).items() if k != "labels"}, tmp_path / "batch.pt")
+    torch.save(_logits(model, arch), tmp_path / "expected.pt")
     script = f"""
         import sys, torch
         sys.path.insert(0, {HERE!r})
         from peft import PeftModel
         from tiny_models import build
-        model = PeftModel.from_pretrained(build("llama"), {str(tmp_path / "export")!r}).eval()
+        model = PeftModel.from_pretrained(build({arch!r}), {str(tmp_path / "export")!r}).eval()
         assert model.peft_config["default"].bias == "all"
         with torch.no_grad():
             logits = model(**torch.load({str(tmp_path / "batch.pt")!r})).logits
@@ -355,6 +360,18 @@ def test_export_with_trained_biases_loads_in_a_process_without_peft_slim(tmp_pat
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.strip().endswith("EQUAL")
+
+
+def test_a_bias_missing_from_a_lora_adapter_with_trained_biases_is_reported(tmp_path):
+    model = _ours("bias_all", "tokentune")
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    removed = PREFIX + "bert.encoder.layer.0.output.dense.bias"
+    del tensors[removed]
+    save_file(tensors, tmp_path / "adapter_model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=re.escape(f"checkpoint: {[removed]}")):
+        loaded = PeftModel.from_pretrained(build("bert"), tmp_path)
+    assert loaded.load_adapter(tmp_path, "default").missing_keys == [removed]
 
 
 @pytest.mark.parametrize("cls", [TokenTuneConfig, SlimFitConfig])

@@ -281,10 +281,14 @@ def _load_adapter(original: Callable) -> Callable:
             # PEFT keeps only the missing keys that contain the method's prefix ("tokentune_", "slimfit_"), which
             # none of ours do; list those the adapter file should have held.
             load_result.missing_keys[:] = tuner._missing_keys(self, saved, adapter_name, loaded)
-        if load_result.unexpected_keys:
+        # Listed in load_result as PEFT lists them, and warned about, except the copies PEFT itself saves of a
+        # modules_to_save head's bias with bias="all" (loaded through the head's own key).
+        wrapped = wrapper_module_names(self)
+        unexpected = [key for key in load_result.unexpected_keys if not _under(key, wrapped)]
+        if unexpected:
             warnings.warn(
                 f"{tuner.method_name} adapter {str(model_id)!r}: found unexpected keys (tensors this model has no "
-                f"place for; they were not loaded) in the adapter file: {sorted(load_result.unexpected_keys)}.",
+                f"place for; they were not loaded) in the adapter file: {sorted(unexpected)}.",
                 stacklevel=2,
             )
         return load_result
@@ -319,15 +323,20 @@ def identity(entries: Iterable[tuple[str, str, tuple, bytes]]) -> dict[str, Any]
     return {"count": count, "dtypes": sorted(dtypes), "blake2b": joint.hexdigest()}
 
 
-def base_parameter_names(model: nn.Module) -> list[str]:
-    """The base model's parameters that an adapter may rely on: all but those under PEFT's wrappers (whose trained
-    copies PEFT saves itself) and LoRA's own."""
+def wrapper_module_names(model: nn.Module) -> list[str]:
+    """Names of the modules PEFT wraps (``modules_to_save``, trainable tokens) in ``model``."""
     from ..compat import auxiliary_training_wrapper_cls
 
     wrapper_cls = auxiliary_training_wrapper_cls()
-    wrapped = [name for name, module in model.named_modules() if isinstance(module, wrapper_cls)]
-    return [
-        name
-        for name, _ in model.named_parameters()
-        if ".lora_" not in name and not any(name == w or name.startswith(w + ".") for w in wrapped)
-    ]
+    return [name for name, module in model.named_modules() if isinstance(module, wrapper_cls)]
+
+
+def _under(name: str, modules: list[str]) -> bool:
+    return any(name == module or name.startswith(module + ".") for module in modules)
+
+
+def base_parameter_names(model: nn.Module) -> list[str]:
+    """The base model's parameters that an adapter may rely on: all but those under PEFT's wrappers (whose trained
+    copies PEFT saves itself) and LoRA's own."""
+    wrapped = wrapper_module_names(model)
+    return [name for name, _ in model.named_parameters() if ".lora_" not in name and not _under(name, wrapped)]
