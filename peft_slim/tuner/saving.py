@@ -115,7 +115,7 @@ def card_section(peft_model: Any, adapter_ref: str | None) -> str:
         "```python",
         "import peft_slim  # registers TokenTune and SlimFit with PEFT",
         "from peft import PeftModel",
-        f"from transformers import {base_cls.__name__}",
+        f"from {_public_module(base_cls)} import {base_cls.__name__}",
         "",
         f'base = {base_cls.__name__}.from_pretrained("{base_ref}")',
         f'model = PeftModel.from_pretrained(base, "{adapter_ref}")',
@@ -134,6 +134,13 @@ def card_section(peft_model: Any, adapter_ref: str | None) -> str:
         )
     lines.append(CARD_END)
     return "\n".join(lines)
+
+
+def _public_module(cls: type) -> str:
+    """``transformers`` for a class it exports (the usual case), else the module that defines ``cls``."""
+    import transformers
+
+    return "transformers" if getattr(transformers, cls.__name__, None) is cls else cls.__module__
 
 
 def add_card_section(path: str, peft_model: Any, adapter_ref: str | None = None, tags: Iterable[str] = ()) -> None:
