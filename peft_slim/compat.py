@@ -430,6 +430,88 @@ def auxiliary_training_wrapper_cls() -> type:
     )
 
 
+def lora_adapter_state_dict(
+    model: nn.Module, lora: Any, adapter_name: str, state_dict: dict, unwanted_adapter_names: list[str]
+) -> dict:
+    """The entries of ``state_dict`` that vanilla PEFT saves for LoRA adapter ``adapter_name`` configured by ``lora``.
+
+    Private API: ``LoraModel._get_adapter_state_dict`` (the classmethod hook through which
+    ``get_peft_model_state_dict`` asks a tuner what to save). A stacked peft_slim adapter is a LoRA adapter, so it
+    saves exactly what LoRA saves for the same ``LoraConfig``: the LoRA tensors (DoRA magnitudes under their saved
+    names), the biases ``lora.bias`` trains, anything a later PEFT adds. Keys keep the adapter name, as PEFT expects.
+
+    No fallback: a RuntimeError naming it (any other selection would save other keys than vanilla LoRA).
+    """
+    from peft import LoraModel
+
+    hook = getattr(LoraModel, "_get_adapter_state_dict", None)
+    if hook is None:
+        raise RuntimeError(
+            _moved("peft", peft.__version__, "LoraModel._get_adapter_state_dict", "peft_slim cannot save LoRA.")
+        )
+    return hook(model, lora, adapter_name, state_dict, unwanted_adapter_names)
+
+
+def lora_state_dict_for_load(model: nn.Module, lora: Any, adapter_name: str, state_dict: dict) -> dict:
+    """``state_dict`` (as saved: no adapter name) with the keys of ``model``'s LoRA adapter ``adapter_name``.
+
+    Private API: ``LoraModel._remap_adapter_state_dict_for_load``, the inverse of
+    :func:`lora_adapter_state_dict` (DoRA's saved names included).
+
+    No fallback: a RuntimeError naming it.
+    """
+    from peft import LoraModel
+
+    hook = getattr(LoraModel, "_remap_adapter_state_dict_for_load", None)
+    if hook is None:
+        raise RuntimeError(
+            _moved(
+                "peft",
+                peft.__version__,
+                "LoraModel._remap_adapter_state_dict_for_load",
+                "peft_slim cannot load LoRA weights.",
+            )
+        )
+    return hook(model, lora, adapter_name, state_dict)
+
+
+_WRAPPED_ATTR = "__peft_slim_wraps__"
+
+
+def wrap_peft_model_method(name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
+    """Replace ``peft.PeftModel.<name>`` by ``make_wrapper(original)``, once per process (idempotent).
+
+    Not a private API but a change to another library's class, so it lives here, in the open. peft_slim wraps
+    ``save_pretrained``, ``push_to_hub`` and ``load_adapter`` (see ``peft_slim.tuner.saving``): PEFT has no per-method
+    hook for any of them and PeftModel's class is chosen by the task type, not by the method. Each wrapper must call
+    ``original`` unchanged, with the same arguments, for every adapter that is not peft_slim's.
+
+    No fallback: a RuntimeError when PeftModel no longer has the method.
+    """
+    from peft import PeftModel
+
+    current = getattr(PeftModel, name, None)  # push_to_hub is inherited (transformers' PushToHubMixin)
+    if not callable(current):
+        raise RuntimeError(
+            f"peft_slim.compat: peft {peft.__version__} has no PeftModel.{name}, which peft_slim wraps to save and "
+            "load its adapters safely. Install a peft version from peft_slim's requirements (pyproject.toml), or "
+            "report this to peft_slim with the versions of torch, transformers and peft."
+        )
+    if getattr(current, _WRAPPED_ATTR, None) is not None:
+        return
+    wrapper = functools.wraps(current)(make_wrapper(current))
+    setattr(wrapper, _WRAPPED_ATTR, current)
+    setattr(PeftModel, name, wrapper)
+
+
+def unwrapped_peft_model_method(name: str) -> Callable:
+    """PEFT's own ``PeftModel.<name>``, whether or not :func:`wrap_peft_model_method` wrapped it."""
+    from peft import PeftModel
+
+    method = getattr(PeftModel, name)
+    return getattr(method, _WRAPPED_ATTR, None) or method
+
+
 # ---------------------------------------------------------------------------------------------- Python
 
 

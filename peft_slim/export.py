@@ -9,13 +9,14 @@ from peft.utils import SAFETENSORS_WEIGHTS_NAME, get_peft_model_state_dict
 from safetensors.torch import save_file
 
 from .compat import base_model_class
+from .tuner.saving import staged_directory
 
 
 def export_lora(model: PeftModel, out_dir: str, adapter_name: str = "default") -> str:
     """Write ``model``'s LoRA adapter to ``out_dir`` as vanilla PEFT would save a LoraConfig adapter.
 
     The result loads with ``peft.PeftModel.from_pretrained`` in a process that never imports peft_slim.
-    Returns ``out_dir``.
+    Both files are written atomically: a failure leaves whatever ``out_dir`` held untouched. Returns ``out_dir``.
     """
     if not isinstance(model, PeftModel):
         raise ValueError(f"export_lora expects a peft.PeftModel, got {type(model).__name__}.")
@@ -35,8 +36,10 @@ def export_lora(model: PeftModel, out_dir: str, adapter_name: str = "default") -
     if lora_config.task_type is None:  # as PeftModel.save_pretrained does, so AutoPeftModel* can load it
         base_cls = base_model_class(model)
         auto_mapping = {"base_model_class": base_cls.__name__, "parent_library": base_cls.__module__}
-    os.makedirs(out_dir, exist_ok=True)
-    lora_config.save_pretrained(out_dir, auto_mapping_dict=auto_mapping)
-    tensors = {key: value.detach().contiguous().cpu() for key, value in state_dict.items()}
-    save_file(tensors, os.path.join(out_dir, SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
+    # Copies: safetensors refuses tensors that share memory (with bias="all", a modules_to_save head's bias is saved
+    # under two keys, as PEFT's save_pretrained saves it, which clones them too).
+    tensors = {key: value.detach().cpu().contiguous().clone() for key, value in state_dict.items()}
+    with staged_directory(out_dir) as staging:
+        lora_config.save_pretrained(staging, auto_mapping_dict=auto_mapping)
+        save_file(tensors, os.path.join(staging, SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
     return out_dir

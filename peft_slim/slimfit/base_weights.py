@@ -7,15 +7,12 @@ kept only when asked for, so that unload() and disable_adapter() can give the ba
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from torch import nn
 
+from ..tuner.saving import tensor_digest
 
-def tensor_digest(tensor: torch.Tensor) -> bytes:
-    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
-    return hashlib.blake2b(data.numpy(), digest_size=16).digest()
+__all__ = ["BaseWeights", "tensor_digest"]
 
 
 class BaseWeights:
@@ -27,6 +24,7 @@ class BaseWeights:
 
     def __init__(self, params: dict[str, nn.Parameter], keep_copies: bool):
         self._digests = {name: tensor_digest(p) for name, p in params.items()}
+        self._kinds = {name: (str(p.dtype), tuple(p.shape)) for name, p in params.items()}
         self._copies = {name: p.detach().to("cpu", copy=True) for name, p in params.items()} if keep_copies else None
 
     @property
@@ -44,6 +42,13 @@ class BaseWeights:
 
     def tracks(self, name: str) -> bool:
         return name in self._digests
+
+    def entry(self, name: str) -> tuple[str, tuple, bytes] | None:
+        """``(dtype, shape, digest)`` of parameter ``name`` at wrapping time (None if not tracked): what a saved
+        standalone adapter records of the base model it was trained on, and what loading compares it with."""
+        if name not in self._digests:
+            return None
+        return (*self._kinds[name], self._digests[name])
 
     def any_changed(self, model: nn.Module) -> bool:
         return any(self.changed(name, model.get_parameter(name)) for name in self._digests)

@@ -17,7 +17,7 @@ MAX_SEED = 2**63 - 1
 # saved a whole TokenTuneConfig there; these keys of such a file are read and dropped.
 _TOKENTUNE_ONLY = ("lora", "trainable_modules", "modules_to_save", "activation_compression")
 _PEFT_KEYS = ("peft_type", "task_type", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping")
-_PEFT_KEYS += ("peft_version", "peft_slim_version")
+_PEFT_KEYS += ("peft_version", "peft_slim_version", "base_weights")  # base_weights: written by save_pretrained
 
 
 def default_compression() -> ActivationCompressionConfig:

@@ -13,6 +13,7 @@ from peft.utils import CONFIG_NAME
 from ..compression import ActivationCompressionConfig
 from ..configuration import (
     VERSION_KEY,
+    Check,
     Lora,
     NameList,
     Nested,
@@ -22,8 +23,34 @@ from ..configuration import (
     dump_json,
     to_json_value,
 )
-from ..nested_lora import lora_export_config
+from ..nested_lora import check_lora_fields, lora_export_config, merged_modules_to_save
 from ..registry import add_peft_type
+
+
+@dataclasses.dataclass
+class BaseWeightsRecord(Check):
+    """What ``save_pretrained`` records of a standalone adapter's base model (see ``MethodConfig.base_weights``)."""
+
+    optional: bool = True
+    expected: str = (
+        "the record save_pretrained writes: {'saved': [parameter names], 'others': {'count': int, 'dtypes': "
+        "[str], 'blake2b': str}} (leave it None)"
+    )
+
+    def coerce(self, value: Any, where: str) -> dict:
+        if not isinstance(value, dict) or set(value) != {"saved", "others"}:
+            self.fail(value, where)
+        saved, others = value["saved"], value["others"]
+        if not isinstance(saved, (list, tuple)) or not all(isinstance(name, str) and name for name in saved):
+            self.fail(value, where)
+        if not isinstance(others, dict) or set(others) != {"count", "dtypes", "blake2b"}:
+            self.fail(value, where)
+        count, dtypes, digest = others["count"], others["dtypes"], others["blake2b"]
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0 or not isinstance(digest, str):
+            self.fail(value, where)
+        if not isinstance(dtypes, (list, tuple)) or not all(isinstance(d, str) for d in dtypes):
+            self.fail(value, where)
+        return {"saved": sorted(saved), "others": {"count": count, "dtypes": sorted(dtypes), "blake2b": digest}}
 
 
 @config_dataclass
@@ -58,6 +85,16 @@ class MethodConfig(PeftConfig, ValidatedConfig):
             "check": Nested(ActivationCompressionConfig),
         },
     )
+    base_weights: dict | None = field(
+        default=None,
+        metadata={
+            "help": "Written by save_pretrained for an adapter without `lora` (leave it None): `saved`, the base "
+            "parameters adapter_model.safetensors holds, and `others`, the count, dtypes and joint blake2b digest "
+            "of every other base parameter as it was when the model was wrapped. Loading reports a saved tensor "
+            "missing from the file, and refuses a base model whose other parameters differ.",
+            "check": BaseWeightsRecord(),
+        },
+    )
     peft_slim_version: str | None = field(
         default=None,
         metadata={"help": "The peft_slim version that saved this config (written on save; informative)."},
@@ -67,6 +104,37 @@ class MethodConfig(PeftConfig, ValidatedConfig):
         super().__post_init__()  # PeftConfig's: task type and PEFT's version
         self.peft_type = add_peft_type(self.method)
         ValidatedConfig.__post_init__(self)
+
+    def _check(self) -> None:
+        super()._check()
+        if self.lora is not None:
+            where = f"{type(self).__name__}.lora"
+            check_lora_fields(self.lora, where)
+            self.modules_to_save = merged_modules_to_save(self.modules_to_save, self.lora, where)
+
+    # PEFT's own code reads these from an adapter's config, as from a LoraConfig (`bias`: which biases train and
+    # are saved; `target_modules` and `trainable_token_indices`: whether save_pretrained's
+    # save_embedding_layers="auto" saves the embedding layers). A stacked adapter answers with its LoRA's values,
+    # so that PEFT treats it exactly as that LoRA adapter; without LoRA, as a config that has none of them.
+
+    @property
+    def bias(self) -> str:
+        return "none" if self.lora is None else self.lora.bias
+
+    @property
+    def target_modules(self) -> Any:
+        return None if self.lora is None else self.lora.target_modules
+
+    @property
+    def trainable_token_indices(self) -> Any:
+        return None if self.lora is None else self.lora.trainable_token_indices
+
+    @property
+    def runtime_config(self) -> Any:
+        # PeftModel.from_pretrained sets runtime_config.ephemeral_gpu_offload when the config has one.
+        if self.lora is None:
+            raise AttributeError(f"{type(self).__name__} has a runtime_config only with `lora`.")
+        return self.lora.runtime_config
 
     def to_dict(self) -> dict[str, Any]:
         from .. import __version__

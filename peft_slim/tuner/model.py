@@ -13,6 +13,7 @@ and, where its config has one, a token selection (``_token_selection(config)``).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -20,10 +21,13 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 
+from ..compat import lora_adapter_state_dict, lora_state_dict_for_load
 from ..compression import ActivationCompression, ActivationCompressionConfig, CompressionStats, compress_activations
 from ..nested_lora import inject_lora
 from ..token_selection import TokenSelectionConfig, TokenSelector
+from . import saving
 from .config import MethodConfig
+from .saving import MISMATCH_FLAG, base_parameter_names, identity, tensor_digest
 
 
 class TrainingCompression:
@@ -175,19 +179,119 @@ class MethodTuner(BaseTuner):
 
     @classmethod
     def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
-        if config.lora is not None:
-            return super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
+        if config.lora is not None:  # a LoRA adapter: what LoRA saves for the same LoraConfig (bias, DoRA, ...)
+            return lora_adapter_state_dict(model, config.lora, adapter_name, state_dict, unwanted_adapter_names)
         tuner = getattr(model, "base_model", None)
         if not isinstance(tuner, cls):
             raise ValueError(f"{cls.__name__}: saving needs the PeftModel that holds the tuner.")
         # By name and from ``state_dict``'s tensors: under FSDP those are gathered, the model's are shards.
-        prefix = next(name for name, module in model.named_modules() if module is tuner.model) + "."
-        return {
+        prefix = tuner._state_dict_prefix(model)
+        saved = {
             key: value
             for key, value in state_dict.items()
             if key.startswith(prefix) and tuner._saves_base_tensor(key[len(prefix) :], value)
         }
+        # What loading checks: which tensors the file holds, and which base model the others must come from.
+        names = {key[len(prefix) :] for key in saved}
+        others = [name for name in base_parameter_names(tuner.model) if name not in names]
+        config.base_weights = {
+            "saved": sorted(names),
+            "others": tuner._base_identity(others, lambda name: state_dict.get(prefix + name)),
+        }
+        return saved
+
+    @classmethod
+    def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
+        if config.lora is not None:
+            remapped = lora_state_dict_for_load(model, config.lora, adapter_name, state_dict)
+        else:
+            remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
+        tuner = getattr(model, "base_model", None)
+        if isinstance(tuner, MethodTuner):  # for load_adapter's report of missing keys (tuner.saving)
+            tuner._loaded_keys = set(remapped)
+        return remapped
 
     def _saves_base_tensor(self, name: str, tensor: torch.Tensor) -> bool:
         """Without LoRA: whether base parameter ``name`` (relative to the base model), now ``tensor``, is saved."""
         raise NotImplementedError
+
+    def _state_dict_prefix(self, peft_model: nn.Module) -> str:
+        """What the keys of ``peft_model``'s state dict put before a base parameter's name."""
+        return next(name for name, module in peft_model.named_modules() if module is self.model) + "."
+
+    # ------------------------------------------------------------------ which base model (standalone adapters)
+
+    def _kept_base_entry(self, name: str) -> tuple[str, tuple, bytes] | None:
+        """``(dtype, shape, digest)`` of base parameter ``name`` as it was when the model was wrapped, where the method
+        kept it because it trains base tensors in place (SlimFit's ``_base_weights``); None: hash the tensor as it is,
+        which is the same for a tensor the method never changes."""
+        kept = getattr(self, "_base_weights", None)
+        return None if kept is None else kept.entry(name)
+
+    def _base_identity(self, names: list[str], tensor_of) -> dict[str, Any]:
+        """Count, dtypes and joint digest of base parameters ``names`` as they were when the model was wrapped
+        (``tensor_of(name)``: the tensor to hash when the method kept no digest; None: the model's own)."""
+        entries = []
+        for name in names:
+            entry = self._kept_base_entry(name)
+            if entry is None:
+                tensor = tensor_of(name)
+                tensor = self.model.get_parameter(name) if tensor is None else tensor
+                entry = (str(tensor.dtype), tuple(tensor.shape), tensor_digest(tensor))
+            entries.append((name, *entry))
+        return identity(entries)
+
+    def _check_base_model(self, saved: MethodConfig, where: str, ignore_mismatch: bool) -> None:
+        """Refuse to load the standalone adapter whose saved config is ``saved`` onto a base model whose parameters
+        (those the adapter file does not hold) differ from the ones it was trained with."""
+        if saved.lora is not None:
+            return  # a LoRA adapter applies to any base model of the right shapes, as with PEFT
+        record = saved.base_weights
+        if record is None:
+            warnings.warn(
+                f"{self.method_name} adapter {where!r} was saved without a record of its base model (by an older "
+                "peft_slim): neither a tensor missing from its file nor a base model other than the one it was "
+                "trained on can be detected. Save it again to add the record.",
+                stacklevel=3,
+            )
+            return
+        held = set(record["saved"])
+        others = [name for name in base_parameter_names(self.model) if name not in held]
+        here = self._base_identity(others, lambda name: None)
+        then = record["others"]
+        if here["blake2b"] == then["blake2b"] and here["count"] == then["count"]:
+            return
+        dtypes = "" if here["dtypes"] == then["dtypes"] else f"; dtypes here {here['dtypes']}, then {then['dtypes']}"
+        message = (
+            f"{self.method_name} adapter {where!r}: this base model is not the one the adapter was trained on "
+            f"({saved.base_model_name_or_path or 'name not recorded'}). The adapter file holds only the "
+            f"{len(record['saved'])} base tensors training changed; the other {then['count']} come from the model it "
+            f"is loaded onto, and this model's differ (blake2b {here['blake2b'][:16]}... over {here['count']} "
+            f"tensors here, {then['blake2b'][:16]}... over {then['count']} when saved{dtypes}). Load it onto the "
+            "exact base model (same checkpoint and dtype) it was trained from"
+        )
+        if not ignore_mismatch:
+            raise ValueError(
+                f"{message}, or pass {MISMATCH_FLAG}=True to PeftModel.from_pretrained / load_adapter to load it "
+                "anyway (the result is then this model with the saved tensors replaced, not the tuned model)."
+            )
+        warnings.warn(f"{message}. Loaded anyway ({MISMATCH_FLAG}=True).", stacklevel=3)
+
+    def _missing_keys(self, peft_model: nn.Module, saved: MethodConfig, adapter_name: str, loaded: set) -> list[str]:
+        """The keys of ``peft_model`` that the adapter file should have set but did not (as PEFT lists them)."""
+        config = self.peft_config[adapter_name]
+        if config.lora is not None:
+            # PEFT's rule for LoRA (tuner prefix and adapter name in the key), plus the biases `lora.bias` saves.
+            state_dict = peft_model.state_dict()
+            expected = {key for key in state_dict if "lora_" in key and adapter_name in key}
+            saved_by_lora = lora_adapter_state_dict(peft_model, config.lora, adapter_name, state_dict, [])
+            expected |= {key for key in saved_by_lora if "lora_" not in key and key in state_dict}
+        elif saved.base_weights is not None:
+            prefix = self._state_dict_prefix(peft_model)
+            expected = {prefix + name for name in saved.base_weights["saved"]}
+        else:
+            return []
+        return sorted(expected - loaded)
+
+
+saving.install()
