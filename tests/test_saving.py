@@ -549,8 +549,9 @@ def test_a_standalone_adapter_loads_exactly_onto_its_base_and_refuses_another(na
 
 
 def test_reloading_an_earlier_checkpoint_into_the_trained_model_is_accepted(tmp_path):
-    """What Trainer(load_best_model_at_end=True) does: the checkpoint's own record is checked, not the model's."""
-    model = slimfit_model("bert", freeze_ratio=0.8)
+    """What Trainer(load_best_model_at_end=True) does: the checkpoint's own record is checked, not the model's,
+    and (with the originals kept) the result equals a fresh load of that checkpoint."""
+    model = slimfit_model("bert", freeze_ratio=0.8, keep_base_weights=True)
     optimizer = slimfit_train(model, "bert", steps=1)
     model.save_pretrained(tmp_path / "early")
     slimfit_train(model, "bert", steps=3, optimizer=optimizer)
@@ -563,6 +564,8 @@ def test_reloading_an_earlier_checkpoint_into_the_trained_model_is_accepted(tmp_
         warnings.filterwarnings("ignore", category=FutureWarning)
         result = model.load_adapter(tmp_path / "early", "default")
     assert result.missing_keys == [] and result.unexpected_keys == []
+    fresh = PeftModel.from_pretrained(build("bert"), tmp_path / "early")
+    assert torch.equal(_logits(model, "bert"), _logits(fresh, "bert"))
 
 
 def test_an_adapter_saved_without_a_record_loads_with_a_warning(tmp_path):
