@@ -6,6 +6,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from ..compat import exportable_state_cls
+from ..trainer_state import stored_callback_attribute
 
 ExportableState = exportable_state_cls()
 
@@ -49,11 +50,7 @@ class SlimFitCallback(TrainerCallback, ExportableState):
             )
         restored = self.scheduler_state
         if restored is None and state.global_step > 0:  # resuming: the checkpoint's trainer_state.json has it
-            stored = state.stateful_callbacks.get(type(self).__name__)
-            if isinstance(stored, list):
-                stored = stored[0] if stored else None
-            if isinstance(stored, dict):
-                restored = stored.get("attributes", {}).get("scheduler_state")
+            restored = stored_callback_attribute(state, self, "scheduler_state")
         if restored is not None:
             self._tuner.load_slimfit_state_dict(restored)
         self.scheduler_state = None

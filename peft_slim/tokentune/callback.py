@@ -13,6 +13,7 @@ from transformers import TrainerCallback
 from ..compat import exportable_state_cls
 from ..distributed import rank
 from ..token_selection import TokenSelector
+from ..trainer_state import stored_callback_attribute
 from ..tuner import MethodTuner
 
 ExportableState = exportable_state_cls()
@@ -64,11 +65,7 @@ class TokenTuneCallback(TrainerCallback, ExportableState):
             )
         stored = self.generator_states
         if stored is None and state.global_step > 0:  # resuming: the checkpoint's trainer_state.json has it
-            entry = state.stateful_callbacks.get(type(self).__name__)
-            if isinstance(entry, list):
-                entry = entry[0] if entry else None
-            if isinstance(entry, dict):
-                stored = entry.get("attributes", {}).get("generator_states")
+            stored = stored_callback_attribute(state, self, "generator_states")
         if stored is not None:
             self._restore(stored)
         elif state.global_step > 0:
