@@ -289,7 +289,11 @@ class Nested(Check):
         if self.convert is not None:
             value = self.convert(value, where)
         if isinstance(value, dict):
-            return from_dict(self.cls, value, saved=isinstance(value, SavedDict), where=where)
+            try:
+                return from_dict(self.cls, value, saved=isinstance(value, SavedDict), where=where)
+            except ValueError as error:  # say where the dict was given, e.g. "SlimFitConfig.activation_compression"
+                message = str(error)
+                raise ValueError(message if message.startswith(where) else f"{where}: {message}") from None
         if not isinstance(value, self.cls):
             raise ValueError(f"{where} must be {self.expected}{' or None' if self.optional else ''}, got {value!r}.")
         return value

@@ -2,12 +2,15 @@
 or trains, and then its loss and gradient equal the reference definition and a save -> load round trip is exact.
 
 Cases: TokenTune configs (valid and invalid field values) x tiny architectures x task heads x padding sides x
-dtypes x LoRA or base weights. The default suite runs a fixed, derandomised sample of 30 cases; set
-PEFT_SLIM_FUZZ_EXAMPLES (e.g. 600) for a longer, randomised run.
+dtypes x LoRA or base weights; and SlimFit fields x compression configs x architectures x LoRA or base
+weights (frozen units bit-identical, trained units the ordinary gradient when exact, exact round trip). The
+default suite runs a fixed, derandomised sample of 30 cases each; set PEFT_SLIM_FUZZ_EXAMPLES (e.g. 600) for a
+longer, randomised run.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 
@@ -15,8 +18,9 @@ import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from peft import PeftModel, get_peft_model
-from tiny_models import CAUSAL_LM, build, make_batch
+from peft import LoraConfig, PeftModel, get_peft_model
+from slimfit_cases import TASK, loss_of
+from tiny_models import CAUSAL_LM, LORA_TARGETS, build, make_batch
 from tokentune_cases import (
     TASK_TYPES,
     assert_grads_match,
@@ -26,7 +30,7 @@ from tokentune_cases import (
     training_step,
 )
 
-import peft_slim  # noqa: F401  (registers the PEFT types)
+from peft_slim import SlimFitConfig
 
 EXAMPLES = int(os.environ.get("PEFT_SLIM_FUZZ_EXAMPLES", "30"))
 
@@ -125,3 +129,104 @@ def test_each_case_is_refused_clearly_or_trains_exactly(head, field_value, lora,
     loaded.eval()
     with torch.no_grad():
         assert torch.equal(loaded(**inputs).logits, expected)
+
+
+# SlimFit and compression fields: (field, value, valid?); invalid ones must be refused naming the field.
+_SLIMFIT_VALUES = [
+    ("freeze_ratio", 0.5, True),
+    ("freeze_ratio", np.float64(0.8), True),
+    ("freeze_ratio", 1.0, False),
+    ("freeze_ratio", -0.1, False),
+    ("max_frozen_steps", np.int32(2), True),
+    ("max_frozen_steps", 2.0, False),
+    ("schedule_every", 0, False),
+    ("epsilon", float("inf"), False),
+    ("metric", "update_norm", True),
+    ("metric", "gradient", False),
+    ("units", [r".*(?:layers?|h)\.(\d+)\..*"], True),
+    ("units", ["(bad"], False),
+    ("always_trainable", ["classifier"], True),
+    ("always_trainable", r".*\.(", False),
+    ("lora_units", "matrix", True),
+    ("lora_units", "rows", False),
+    ("seed", 2**64, False),
+]
+_COMPRESSION_VALUES = [
+    (None, True),
+    ({"bits": 8}, True),
+    ({"bits": 4, "group_size": 32}, True),
+    ({"bits": 4.0}, False),
+    ({"bits": 8, "group_size": 12}, False),
+    ({"bitz": 8}, False),
+]
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize="PEFT_SLIM_FUZZ_EXAMPLES" not in os.environ,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    arch=st.sampled_from(["bert", "gpt2", "llama"]),
+    field_value=st.sampled_from(_SLIMFIT_VALUES),
+    compression=st.sampled_from(_COMPRESSION_VALUES),
+    lora=st.booleans(),
+)
+def test_slimfit_case_is_refused_clearly_or_trains_as_defined(arch, field_value, compression, lora):
+    field, value, valid = field_value
+    compression_value, compression_valid = compression
+    if field == "always_trainable" and valid and arch != "bert":
+        value = ["ln_f"] if arch == "gpt2" else ["norm"]
+    fields = {field: value, "activation_compression": compression_value, "task_type": TASK[arch]}
+    if lora:
+        fields["lora"] = LoraConfig(r=4, lora_alpha=8, target_modules=set(LORA_TARGETS[arch]))
+    try:
+        model = get_peft_model(build(arch), SlimFitConfig(**fields))
+    except (ValueError, TypeError) as error:
+        assert not (valid and compression_valid), f"a valid case was refused: {error}"
+        named = field in str(error) or "activation_compression" in str(error)
+        assert named, f"the error names neither `{field}` nor `activation_compression`: {error}"
+        return
+    assert valid and compression_valid, f"an invalid case was accepted: {field}={value!r}, {compression_value!r}"
+
+    tuner = model.base_model
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    model.train()
+    loss = loss_of(model, make_batch(arch))
+    assert torch.isfinite(loss)
+    loss.backward()
+    frozen = [p for unit, t in zip(tuner._units, tuner.scheduler.trained) if not t for p in unit.params]
+    trained = [p for unit, t in zip(tuner._units, tuner.scheduler.trained) if t for p in unit.params]
+    assert trained and all(p.grad is None for p in frozen)
+    if compression_value is None:  # exact: the trained units' gradient is the ordinary one
+        reference = copy.deepcopy(model)
+        reference.base_model.remove_hooks()
+        reference.requires_grad_(True)
+        reference.zero_grad(set_to_none=True)
+        loss_of(reference, make_batch(arch)).backward()
+        ordinary = dict(reference.named_parameters())
+        for name, param in model.named_parameters():
+            if param.grad is not None:
+                torch.testing.assert_close(param.grad, ordinary[name].grad, rtol=1e-5, atol=1e-6)
+    optimizer.step()
+    model.slimfit_step()
+    after = dict(model.named_parameters())
+    frozen_ids = {id(p) for p in frozen}
+    for name, param in after.items():
+        if id(param) in frozen_ids:
+            assert torch.equal(param, before[name]), f"a frozen unit changed: {name}"
+
+    model.eval()
+    inputs = {key: v for key, v in make_batch(arch).items() if key != "labels"}
+    with torch.no_grad():
+        expected = model(**inputs)
+    expected = expected.logits if hasattr(expected, "logits") else expected[0]
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        loaded = PeftModel.from_pretrained(build(arch), folder)
+    loaded.eval()
+    with torch.no_grad():
+        result = loaded(**inputs)
+    assert torch.equal(result.logits if hasattr(result, "logits") else result[0], expected)
