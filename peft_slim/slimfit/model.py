@@ -289,6 +289,9 @@ class SlimFitModel(MethodTuner):
             self.model.requires_grad_(True)  # a plain model again
         return super()._unload_and_optionally_merge(merge=merge, **kwargs)
 
+    def _kept_base_entry(self, name: str) -> tuple[str, tuple, bytes] | None:
+        return None if self._base_weights is None else self._base_weights.entry(name)
+
     def _saves_base_tensor(self, name: str, tensor: torch.Tensor) -> bool:
         # Standalone SlimFit trains base tensors in place: save those that changed (modules_to_save are PEFT's);
         # in Trainer checkpoints all it trains, so that loading one into the trained model is exact.

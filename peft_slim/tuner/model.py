@@ -222,11 +222,10 @@ class MethodTuner(BaseTuner):
     # ------------------------------------------------------------------ which base model (standalone adapters)
 
     def _kept_base_entry(self, name: str) -> tuple[str, tuple, bytes] | None:
-        """``(dtype, shape, digest)`` of base parameter ``name`` as it was when the model was wrapped, where the method
-        kept it because it trains base tensors in place (SlimFit's ``_base_weights``); None: hash the tensor as it is,
-        which is the same for a tensor the method never changes."""
-        kept = getattr(self, "_base_weights", None)
-        return None if kept is None else kept.entry(name)
+        """``(dtype, shape, digest)`` of base parameter ``name`` as it was when the model was wrapped, for a method
+        that trains base tensors in place and keeps their digests (SlimFit overrides it); None: hash the tensor as it
+        is, which is the same for a tensor the method never changes."""
+        return None
 
     def _base_identity(self, names: list[str], tensor_of) -> dict[str, Any]:
         """Count, dtypes and joint digest of base parameters ``names`` as they were when the model was wrapped
