@@ -1,14 +1,15 @@
 """The tuner base every peft_slim method stands on: PEFT registration glue, nested LoRA, token selection,
 activation compression and saving, so that a method adds only its own idea.
 
-A method subclasses :class:`MethodTuner` and fills in at most four hooks:
+A method subclasses :class:`MethodTuner` and fills in the hooks it needs:
 
 * ``_check_model(model, config)``: refuse a model before anything changes;
 * ``_trainable_base_parameters(model, config)``: which base parameters train (and save) without LoRA;
 * ``_setup(model, config)``: the method's own state and hooks, after LoRA injection;
-* ``_remove_method_hooks()``: undo ``_setup``'s hooks.
-
-and, where its config has one, a token selection (``_token_selection(config)``).
+* ``_remove_method_hooks()``: undo ``_setup``'s hooks;
+* ``_token_selection(config)``: the token selection its config asks for, if any;
+* ``_saves_base_tensor(name, tensor)`` and ``_kept_base_entry(name)``: without LoRA, what the adapter file holds
+  and the wrap-time digests it kept of tensors it trains in place.
 """
 
 from __future__ import annotations
