@@ -64,13 +64,17 @@ def test_gradient_and_loss_match_equivalent_definition(arch, implementation, lor
     # The forward itself is exact: the logits of the training forward equal an ordinary forward's.
     eval_logits = _eval_logits(model, batch)
     if arch in CAUSAL_LM:
-        # In training the LM head runs only on the selection's slots [B, width, V]; valid slots are exact.
+        # With labels, the chunked loss runs the head itself and the forward returns no logits; without labels,
+        # the LM head runs only on the selection's slots [B, width, V], and valid slots are exact.
+        assert output.logits is None
+        inputs = {key: value for key, value in batch.items() if key != "labels"}
+        logits = model(**inputs, token_mask=mask).logits
         width = int(mask.sum(dim=1).max())
-        assert output.logits.shape == (mask.shape[0], width, eval_logits.shape[-1])
+        assert logits.shape == (mask.shape[0], width, eval_logits.shape[-1])
         for row in range(mask.shape[0]):
             positions = mask[row].nonzero().flatten()
             torch.testing.assert_close(
-                output.logits[row, : len(positions)].detach(), eval_logits[row, positions], rtol=1e-5, atol=1e-5
+                logits[row, : len(positions)].detach(), eval_logits[row, positions], rtol=1e-5, atol=1e-5
             )
     else:
         torch.testing.assert_close(output.logits.detach(), eval_logits, rtol=1e-5, atol=1e-5)

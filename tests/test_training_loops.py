@@ -481,9 +481,13 @@ def test_bf16_autocast_on_cpu_is_close_to_fp32():
     fp32_loss, fp32_grads = _selected_mean_and_grad(model, batch, mask)  # the fp32 definition
 
     model.train()
+    dtypes = []
+    head = model.get_base_model().get_output_embeddings()
+    handle = head.register_forward_hook(lambda module, args, output: dtypes.append(output.dtype))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(**batch, token_mask=mask)
-        assert out.logits.dtype == torch.bfloat16  # autocast really ran the model in bf16
+    handle.remove()
+    assert dtypes and set(dtypes) == {torch.bfloat16}  # autocast really ran the model (and its LM head) in bf16
     assert torch.equal(model.base_model.last_token_mask, mask)  # a TokenTune training forward
     out.loss.backward()
     assert out.loss.dtype == torch.float32

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import field
 
-from ..configuration import Integer, OneOf, Real, ValidatedConfig, config_dataclass
+from ..configuration import Boolean, Integer, OneOf, Real, ValidatedConfig, config_dataclass
 
 SELECTION_RULES = ("random", "supervised")
 DEFAULT_TOKEN_RATIO = 0.3
@@ -53,6 +53,16 @@ class TokenSelectionConfig(ValidatedConfig):
             "check": Integer(0, MAX_SEED, optional=True),
         },
     )
+    chunked_loss: bool = field(
+        default=True,
+        metadata={
+            "help": "Causal LMs: compute the LM head and loss over the selected positions a chunk of rows at a time, "
+            "recomputed in backward, so that their full-vocabulary logits are never kept (same loss and gradient). "
+            "The training forward then returns `logits=None` when it computes the loss. False: materialise the "
+            "selected positions' logits and return them.",
+            "check": Boolean(),
+        },
+    )
 
     def _check(self) -> None:
         super()._check()
@@ -71,4 +81,5 @@ class TokenSelectionConfig(ValidatedConfig):
             num_tokens=self.num_tokens,
             selection=self.selection,
             seed=self.seed,
+            chunked_loss=self.chunked_loss,
         )

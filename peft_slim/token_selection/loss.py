@@ -43,6 +43,17 @@ def selected_token_loss(
     total = F.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+    return labelled_mean(total, targets, labels, shift, num_items_in_batch)
+
+
+def labelled_mean(
+    total: torch.Tensor,
+    targets: torch.Tensor,
+    labels: torch.Tensor,
+    shift: bool,
+    num_items_in_batch: torch.Tensor | int | None,
+) -> torch.Tensor:
+    """The loss from ``total``, the summed cross-entropy over ``targets`` (the slots' labels, -100 ignored)."""
     count = (targets != IGNORE_INDEX).sum()
     loss = total / count.clamp(min=1)
     if num_items_in_batch is not None:

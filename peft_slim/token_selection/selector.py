@@ -17,9 +17,10 @@ from torch import nn
 from ..compat import get_attn_implementation, set_attn_implementation
 from .attention import REGISTERED_NAMES, SUPPORTED_IMPLEMENTATIONS
 from .blocks import BlockRunner, find_blocks
+from .chunked_loss import chunk_rows, chunked_head_loss
 from .config import TokenSelectionConfig
 from .heads import head_of, is_decoder
-from .loss import IGNORE_INDEX, selected_token_loss
+from .loss import IGNORE_INDEX, labelled_mean, selected_targets, selected_token_loss
 from .selection import TokenSelection, check_token_mask, draw_selection, forced_positions, selection_generator
 
 
@@ -34,6 +35,13 @@ class _TrainingForward:
     attn_implementation: str
     input_ids: torch.Tensor | None = None  # where a classification head reads depends on them
     selection: TokenSelection | None = None
+    head_input: torch.Tensor | None = None  # the selected hidden states, when the chunked loss takes the head's place
+    head_output: Any = None  # what the head returned then (its logits over no position)
+
+
+# Config fields of models whose forward changes the head's logits before returning them (Gemma 2/3's soft-capping,
+# Cohere's and Granite's scaling): the chunked loss, which calls the head itself, would miss that.
+LOGIT_POSTPROCESSING_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def check_attention_implementation(model: nn.Module) -> None:
@@ -72,8 +80,12 @@ class TokenSelector:
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
         ]
+        self._chunked = config.chunked_loss and self._head.kind == "causal_lm" and not post_processes_logits(model)
+        self._calling_head = False
         if self._head.kind == "causal_lm":
-            self._handles.append(model.get_output_embeddings().register_forward_pre_hook(self._before_head))
+            head = model.get_output_embeddings()
+            self._handles.append(head.register_forward_pre_hook(self._before_head))
+            self._handles.append(head.register_forward_hook(self._after_head))
 
     @classmethod
     def attach(cls, model: nn.Module, config: TokenSelectionConfig) -> TokenSelector:
@@ -236,12 +248,22 @@ class TokenSelector:
 
     def _before_head(self, head: nn.Module, args: tuple):
         state = self._state
-        if state is None or state.selection is None:
+        if state is None or state.selection is None or self._calling_head:
             return None
         hidden = args[0]
         if hidden.shape[1] != state.selection.mask.shape[1]:
             raise ValueError("TokenTune: the LM head must see every position in training (logits_to_keep=0).")
-        return (state.selection.gather(hidden, 1), *args[1:])
+        selected = state.selection.gather(hidden, 1)
+        if self._chunked and state.labels is not None:  # the loss runs the head itself, a chunk at a time
+            state.head_input = selected
+            return (selected[:, :0], *args[1:])
+        return (selected, *args[1:])
+
+    def _after_head(self, head: nn.Module, args: tuple, output: Any):
+        state = self._state
+        if state is not None and state.head_input is not None and state.head_output is None and not self._calling_head:
+            state.head_output = output
+        return None
 
     def _after_forward(self, model: nn.Module, args: tuple, kwargs: dict, output: Any):
         state, self._state = self._state, None
@@ -256,6 +278,8 @@ class TokenSelector:
         if output is None:  # the forward raised; always_call hooks still run
             return None
         logits = output["logits"] if isinstance(output, dict) else output[0]
+        if state.head_input is not None:
+            return self._finish_chunked(model, state, output, logits)
         if self._head.kind == "per_position":
             logits = state.selection.gather(logits, 1)
         loss = selected_token_loss(
@@ -269,6 +293,46 @@ class TokenSelector:
             fields = {key: value for key, value in output.items() if key != "loss"}
             return type(output)(loss=loss, **fields)
         return (loss, *output)
+
+    def _finish_chunked(self, model: nn.Module, state: _TrainingForward, output: Any, logits: Any):
+        """The loss through ``chunked_head_loss``; the output's logits (over no position) become None."""
+        if logits is not state.head_output:
+            raise ValueError(
+                f"TokenTune: {type(model).__name__}.forward changes the LM head's logits before returning them, so "
+                "the chunked loss (which runs the head itself) would differ from the model's. Set "
+                "chunked_loss=False in the TokenTune config (or SlimFitConfig.tokentune)."
+            )
+        hidden = state.head_input
+        labels = state.labels.to(hidden.device)
+        targets = selected_targets(labels, state.selection, shift=True)
+        head = model.get_output_embeddings()
+        parameters = [p for p in head.parameters() if p.requires_grad]
+
+        def run_head(rows: torch.Tensor) -> torch.Tensor:
+            self._calling_head = True  # the head's own hooks pass the rows through
+            try:
+                return head(rows)
+            finally:
+                self._calling_head = False
+
+        total = chunked_head_loss(
+            run_head,
+            parameters,
+            hidden.reshape(-1, hidden.shape[-1]),
+            targets.reshape(-1),
+            chunk_rows(logits.shape[-1]),
+        )
+        loss = labelled_mean(total, targets, labels, True, state.num_items_in_batch)
+        if isinstance(output, dict):
+            fields = {key: value for key, value in output.items() if key not in ("loss", "logits")}
+            return type(output)(loss=loss, logits=None, **fields)
+        return (loss, *output[1:])
+
+
+def post_processes_logits(model: nn.Module) -> bool:
+    """Whether ``model``'s config names a known change of the head's logits (see LOGIT_POSTPROCESSING_FIELDS)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return any(getattr(config, name, None) is not None for name in LOGIT_POSTPROCESSING_FIELDS)
 
 
 CACHE_ARGUMENTS = ("cache", "past_key_values")  # transformers 5's name, and the deprecated one it still accepts
