@@ -61,3 +61,15 @@ def offline_hub(monkeypatch):
         monkeypatch.setattr(HfApi, other, refuse_other(other))
     monkeypatch.setattr(huggingface_hub.repocard, "hf_hub_download", no_remote_card)
     return calls
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` need a CUDA device: skipped where there is none (CI has none)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (marked `cuda`)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

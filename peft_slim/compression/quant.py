@@ -8,7 +8,7 @@ would buy, matters less than error within a step at 8 and 4 bits). Codes narrowe
 packed 2 or 4 per byte, so the stored bytes really shrink. Scales and minima are fp32 (fp64 for fp64
 input): a bf16 scale would add as much error as 8-bit rounding itself. At 8 bits on the CPU, torch's
 fused row-wise kernel does the work in one pass over memory instead of five (same grid, see
-``_quantize_rowwise``).
+``_quantize_rowwise``); on CUDA, Triton kernels do (``triton_kernels``: the same codes as the torch path).
 """
 
 from __future__ import annotations
@@ -71,6 +71,9 @@ def quantize(values: torch.Tensor, bits: int, group_size: int, row: int | None =
         group_size = row_aligned_group(row, group_size)
     if bits == 8 and _rowwise_applies(values, group_size):
         return _quantize_rowwise(values, group_size)
+    fused = _fused_kernels(values.device)
+    if fused is not None and fused.applies(values, bits, group_size):
+        return fused.quantize(values, bits, group_size)  # the same codes in one pass over memory
     return _quantize_packed(values, bits, group_size)
 
 
@@ -86,6 +89,9 @@ def dequantize(quantized: Quantized, dtype: torch.dtype) -> torch.Tensor:
         for start, stop in _chunks(groups, q.group_size):  # an fp32 chunk at a time, rounded once into dtype
             out[start:stop].copy_(unpack(q.codes[start:stop]))
         return out.view(-1)[: q.numel]
+    fused = _fused_kernels(q.codes.device)
+    if fused is not None and fused.dequantizes(q, dtype):
+        return fused.dequantize(q, dtype)
     out = torch.empty(groups, q.group_size, dtype=dtype, device=q.codes.device)
     scratch = None
     for start, stop in _chunks(groups, q.group_size):
@@ -202,6 +208,20 @@ def _row_stats(rows: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     """Views of the fp32 scale and minimum that end each row of the row-wise layout."""
     stats = rows[:, group_size:].view(torch.float32)
     return stats[:, 0], stats[:, 1]
+
+
+def _fused_kernels(device: torch.device):
+    """The Triton kernels (``triton_kernels``) for a CUDA tensor when Triton imports; else None (the torch path)."""
+    return _triton_kernels() if device.type == "cuda" else None
+
+
+@functools.cache
+def _triton_kernels():
+    try:
+        from . import triton_kernels
+    except ImportError:  # no Triton (e.g. a CPU-only or non-Linux PyTorch build)
+        return None
+    return triton_kernels
 
 
 @functools.cache
