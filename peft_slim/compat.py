@@ -555,3 +555,20 @@ def add_enum_member(enum_cls: type[enum.Enum], name: str) -> enum.Enum:
         hashable.append(name)
     type.__setattr__(enum_cls, name, member)
     return member
+
+
+def set_lora_input_cast(layer: nn.Module, cast: Callable) -> None:
+    """Replace how PEFT's LoRA ``layer`` casts its input to the adapter's dtype (its ``_cast_input_dtype``, private).
+
+    ``cast(x, dtype)`` is called where PEFT calls ``layer._cast_input_dtype(x, dtype)``; set on the instance.
+    """
+    if not callable(getattr(layer, "_cast_input_dtype", None)):
+        raise RuntimeError(
+            _moved(
+                "peft",
+                peft.__version__,
+                "LoraLayer._cast_input_dtype",
+                "LoRA inputs cannot be kept at the base model's width.",
+            )
+        )
+    layer._cast_input_dtype = cast

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..compat import lora_adapter_state_dict, lora_state_dict_for_load
 from ..compression import ActivationCompression, ActivationCompressionConfig, CompressionStats, compress_activations
+from ..lora_inputs import keep_lora_inputs_narrow
 from ..nested_lora import inject_lora
 from ..token_selection import TokenSelectionConfig, TokenSelector
 from . import saving
@@ -123,6 +124,7 @@ class MethodTuner(BaseTuner):
         self._check_model(model, config)
         if config.lora is not None:
             inject_lora(model, config, adapter_name, low_cpu_mem_usage=low_cpu_mem_usage, state_dict=state_dict)
+            keep_lora_inputs_narrow(model)  # no fp32 copies of bf16/fp16 inputs saved for the adapters
         self._mark_only_adapters_as_trainable(model)
         self._setup(model, config)
         if config.inference_mode:
