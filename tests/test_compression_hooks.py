@@ -257,7 +257,7 @@ def test_offload_alone_is_a_no_op_on_cpu():
     assert context.stats.compressed == 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 @pytest.mark.parametrize("offload", [False, True])
 def test_cuda(offload):
     model = _model("llama", lora=True).cuda()

@@ -215,7 +215,7 @@ def _memory_order(tensor):
     return sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_offload_keeps_the_stored_form_on_the_cpu_and_restores_on_cuda():
     tensor = torch.randn(256, 256, device="cuda")
     packed = compress(tensor, 4, 64, None, offload=True)
