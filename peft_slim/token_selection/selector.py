@@ -14,10 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compat import get_attn_implementation, set_attn_implementation
+from ..compat import TRL_FUSED_HEAD_ARGUMENT, get_attn_implementation, set_attn_implementation
 from .attention import REGISTERED_NAMES, SUPPORTED_IMPLEMENTATIONS
 from .blocks import BlockRunner, find_blocks
 from .config import TokenSelectionConfig
+from .fused_head import check_fused_call, fused_output
 from .heads import head_of, is_decoder
 from .loss import IGNORE_INDEX, selected_token_loss
 from .selection import TokenSelection, check_token_mask, draw_selection, forced_positions, selection_generator
@@ -34,6 +35,7 @@ class _TrainingForward:
     attn_implementation: str
     input_ids: torch.Tensor | None = None  # where a classification head reads depends on them
     selection: TokenSelection | None = None
+    fused: bool = False  # TRL's fused LM head asked for (`fused_lm_head=True`): answer in its output format
 
 
 def check_attention_implementation(model: nn.Module) -> None:
@@ -138,6 +140,11 @@ class TokenSelector:
         # Name every argument, so that a positional attention mask or labels are found (and labels removed).
         kwargs = named_arguments(model, self._forward_signature, args, kwargs)
         args = ()
+        # TRL's fused LM head would score every position; the model's own forward runs instead, the head on the
+        # selected positions, and the end of the forward answers in the fused head's format (fused_head.py).
+        fused = bool(kwargs.pop(TRL_FUSED_HEAD_ARGUMENT, False))
+        if fused:
+            check_fused_call(self._head.kind, kwargs)
         padding_mask = kwargs.get("attention_mask")
         labels = kwargs.get("labels")
         input_ids = kwargs.get("input_ids")
@@ -155,6 +162,7 @@ class TokenSelector:
             num_items_in_batch=num_items,
             attn_implementation=implementation,
             input_ids=input_ids if isinstance(input_ids, torch.Tensor) else None,
+            fused=fused,
         )
         set_attn_implementation(model.config, REGISTERED_NAMES[implementation])
         return args, kwargs
@@ -256,6 +264,9 @@ class TokenSelector:
         if output is None:  # the forward raised; always_call hooks still run
             return None
         logits = output["logits"] if isinstance(output, dict) else output[0]
+        if state.fused:
+            aux_loss = output.get("aux_loss") if isinstance(output, dict) else None
+            return fused_output(logits, state.labels.to(logits.device), state.selection, aux_loss)
         if self._head.kind == "per_position":
             logits = state.selection.gather(logits, 1)
         loss = selected_token_loss(
