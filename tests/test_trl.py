@@ -117,18 +117,24 @@ def test_sft_tokentune_base_weights_and_slimfit_tokentune_are_exact(tmp_path):
         check_step(*run_sft_step(out, sft_dataset("completion", seed=5), model=model))
 
 
-def test_sft_with_peft_config_builds_the_tokentune_model(tmp_path):
-    """TRL accepts any PeftConfig: SFTTrainer(model=base, peft_config=TokenTuneConfig(...)) wraps it itself."""
-    config = TokenTuneConfig(
-        task_type="CAUSAL_LM",
-        token_ratio=0.5,
-        seed=0,
-        lora=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS["llama"]),
+@pytest.mark.parametrize("method", ["tokentune", "slimfit"])
+def test_sft_with_peft_config_builds_the_model(tmp_path, method):
+    """TRL accepts any PeftConfig: SFTTrainer(model=base, peft_config=...) wraps the model itself."""
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS["llama"])
+    if method == "tokentune":
+        config = TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.5, seed=0, lora=lora)
+    else:
+        selection = TokenSelectionConfig(token_ratio=0.5, seed=0, selection="answer")
+        config = SlimFitConfig(
+            task_type="CAUSAL_LM", lora=lora, freeze_ratio=0.5, activation_compression=None, tokentune=selection
+        )
+    result = run_sft_step(
+        tmp_path, sft_dataset("completion", seed=6), model=build("llama", seed=6), peft_config=config
     )
-    base = build("llama", seed=6)
-    result = run_sft_step(tmp_path, sft_dataset("completion", seed=6), model=base, peft_config=config)
     trainer = result[0]
-    assert type(trainer.model.base_model).__name__ == "TokenTuneModel"
+    assert (
+        type(trainer.model.base_model).__name__ == {"tokentune": "TokenTuneModel", "slimfit": "SlimFitModel"}[method]
+    )
     check_step(*result)
 
 
