@@ -99,9 +99,11 @@ def check_step(trainer, logged, calls, applied, before, autocast=False, rel=1e-5
 @pytest.mark.parametrize("selection", ["random", "answer"])
 def test_sft_tokentune_lora_is_exact(tmp_path, data, overrides, selection):
     model = tokentune(seed=1, selection=selection)
-    trainer, logged, calls, applied, before = run_sft_step(
-        tmp_path, sft_dataset(data, n=12 if "packing" in overrides else 4, seed=2), model=model, **overrides
-    )
+    with pytest.warns(UserWarning, match=r"mean_token_accuracy.*selected labelled positions") as caught:
+        trainer, logged, calls, applied, before = run_sft_step(
+            tmp_path, sft_dataset(data, n=12 if "packing" in overrides else 4, seed=2), model=model, **overrides
+        )
+    assert sum("selected labelled positions" in str(w.message) for w in caught) == 1  # once per model
     inputs = calls[0]["inputs"]
     if data != "text":  # completion / assistant masks reached the labels: some real positions carry none
         assert (inputs["labels"] == -100).any() and (inputs["labels"] != -100).any()

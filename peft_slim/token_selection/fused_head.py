@@ -29,6 +29,11 @@ from ..compat import TRL_FUSED_HEAD_ARGUMENT, calling_trainer, trl_fused_output_
 from .loss import IGNORE_INDEX, selected_targets
 from .selection import TokenSelection
 
+FUSED_METRICS_NOTE = (
+    "TokenTune under trl.SFTTrainer: the loss is TokenTune's selected-token mean, and the `entropy` and "
+    "`mean_token_accuracy` logged in training are means over the selected labelled positions only (the only ones "
+    "whose logits a TokenTune forward computes), not over every answer token; evaluation covers every position."
+)
 _ALTERNATIVES = (
     "Token selection supports trl.SFTTrainer (loss_type='nll'). For DPO, GRPO and the other TRL trainers train a "
     "LoRA adapter without token selection (a peft.LoraConfig, or SlimFit without `tokentune`); a TokenTune + LoRA "

@@ -18,7 +18,7 @@ from ..compat import TRL_FUSED_HEAD_ARGUMENT, get_attn_implementation, set_attn_
 from .attention import REGISTERED_NAMES, SUPPORTED_IMPLEMENTATIONS
 from .blocks import BlockRunner, find_blocks
 from .config import TokenSelectionConfig
-from .fused_head import check_fused_call, fused_output
+from .fused_head import FUSED_METRICS_NOTE, check_fused_call, fused_output
 from .heads import head_of, is_decoder
 from .loss import IGNORE_INDEX, selected_token_loss
 from .selection import TokenSelection, check_token_mask, draw_selection, forced_positions, selection_generator
@@ -65,6 +65,7 @@ class TokenSelector:
         self._head = head_of(model)
         self._decoder = is_decoder(model)
         self._warned_cache = False
+        self._warned_fused = False
         self._state: _TrainingForward | None = None
         # Computed once: inspecting the signature on every forward cost ~19% of a tiny model's generate().
         self._forward_signature = inspect.signature(model.forward)
@@ -145,6 +146,9 @@ class TokenSelector:
         fused = bool(kwargs.pop(TRL_FUSED_HEAD_ARGUMENT, False))
         if fused:
             check_fused_call(self._head.kind, kwargs)
+            if not self._warned_fused:
+                self._warned_fused = True
+                warnings.warn(FUSED_METRICS_NOTE, UserWarning, stacklevel=2)
         padding_mask = kwargs.get("attention_mask")
         labels = kwargs.get("labels")
         input_ids = kwargs.get("input_ids")
