@@ -12,6 +12,7 @@ Nothing else in peft_slim touches a private API; add new ones here, with a test.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import sys
@@ -572,3 +573,66 @@ def set_lora_input_cast(layer: nn.Module, cast: Callable) -> None:
             )
         )
     layer._cast_input_dtype = cast
+
+
+# ---------------------------------------------------------------------------------------------- TRL
+
+
+TRL_FUSED_HEAD_ARGUMENT = "fused_lm_head"
+TRL_FUSED_OUTPUT_FIELDS = ("loss", "log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
+
+
+def calling_trainer(max_depth: int = 64) -> Any | None:
+    """The ``transformers.Trainer`` (TRL's trainers derive from it) whose method is on the call stack, or None.
+
+    Private API: ``sys._getframe`` and frame locals (CPython). TRL's fused LM head (``model(..., labels=labels,
+    fused_lm_head=True)``, which TRL >= 1.0 installs on the model's forward, see ``trl.trainer.utils.
+    add_fused_lm_head``) carries no sign of the objective the per-token log-probabilities feed: the SFT loss sums
+    them, DPO sums them per sequence, GRPO exponentiates them. Only the trainer that calls the model knows, so a
+    token-selection forward, which can be exact for SFT only, asks which trainer is calling.
+
+    Fallback: None where frames cannot be read (another Python implementation); the caller then refuses the
+    fused call with an error.
+    """
+    getframe = getattr(sys, "_getframe", None)
+    if getframe is None:
+        return None
+    frame = getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, transformers.Trainer):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def trl_fused_output_cls() -> type:
+    """The output class of TRL's fused LM head (``trl.trainer.utils.FusedCausalLMOutput``), or a stand-in.
+
+    Internal module: ``trl.trainer.utils`` (TRL exports ``add_fused_lm_head`` from ``trl.trainer`` but not its
+    output class). TRL reads the output by attribute (``log_probs``, ``entropy``, ``is_top1``, ``label_mask``,
+    ``aux_loss``), so the stand-in, a ``ModelOutput`` with the same fields, behaves the same.
+
+    Fallback: the stand-in, silently: attribute access is all TRL relies on.
+    """
+    try:
+        from trl.trainer.utils import FusedCausalLMOutput
+    except ImportError:
+        return _FusedOutputFallback
+    return FusedCausalLMOutput
+
+
+@dataclasses.dataclass
+class _FusedOutputFallback(transformers.utils.ModelOutput):
+    """Stands in for ``trl.trainer.utils.FusedCausalLMOutput`` where it is missing (see above)."""
+
+    loss: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+    label_mask: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None

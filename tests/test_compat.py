@@ -8,6 +8,7 @@ checks the documented fallback or error. A last test keeps private APIs out of t
 from __future__ import annotations
 
 import ast
+import dataclasses
 import enum
 import os
 import pickle
@@ -502,6 +503,48 @@ def test_add_enum_member_refuses_what_it_cannot_do(monkeypatch):
         compat.add_enum_member(Number, "TWO")
 
 
+# ---------------------------------------------------------------------------------------------- TRL
+
+
+class _StackTrainer(transformers.Trainer):
+    def ask(self):
+        return compat.calling_trainer()
+
+
+def test_calling_trainer_finds_the_trainer_whose_method_is_running():
+    trainer = object.__new__(_StackTrainer)  # no __init__: only the frame's `self` matters
+
+    def nested():
+        return trainer.ask()
+
+    assert nested() is trainer, moved("sys._getframe / frame.f_locals")
+    assert compat.calling_trainer() is None
+
+
+def test_calling_trainer_without_frames_is_none(monkeypatch):
+    monkeypatch.delattr(sys, "_getframe")
+    assert object.__new__(_StackTrainer).ask() is None
+
+
+def test_trl_fused_output_is_trls_class():
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    api = "trl.trainer.utils.FusedCausalLMOutput"
+    cls = compat.trl_fused_output_cls()
+    assert cls is getattr(trl_utils, "FusedCausalLMOutput", None), moved(api)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    assert {"loss", "log_probs", "entropy", "is_top1", "label_mask", "aux_loss"} <= fields, moved(api)
+
+
+def test_trl_fused_output_missing_falls_back_to_the_same_fields(monkeypatch):
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    expected = {f.name for f in dataclasses.fields(trl_utils.FusedCausalLMOutput)}
+    monkeypatch.delattr(trl_utils, "FusedCausalLMOutput")
+    cls = compat.trl_fused_output_cls()
+    assert cls is not None and {f.name for f in dataclasses.fields(cls)} >= expected
+    out = cls(loss=torch.tensor(1.0), log_probs=torch.zeros(1, 2))
+    assert out.log_probs.shape == (1, 2) and out.entropy is None
+
+
 # ---------------------------------------------------------------------------------------------- one place
 
 
@@ -524,8 +567,14 @@ PRIVATE_ATTRIBUTES = {
     "eager_attention_forward",
     "_global_optimizer_pre_hooks",
     "_global_optimizer_post_hooks",
+    "_getframe",
 }
-PRIVATE_MODULES = {"peft.utils.other", "transformers.trainer_callback", "torch.nn.modules.batchnorm"}
+PRIVATE_MODULES = {
+    "peft.utils.other",
+    "transformers.trainer_callback",
+    "torch.nn.modules.batchnorm",
+    "trl.trainer.utils",
+}
 
 
 def _private_uses(path: str) -> list[str]:

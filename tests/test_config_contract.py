@@ -148,7 +148,7 @@ _ratios = st.one_of(st.none(), st.floats(0.01, 1.0))
 @given(
     ratio=_ratios,
     count=st.one_of(st.none(), st.integers(1, 4096)),
-    rule=st.sampled_from(["random", "supervised"]),
+    rule=st.sampled_from(["random", "answer", "supervised"]),
     seed=st.one_of(st.none(), st.integers(0, 2**62)),
     bits=st.sampled_from([None, 2, 4, 8]),
     freeze=st.floats(0.0, 0.99),

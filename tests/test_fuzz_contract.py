@@ -52,6 +52,7 @@ _FIELD_VALUES = [
     ("seed", 2**64, False),
     ("seed", -3, False),
     ("selection", "supervised", True),
+    ("selection", "answer", True),
     ("selection", "importance", False),
     ("modules_to_save", ["score", None], False),
     ("trainable_modules", "([", False),

@@ -256,7 +256,7 @@ def _bool_matrix(batch: int, length: int):
 def _selection_case(draw):
     batch, length = draw(st.integers(1, 4)), draw(st.integers(1, 12))
     real, labelled = draw(_bool_matrix(batch, length)), draw(_bool_matrix(batch, length))
-    selection = draw(st.sampled_from(["random", "supervised"]))
+    selection = draw(st.sampled_from(["random", "answer", "supervised"]))
     if draw(st.booleans()):
         config = TokenTuneConfig(token_ratio=draw(st.floats(0.01, 1.0)), selection=selection)
     else:
@@ -281,7 +281,7 @@ def test_draw_selection_properties(case):
         else:
             wanted = min(max(math.ceil(config.token_ratio * n_real), 1), n_real)
         assert int(mask[row].sum()) == max(wanted, int(forced[row].sum()))
-        if config.selection == "supervised":
+        if config.selection in ("answer", "supervised"):
             free = real[row] & ~forced[row]
             skipped_labelled = (free & labelled[row] & ~mask[row]).any()
             took_unlabelled = (free & ~labelled[row] & mask[row]).any()

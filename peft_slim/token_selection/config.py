@@ -6,7 +6,8 @@ from dataclasses import field
 
 from ..configuration import Boolean, Integer, OneOf, Real, ValidatedConfig, config_dataclass
 
-SELECTION_RULES = ("random", "supervised")
+SELECTION_RULES = ("random", "answer", "supervised")  # "supervised": 0.1.0's name of "answer"
+ANSWER_RULES = ("answer", "supervised")
 DEFAULT_TOKEN_RATIO = 0.3
 MAX_TOKENS = 2**31 - 1  # more positions than any sequence holds; keeps the count an int32/int64 everywhere
 MAX_SEED = 2**62  # the generator is seeded with seed + rank, which must stay a valid 64-bit seed
@@ -39,9 +40,12 @@ class TokenSelectionConfig(ValidatedConfig):
     selection: str = field(
         default="random",
         metadata={
-            "help": "'random': uniform per sequence, redrawn every forward (the paper). 'supervised': draw first "
-            "among positions that carry a loss label, then among the rest. The positions the head reads, the first "
-            "real token and a decoder LM's last real token are always selected; padding only where the head reads it.",
+            "help": "'random': uniform per sequence, redrawn every forward (the paper). 'answer': every position "
+            "whose prediction carries a loss label first (a causal LM's position t when labels[t+1] != -100: the "
+            "completion, or the assistant turns, of SFT data), uniformly among them when the budget is smaller, and "
+            "the rest of the budget uniformly among the other real tokens (the prompt). 'supervised': 0.1.0's name "
+            "of 'answer', still accepted. The positions the head reads, the first real token and a decoder LM's "
+            "last real token are always selected and count toward the budget; padding only where the head reads it.",
             "check": OneOf(SELECTION_RULES),
         },
     )

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..distributed import rank
-from .config import TokenSelectionConfig
+from .config import ANSWER_RULES, TokenSelectionConfig
 
 # Tiers added to a uniform [0, 1) draw: a position of a higher tier is always chosen before a lower one.
 _FORCED, _LABELLED, _OTHER = 3.0, 2.0, 1.0
@@ -124,8 +124,12 @@ def draw_selection(
 
     ``real`` marks non-padding positions, ``forced`` the positions always selected (those a head reads, which
     may be padding: transformers' classifiers read position 0, or the last position under ``inputs_embeds``,
-    whatever the padding), ``labelled`` the positions that carry a loss label (used by ``selection="supervised"``).
+    whatever the padding), ``labelled`` the positions that carry a loss label (used by ``selection="answer"``).
     The count is taken over real tokens (never fewer than the forced real ones); forced padding comes on top.
+
+    Every candidate gets a uniform draw plus its tier (forced > labelled, under "answer" > other), and the ``wanted``
+    highest scores are selected: forced positions first, then a uniformly random subset of the labelled ones when
+    they outnumber what is left of the budget (all of them otherwise), then a uniformly random subset of the rest.
     """
     n_real = real.sum(dim=1)
     if config.num_tokens is not None:
@@ -138,7 +142,7 @@ def draw_selection(
     candidates = real | forced
     draw = torch.rand(real.shape, generator=generator, device=generator.device).to(real.device)
     tier = torch.full(real.shape, _OTHER, device=real.device)
-    if config.selection == "supervised" and labelled is not None:
+    if config.selection in ANSWER_RULES and labelled is not None:
         tier = torch.where(labelled & real, _LABELLED, tier)
     tier = torch.where(forced, _FORCED, tier)
     score = torch.where(candidates, tier + draw, -math.inf)

@@ -14,11 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compat import get_attn_implementation, set_attn_implementation
+from ..compat import TRL_FUSED_HEAD_ARGUMENT, get_attn_implementation, set_attn_implementation
 from .attention import REGISTERED_NAMES, SUPPORTED_IMPLEMENTATIONS
 from .blocks import BlockRunner, find_blocks
 from .chunked_loss import chunk_rows, chunked_head_loss
 from .config import TokenSelectionConfig
+from .fused_head import FUSED_METRICS_NOTE, check_fused_call, fused_output
 from .heads import head_of, is_decoder
 from .loss import IGNORE_INDEX, labelled_mean, selected_targets, selected_token_loss
 from .selection import TokenSelection, check_token_mask, draw_selection, forced_positions, selection_generator
@@ -37,6 +38,7 @@ class _TrainingForward:
     selection: TokenSelection | None = None
     head_input: torch.Tensor | None = None  # the selected hidden states, when the chunked loss takes the head's place
     head_output: Any = None  # what the head returned then (its logits over no position)
+    fused: bool = False  # TRL's fused LM head asked for (`fused_lm_head=True`): answer in its output format
 
 
 # Config fields of models whose forward changes the head's logits before returning them (Gemma 2/3's soft-capping,
@@ -71,6 +73,7 @@ class TokenSelector:
         self._head = head_of(model)
         self._decoder = is_decoder(model)
         self._warned_cache = False
+        self._warned_fused = False
         self._state: _TrainingForward | None = None
         # Computed once: inspecting the signature on every forward cost ~19% of a tiny model's generate().
         self._forward_signature = inspect.signature(model.forward)
@@ -150,6 +153,14 @@ class TokenSelector:
         # Name every argument, so that a positional attention mask or labels are found (and labels removed).
         kwargs = named_arguments(model, self._forward_signature, args, kwargs)
         args = ()
+        # TRL's fused LM head would score every position; the model's own forward runs instead, the head on the
+        # selected positions, and the end of the forward answers in the fused head's format (fused_head.py).
+        fused = bool(kwargs.pop(TRL_FUSED_HEAD_ARGUMENT, False))
+        if fused:
+            check_fused_call(self._head.kind, kwargs)
+            if not self._warned_fused:
+                self._warned_fused = True
+                warnings.warn(FUSED_METRICS_NOTE, UserWarning, stacklevel=2)
         padding_mask = kwargs.get("attention_mask")
         labels = kwargs.get("labels")
         input_ids = kwargs.get("input_ids")
@@ -167,6 +178,7 @@ class TokenSelector:
             num_items_in_batch=num_items,
             attn_implementation=implementation,
             input_ids=input_ids if isinstance(input_ids, torch.Tensor) else None,
+            fused=fused,
         )
         set_attn_implementation(model.config, REGISTERED_NAMES[implementation])
         return args, kwargs
@@ -254,7 +266,8 @@ class TokenSelector:
         if hidden.shape[1] != state.selection.mask.shape[1]:
             raise ValueError("TokenTune: the LM head must see every position in training (logits_to_keep=0).")
         selected = state.selection.gather(hidden, 1)
-        if self._chunked and state.labels is not None:  # the loss runs the head itself, a chunk at a time
+        # The loss runs the head itself, a chunk at a time; TRL's fused call needs the selected logits for its metrics.
+        if self._chunked and state.labels is not None and not state.fused:
             state.head_input = selected
             return (selected[:, :0], *args[1:])
         return (selected, *args[1:])
@@ -280,6 +293,9 @@ class TokenSelector:
         logits = output["logits"] if isinstance(output, dict) else output[0]
         if state.head_input is not None:
             return self._finish_chunked(model, state, output, logits)
+        if state.fused:
+            aux_loss = output.get("aux_loss") if isinstance(output, dict) else None
+            return fused_output(logits, state.labels.to(logits.device), state.selection, aux_loss)
         if self._head.kind == "per_position":
             logits = state.selection.gather(logits, 1)
         loss = selected_token_loss(

@@ -115,7 +115,9 @@ class MethodTuner(BaseTuner):
         if len(self.peft_config) > 1:
             raise ValueError(
                 f"{self.method_name} supports a single adapter per model; this model already has "
-                f"{sorted(self.peft_config)}."
+                f"{sorted(self.peft_config)}. (TRL's DPOTrainer and GRPOTrainer add a reference copy named 'ref' to a "
+                "ready PeftModel: pass `ref_model=` instead; token selection is not supported there, see the README's "
+                "TRL section.)"
             )
         config: MethodConfig = self.peft_config[adapter_name]
         selection = self._token_selection(config)

@@ -1,0 +1,122 @@
+"""TRL's fused LM head in a token-selection training forward: SFTTrainer's loss, gradient and metrics, exactly.
+
+TRL (>= 1.0) gives the model a second forward, ``model(..., labels=labels, fused_lm_head=True)``, that returns
+per-token fields of shape [batch, seq - 1] (zero where the next-token label is -100) instead of logits.
+``SFTTrainer`` takes ``-log_probs.sum() / n`` as its loss, ``n`` being Trainer's ``num_items_in_batch`` (the
+labelled positions of the accumulated batch) or else ``label_mask.sum()``, and logs ``entropy.sum()`` and
+``is_top1.sum()`` over ``label_mask.sum()`` as ``entropy`` and ``mean_token_accuracy``.
+
+A token-selection forward scores only its selected positions. So that TRL's sums give TokenTune's definition,
+``label_mask`` marks every labelled position and each per-token field holds, at the selected labelled
+positions, the position's value times ``w = labelled / selected`` (the micro-batch's labelled positions over
+its selected labelled ones), zero elsewhere. Then ``-log_probs.sum() / label_mask.sum()`` is the selected-token
+mean, ``-log_probs.sum() / num_items_in_batch`` is that mean times the micro-batch's share of the labelled
+positions (what TokenTune computes under ``transformers.Trainer``), and both metrics are means over the
+selected labelled positions. The gradient flows through the selected positions only, as TokenTune defines.
+
+Other trainers use the log-probabilities per sequence (DPO, KTO) or per token (GRPO, RLOO); a token-selection
+forward cannot give them every completion token's value with gradient, so they are refused, as is SFTTrainer's
+``loss_type="dft"`` (which weights each token by its probability).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..compat import TRL_FUSED_HEAD_ARGUMENT, calling_trainer, trl_fused_output_cls
+from .loss import IGNORE_INDEX, selected_targets
+from .selection import TokenSelection
+
+FUSED_METRICS_NOTE = (
+    "TokenTune under trl.SFTTrainer: the loss is TokenTune's selected-token mean, and the `entropy` and "
+    "`mean_token_accuracy` logged in training are means over the selected labelled positions only (the only ones "
+    "whose logits a TokenTune forward computes), not over every answer token; evaluation covers every position."
+)
+_ALTERNATIVES = (
+    "Token selection supports trl.SFTTrainer (loss_type='nll'). For DPO, GRPO and the other TRL trainers train a "
+    "LoRA adapter without token selection (a peft.LoraConfig, or SlimFit without `tokentune`); a TokenTune + LoRA "
+    "SFT adapter continues there after peft_slim.export_lora."
+)
+
+
+def _is_sft_trainer(trainer: Any) -> bool:
+    try:
+        from trl import SFTTrainer
+    except ImportError:
+        return False
+    return isinstance(trainer, SFTTrainer)
+
+
+def check_fused_call(head_kind: str, kwargs: dict) -> None:
+    """Refuse a ``fused_lm_head=True`` training forward that token selection cannot make exact."""
+    if head_kind != "causal_lm":
+        raise ValueError(
+            f"TokenTune: `{TRL_FUSED_HEAD_ARGUMENT}=True` (TRL's fused LM head) needs a causal LM; this model's head "
+            f"is {head_kind!r}."
+        )
+    trainer = calling_trainer()
+    if trainer is None:
+        raise ValueError(
+            f"TokenTune: `{TRL_FUSED_HEAD_ARGUMENT}=True` (TRL's fused LM head) in a training forward is supported "
+            "when trl.SFTTrainer calls the model, and no trainer is calling it. Call the model in eval mode or under "
+            "torch.no_grad() for every position's log-probabilities, or without it for the selected-token loss. "
+            + _ALTERNATIVES
+        )
+    name = type(trainer).__name__
+    if not _is_sft_trainer(trainer):
+        raise ValueError(
+            f"TokenTune: {name} is not supported with token selection. It asks the model for the log-probability "
+            "of every completion token (TRL's fused LM head) and uses them per sequence or per token, while a "
+            "token-selection training forward computes only its selected positions', so its loss and gradient would "
+            f"not be the ones {name} defines. " + _ALTERNATIVES
+        )
+    loss_type = getattr(trainer.args, "loss_type", "nll")
+    if loss_type != "nll":
+        raise ValueError(
+            f"TokenTune: {name} with loss_type={loss_type!r} is not supported with token selection: it weights each "
+            "token by its probability, which token selection computes for the selected positions only. Use "
+            "loss_type='nll' (the default)."
+        )
+    if kwargs.get("shift_labels") is not None:
+        raise ValueError(
+            "TokenTune: pre-shifted `shift_labels` (context or sequence parallelism) are not supported with token "
+            "selection; pass `labels` of shape [batch, seq]."
+        )
+    if not isinstance(kwargs.get("labels"), torch.Tensor):
+        raise ValueError(f"TokenTune: `{TRL_FUSED_HEAD_ARGUMENT}=True` needs `labels` (a [batch, seq] tensor).")
+
+
+def fused_output(logits: torch.Tensor, labels: torch.Tensor, selection: TokenSelection, aux_loss: Any = None):
+    """TRL's fused-head output for a token-selection forward (see the module docstring); ``logits`` are [B, n, V]."""
+    batch, length = labels.shape
+    targets = selected_targets(labels, selection, shift=True)  # [B, n]: the next token of each selected slot
+    scored = targets != IGNORE_INDEX
+    log_softmax = torch.log_softmax(logits.float(), dim=-1)
+    log_probs = log_softmax.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+        is_top1 = (logits.argmax(-1) == targets).to(log_probs.dtype)
+    label_mask = labels[:, 1:] != IGNORE_INDEX
+    weight = label_mask.sum() / scored.sum().clamp(min=1)
+    # A slot's position p scores the label at p + 1, i.e. column p of the [B, seq - 1] fields; a slot at the last
+    # position scores nothing (clamped onto an existing column, adding zero).
+    columns = selection.index.clamp(max=max(length - 2, 0))
+
+    def spread(values: torch.Tensor) -> torch.Tensor:
+        values = torch.where(scored, values * weight, 0.0)
+        if length < 2:
+            return values.new_zeros(batch, 0) + values.sum() * 0  # connected to the graph, like TRL's
+        return values.new_zeros(batch, length - 1).scatter_add(1, columns, values)
+
+    log_probs = spread(log_probs)
+    loss = -log_probs.sum() / label_mask.sum().clamp(min=1)
+    return trl_fused_output_cls()(
+        loss=loss,
+        log_probs=log_probs,
+        entropy=spread(entropy),
+        is_top1=spread(is_top1),
+        label_mask=label_mask,
+        aux_loss=aux_loss,
+    )
