@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..compat import rowwise_byte_kernels
+from ..compat import is_fake_tensor, rowwise_byte_kernels, storage_key
 from .packing import pack_bits, unpack_bits
 
 
@@ -42,7 +42,7 @@ class Quantized:
 
     @property
     def nbytes(self) -> int:
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in (self.codes, self.scale, self.low)}
+        storages = {storage_key(t): t.untyped_storage() for t in (self.codes, self.scale, self.low)}
         return sum(storage.nbytes() for storage in storages.values())
 
     @property
@@ -114,7 +114,7 @@ def _quantize_packed(values: torch.Tensor, bits: int, group_size: int) -> Quanti
     high = grouped.amax(dim=1, keepdim=True).to(stat_dtype)
     # inf/NaN, or a masking sentinel near the dtype's limit (transformers writes finfo.min for -inf): any grid
     # spanning it would erase the ordinary values of its group. (One host sync on an accelerator.)
-    if not torch.maximum(high.max(), -low.min()) < torch.finfo(values.dtype).max / 2:
+    if not _representable(high.max(), low.min(), values):
         return None
     span = high - low
     span.clamp_(min=torch.finfo(stat_dtype).tiny)  # a constant group codes to 0
@@ -160,18 +160,27 @@ def _quantize_rowwise(values: torch.Tensor, group_size: int) -> Quantized | None
     group's range and codes it), instead of the packed path's five."""
     # The kernel's own min/max can miss a NaN: one reduction checks every value first.
     low, high = torch.aminmax(values)
-    if not torch.maximum(high.float(), -low.float()) < torch.finfo(values.dtype).max / 2:
+    if not _representable(high.float(), low.float(), values):
         return None
     rows = _prepack(values, group_size)
     scale, low = _row_stats(rows, group_size)
     steps = scale.clone()  # (the views are strided: read them once)
-    narrow = ((steps > 0) & (steps < _ROWWISE_MIN_RANGE / 255)).nonzero().view(-1)
+    # (a fake tensor, in a memory estimate, has no values: redoing narrow groups would change values, not sizes)
+    narrow = None if is_fake_tensor(values) else ((steps > 0) & (steps < _ROWWISE_MIN_RANGE / 255)).nonzero().view(-1)
     scale.copy_(steps.add_(_ROWWISE_EPSILON / 255))  # the kernel's step, (range + epsilon) / 255: decode with it
-    if narrow.numel():
+    if narrow is not None and narrow.numel():
         redone = _quantize_packed(torch.cat(_groups(values, group_size, narrow)).view(-1), 8, group_size)
         rows[narrow, :group_size] = redone.codes.view(-1, group_size)
         scale[narrow], low[narrow] = redone.scale, redone.low
     return Quantized(rows, scale, low, 8, group_size, values.numel(), rowwise=True)
+
+
+def _representable(high: torch.Tensor, low: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether the extreme values ``high`` and ``low`` are finite and away from the dtype's limit. A fake tensor (a
+    memory estimate: shapes, no values) is taken as representable: ordinary activations are."""
+    if is_fake_tensor(high):
+        return True
+    return bool(torch.maximum(high, -low) < torch.finfo(values.dtype).max / 2)
 
 
 def _groups(values: torch.Tensor, group_size: int, index: torch.Tensor | None = None) -> list[torch.Tensor]:

@@ -1,0 +1,137 @@
+"""``estimate_memory``: the memory of one training step, from the model's own computation on fake tensors.
+
+The model is built on the meta device (no weights), the PEFT config applied for real, every tensor made fake
+(shapes, dtypes and strides, no data), then two training steps run (forward, backward, optimizer step), the
+second one sized: the first creates the optimizer state, as a real run's first step does. Saved-tensor hooks,
+activation compression, token selection, checkpointing and SlimFit's freezing all run as they do in training,
+so a new architecture or method needs no formula here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, dataclass
+
+import torch
+from peft import PeftConfig
+
+from ..compat import fake_tensor_mode
+from .setup import (
+    DTYPES,
+    Workload,
+    after_step,
+    base_model,
+    infer_task,
+    load_config,
+    make_inputs,
+    make_optimizer,
+    storage_bytes,
+    trainable_model,
+)
+from .trace import LiveBytes
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes of one training step (in steady state: the optimizer state exists).
+
+    ``parameters``: every parameter and buffer of the model; ``gradients``: the ``.grad`` tensors after backward;
+    ``optimizer_state``: after the optimizer step; ``activations``: what the forward leaves allocated for backward
+    (what autograd saves, after compression; a checkpointed block's inputs; the loss); ``peak``: the highest total
+    at any moment of the step, weights, optimizer state and transients included.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    peak: int
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def estimate_memory(
+    model,
+    peft_config: PeftConfig | None,
+    batch_size: int,
+    seq_len: int | None,
+    optimizer: str = "adamw",
+    *,
+    dtype: str = "float32",
+    gradient_checkpointing: bool = False,
+    task: str | None = None,
+) -> MemoryEstimate:
+    """Estimate the memory of training ``model`` with ``peft_config`` (None: full fine-tuning), without weights.
+
+    ``model``: a ``torch.nn.Module`` (real or on the meta device: only shapes are read), a transformers config, a
+    dict, or the path / hub id of a config. ``seq_len``: tokens per sequence (None for an image model, whose config
+    gives the image size). ``optimizer``: "adamw" or "sgd". ``dtype``: the weights' dtype ("float32", "bfloat16",
+    "float16"). ``task``: "causal_lm", "sequence_classification" or "image_classification" (default: from the
+    model's class, the config's ``architectures`` or the PEFT ``task_type``). SlimFit is sized at its worst step:
+    the largest units train. Sizes are those of CPU tensors; an accelerator's allocator rounds each block up a
+    little.
+    """
+    module = model if isinstance(model, torch.nn.Module) else None
+    config = module.config if module is not None and hasattr(module, "config") else None
+    if module is None:
+        config = load_config(model)
+    workload = check_workload(module, config, peft_config, batch_size, seq_len, task)
+    weights = DTYPES.get(dtype)
+    if weights is None:
+        raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}.")
+    trained = trainable_model(
+        base_model(module, config, workload.task, weights, "meta"), peft_config, gradient_checkpointing
+    )
+    optim_name = optimizer
+    inputs = make_inputs(trained, workload)
+    mode = fake_tensor_mode()
+    with mode:
+        _make_fake(trained)
+        optimizer = make_optimizer(trained, optim_name)
+        held = storage_bytes([*trained.parameters(), *trained.buffers()])
+        live = LiveBytes()
+        with live, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="SlimFit: an optimizer stepped twice")
+            for _ in range(2):  # the first creates the optimizer state; the second is sized
+                live.reset_peak()
+                before = live.total
+                loss = trained(**inputs).loss
+                activations = live.total - before
+                loss.backward()
+                del loss
+                gradients = storage_bytes(p.grad for p in trained.parameters())
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                after_step(trained)
+        state = storage_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    return MemoryEstimate(held, gradients, state, activations, held + live.peak)
+
+
+def check_workload(module, config, peft_config, batch_size, seq_len, task) -> Workload:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r}: expected a positive integer.")
+    task = infer_task(module, config, peft_config, task)
+    if task == "image_classification":
+        if seq_len is not None:
+            raise ValueError(
+                f"seq_len={seq_len!r}: an image model's sequence comes from its config (image_size, patch_size); "
+                "pass seq_len=None."
+            )
+    elif isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len={seq_len!r}: expected a positive integer (tokens per sequence).")
+    return Workload(batch_size, seq_len, task)
+
+
+def _make_fake(model: torch.nn.Module) -> None:
+    """Replace every meta parameter and buffer by a fake CPU tensor of the same shape (shared ones stay shared)."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            fake = made.get(id(tensor))
+            if fake is None:
+                fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+                if isinstance(tensor, torch.nn.Parameter):
+                    fake = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
+                made[id(tensor)] = fake
+            setattr(module, name, fake)
