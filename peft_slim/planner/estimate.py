@@ -1,8 +1,8 @@
 """``estimate_memory``: the memory of one training step, from the model's own computation on fake tensors.
 
 The model is built on the meta device (no weights), the PEFT config applied for real, every tensor made fake
-(shapes, dtypes and strides, no data), then two training steps run (forward, backward, optimizer step), the
-second one sized: the first creates the optimizer state, as a real run's first step does. Saved-tensor hooks,
+(shapes, dtypes and strides, no data), then one training step (forward, backward, optimizer step) runs
+after the optimizer state has been created (as a real run's first step leaves it). Saved-tensor hooks,
 activation compression, token selection, checkpointing and SlimFit's freezing all run as they do in training,
 so a new architecture or method needs no formula here.
 """
@@ -19,7 +19,6 @@ from ..compat import fake_tensor_mode
 from .setup import (
     DTYPES,
     Workload,
-    after_step,
     base_model,
     infer_task,
     load_config,
@@ -90,22 +89,19 @@ def estimate_memory(
         _make_fake(trained)
         optimizer = make_optimizer(trained, optim_name)
         held = storage_bytes([*trained.parameters(), *trained.buffers()])
+        _create_optimizer_state(trained, optimizer)
         live = LiveBytes()
         with live, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="SlimFit: an optimizer stepped twice")
-            for _ in range(2):  # the first creates the optimizer state; the second is sized
-                live.reset_peak()
-                before = live.total
-                loss = trained(**inputs).loss
-                activations = live.total - before
-                loss.backward()
-                del loss
-                gradients = storage_bytes(p.grad for p in trained.parameters())
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                after_step(trained)
+            loss = trained(**inputs).loss
+            activations = live.total
+            loss.backward()
+            del loss
+            gradients = storage_bytes(p.grad for p in trained.parameters())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         state = storage_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-    return MemoryEstimate(held, gradients, state, activations, held + live.peak)
+    return MemoryEstimate(held, gradients, state, activations, held + state + live.peak)
 
 
 def check_workload(module, config, peft_config, batch_size, seq_len, task) -> Workload:
@@ -121,6 +117,18 @@ def check_workload(module, config, peft_config, batch_size, seq_len, task) -> Wo
     elif isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len={seq_len!r}: expected a positive integer (tokens per sequence).")
     return Workload(batch_size, seq_len, task)
+
+
+def _create_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """What a real run's first step leaves: the optimizer state of the parameters that train (SlimFit: its worst
+    step's units). Created by stepping on zero gradients: the state's size does not depend on its values."""
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _make_fake(model: torch.nn.Module) -> None:

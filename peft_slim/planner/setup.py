@@ -132,7 +132,7 @@ def trainable_model(base: nn.Module, peft_config: PeftConfig | None, gradient_ch
     if gradient_checkpointing:
         if not getattr(base, "supports_gradient_checkpointing", False):
             raise ValueError(f"gradient_checkpointing: {type(base).__name__} does not support it.")
-        base.activation_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if peft_config is None:
         base.requires_grad_(True)
         model = base
