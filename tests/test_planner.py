@@ -140,15 +140,21 @@ def test_fewer_tokens_and_fewer_bits_need_less():
 
 def test_plan_fits_the_budget_in_ladder_order():
     config = llama_config()
-    everything = plan(config, None, 2, 64, lora_r=4, target_modules=["q_proj", "v_proj"])
-    order = [c.name for c in ladder(4, 0.1)]
+    options = dict(lora_r=4, target_modules=["q_proj", "v_proj"], min_token_ratio=0.3)
+    everything = plan(config, None, 2, 64, **options)
+    order = [c.name for c in ladder(4, 0.3)]
     plain = [c.name for c in everything if not c.gradient_checkpointing]
     assert plain == [name for name in order if name in plain] and plain[0] == "lora+lora-r4"
     budget = sorted(c.estimate.peak for c in everything)[len(everything) // 2]
-    fitting = plan(config, budget, 2, 64, lora_r=4, target_modules=["q_proj", "v_proj"])
+    fitting = plan(config, budget, 2, 64, **options)
     assert fitting and all(c.estimate.peak <= budget for c in fitting)
     assert [c.name for c in fitting] == [c.name for c in everything if c.estimate.peak <= budget]
-    assert plan(config, 1000, 2, 64, lora_r=4, target_modules=["q_proj", "v_proj"]) == []
+    assert plan(config, 1000, 2, 64, **options, checkpointing=False) == []
+    checkpointed = [c for c in everything if c.gradient_checkpointing]
+    assert checkpointed  # kept only where checkpointing lowers the peak of the same setting
+    for candidate in checkpointed:
+        same = next(c for c in everything if c.name == candidate.name.removesuffix("+ckpt"))
+        assert candidate.estimate.peak < same.estimate.peak
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -187,6 +193,9 @@ def test_cli_prints_a_table_and_a_train_line(tmp_path, capsys):
             "64",
             "--lora-r",
             "4",
+            "--min-token-ratio",
+            "0.5",
+            "--no-checkpointing",
         ]
     )
     lines = capsys.readouterr().out.strip().splitlines()
@@ -235,3 +244,21 @@ def test_cli_reports_a_bad_model(tmp_path, capsys):
     path.write_text(json.dumps({"hidden_size": 8}))
     assert cli_main(["plan", "--model", str(path), "--batch-size", "1", "--seq-len", "8"]) == 2
     assert "no 'model_type'" in capsys.readouterr().out
+
+
+def test_slimfit_worst_step_trains_the_largest_units():
+    model = get_peft_model(
+        transformers.AutoModelForSequenceClassification.from_config(bert_config()),
+        peft_slim.SlimFitConfig(task_type="SEQ_CLS", freeze_ratio=0.75),
+    )
+    tuner = model.base_model
+    chosen = tuner.train_largest_units()
+    params = dict(tuner.model.named_parameters())
+
+    def unit_bytes(name):  # a unit is one weight tensor here, named like the parameter
+        return sum(p.numel() * p.element_size() for n, p in params.items() if n.startswith(name))
+
+    others = [u for u in tuner.unit_names if u not in chosen]
+    assert len(chosen) == len(tuner.unit_names) - int(0.75 * len(tuner.unit_names))
+    assert min(unit_bytes(u) for u in chosen) >= max(unit_bytes(u) for u in others)
+    assert tuner.trained_units == chosen

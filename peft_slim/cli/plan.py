@@ -26,7 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-r", type=int, default=8)
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--bf16", action="store_true", help="Weights in bfloat16 (default float32).")
-    parser.add_argument("--min-token-ratio", type=float, default=0.1)
+    parser.add_argument("--min-token-ratio", type=float, default=0.1, help="Fewest tokens TokenTune may keep.")
+    parser.add_argument(
+        "--no-checkpointing", action="store_true", help="Do not try gradient checkpointing (faster planning)."
+    )
     parser.add_argument("--task", choices=("causal_lm", "sequence_classification", "image_classification"))
 
 
@@ -70,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
             lora_r=args.lora_r,
             min_token_ratio=args.min_token_ratio,
             task=args.task,
+            checkpointing=not args.no_checkpointing,
             progress=True,
         )
     except ValueError as error:

@@ -83,12 +83,12 @@ def dequantize(quantized: Quantized, dtype: torch.dtype) -> torch.Tensor:
         if dtype == torch.float32:
             return unpack(q.codes).view(-1)[: q.numel]
         out = torch.empty(groups, q.group_size, dtype=dtype, device=q.codes.device)
-        for start, stop in _chunks(groups, q.group_size):  # an fp32 chunk at a time, rounded once into dtype
+        for start, stop in _chunks(groups, q.group_size, q.codes):  # an fp32 chunk at a time, rounded once
             out[start:stop].copy_(unpack(q.codes[start:stop]))
         return out.view(-1)[: q.numel]
     out = torch.empty(groups, q.group_size, dtype=dtype, device=q.codes.device)
     scratch = None
-    for start, stop in _chunks(groups, q.group_size):
+    for start, stop in _chunks(groups, q.group_size, q.codes):
         first, end = start * q.group_size * q.bits // 8, -(-stop * q.group_size * q.bits // 8)
         codes = unpack_bits(q.codes[first:end], q.bits, (stop - start) * q.group_size).view(-1, q.group_size)
         target = out[start:stop]
@@ -125,7 +125,7 @@ def _quantize_packed(values: torch.Tensor, bits: int, group_size: int) -> Quanti
     bias = torch.addcmul(low.new_full((1, 1), 0.5), low, inverse, value=-1)
     codes = torch.empty(-(-groups * group_size * bits // 8), dtype=torch.uint8, device=values.device)
     scratch = None
-    for start, stop in _chunks(groups, group_size):
+    for start, stop in _chunks(groups, group_size, values):
         scratch = _scratch(scratch, stop - start, group_size, stat_dtype, values.device)
         work = torch.mul(grouped[start:stop], inverse[start:stop], out=scratch[: stop - start])
         work.add_(bias[start:stop])  # in [0, levels + 0.5] up to float error
@@ -203,7 +203,11 @@ def _prepack(values: torch.Tensor, group_size: int) -> torch.Tensor:
         if block.dtype != torch.bfloat16:
             rows.append(prepack(block))
         else:  # the kernel takes fp32 and fp16: bf16 goes through fp32 a chunk at a time
-            rows += [prepack(block[a:b].float()) for a, b in _chunks(block.shape[0], group_size)]
+            chunks = _chunks(block.shape[0], group_size, block)
+            rows += [prepack(block[a:b].float()) for a, b in chunks]
+            if chunks[-1][1] < block.shape[0]:  # a fake tensor: the other chunks' rows, sized alike
+                rest = (block.shape[0] - chunks[-1][1], rows[-1].shape[1])
+                rows.append(torch.empty(rest, dtype=rows[-1].dtype, device=block.device))
     return torch.cat(rows) if len(rows) > 1 else rows[0]
 
 
@@ -244,10 +248,13 @@ def _rowwise_kernels():
 CHUNK = 1 << 22
 
 
-def _chunks(groups: int, group_size: int):
-    """(first group, end group) of each chunk; chunk boundaries fall on whole bytes of packed codes."""
+def _chunks(groups: int, group_size: int, tensor: torch.Tensor | None = None):
+    """(first group, end group) of each chunk; chunk boundaries fall on whole bytes of packed codes. For a fake
+    ``tensor`` (a memory estimate: shapes, no values) only the first chunk: the others allocate the same
+    temporaries and write values that do not exist."""
     step = max(8, CHUNK // group_size // 8 * 8)
-    return [(start, min(start + step, groups)) for start in range(0, groups, step)]
+    chunks = [(start, min(start + step, groups)) for start in range(0, groups, step)]
+    return chunks[:1] if tensor is not None and is_fake_tensor(tensor) else chunks
 
 
 def _scratch(scratch, rows: int, group_size: int, dtype: torch.dtype, device) -> torch.Tensor:

@@ -82,12 +82,14 @@ def plan(
     target_modules="all-linear",
     min_token_ratio: float = 0.1,
     task: str | None = None,
+    checkpointing: bool = True,
     progress: bool = False,
 ) -> list[Candidate]:
     """The settings whose estimated peak fits ``budget`` bytes (None: every setting), cheapest first.
 
-    ``model`` and the rest as for ``estimate_memory``. Checkpointed variants follow the uncheckpointed ones and
-    are kept only where they lower the peak. An empty list: nothing fits.
+    ``model`` and the rest as for ``estimate_memory``; ``lora_r`` and ``target_modules`` make every setting's
+    LoRA. With ``checkpointing``, gradient-checkpointed variants follow the others and are kept only where they
+    lower the peak. ``progress``: a progress bar. An empty list: nothing fits.
     """
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise ValueError(f"budget={budget!r}: expected a positive number of bytes, or None.")
@@ -100,7 +102,8 @@ def plan(
     task = infer_task(source if hasattr(source, "parameters") else None, config, None, task)
     task_type = {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS"}.get(task)
     steps = ladder(lora_r, min_token_ratio)
-    steps += [Candidate(**{**_fields(c), "gradient_checkpointing": True}) for c in steps]
+    if checkpointing:
+        steps += [Candidate(**{**_fields(c), "gradient_checkpointing": True}) for c in steps]
     if progress:
         from tqdm.auto import tqdm
 

@@ -32,19 +32,21 @@ class LiveBytes(torch_dispatch_mode_class()):
         out = func(*args, **(kwargs or {}))
         inputs = None
         for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            key = storage_key(tensor)
+            if key not in self._live:
                 if inputs is None:  # storages the operator was given: an output on one of them is a view
                     leaves = tree_leaves((args, kwargs))
                     inputs = {storage_key(t) for t in leaves if isinstance(t, torch.Tensor)}
-                self._track(tensor, inputs)
+                if key in inputs:
+                    continue  # a view of a tensor from before the trace (a weight): nothing allocated or freed
+            self._track(tensor, key)
         return out
 
-    def _track(self, tensor: torch.Tensor, inputs: set[int]) -> None:
-        key = storage_key(tensor)
+    def _track(self, tensor: torch.Tensor, key: int) -> None:
         entry = self._live.get(key)
         if entry is None:
-            if key in inputs:
-                return  # a view of a tensor from before the trace (a weight): nothing allocated, nothing to free
             entry = self._live[key] = [tensor.untyped_storage().nbytes(), 0]
             self.total += entry[0]
             self.peak = max(self.peak, self.total)
