@@ -174,7 +174,8 @@ def main() -> int:
             f"(65 tokens); hidden 128, 2 layers. Machine: {machine}. Measured: `measure_memory` (the profiler's "
             "allocation events and memory timeline); estimated: `estimate_memory` (fake tensors, no weights).",
             markdown_table(header, rows),
-            "## plan's top setting for a budget halfway between plain LoRA's peak and the leanest setting's, run for real",
+            "## plan's top setting, run for real, for a budget halfway between plain LoRA's peak and the leanest "
+            "setting's",
             markdown_table(
                 ["architecture", "budget", "top setting", "estimated peak", "measured peak", "fits"], plan_rows
             ),
