@@ -220,6 +220,7 @@ def test_cli_prints_a_table_and_a_train_line(tmp_path, capsys):
         (lambda: estimate_memory("/nonexistent/folder", None, 1, 16), "cannot load a transformers config"),
         (lambda: estimate_memory(transformers.LlamaConfig(), None, 1, 16), "task"),
         (lambda: plan(llama_config(), -5, 1, 16), "budget=-5"),
+        (lambda: estimate_memory(torch.nn.Linear(2, 2), None, 1, 16), "no transformers config"),
         (
             lambda: estimate_memory(
                 get_peft_model(transformers.AutoModelForCausalLM.from_config(llama_config()), lora()), None, 1, 16

@@ -16,17 +16,7 @@ import torch
 from peft import PeftConfig
 
 from ..compat import fake_tensor_mode
-from .setup import (
-    DTYPES,
-    Workload,
-    base_model,
-    infer_task,
-    load_config,
-    make_inputs,
-    make_optimizer,
-    storage_bytes,
-    trainable_model,
-)
+from .setup import base_model, make_inputs, make_optimizer, resolve_workload, storage_bytes, trainable_model
 from .trace import LiveBytes
 
 
@@ -71,23 +61,13 @@ def estimate_memory(
     the largest units train. Sizes are those of CPU tensors; an accelerator's allocator rounds each block up a
     little.
     """
-    module = model if isinstance(model, torch.nn.Module) else None
-    config = module.config if module is not None and hasattr(module, "config") else None
-    if module is None:
-        config = load_config(model)
-    workload = check_workload(module, config, peft_config, batch_size, seq_len, task)
-    weights = DTYPES.get(dtype)
-    if weights is None:
-        raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}.")
-    trained = trainable_model(
-        base_model(module, config, workload.task, weights, "meta"), peft_config, gradient_checkpointing
-    )
-    optim_name = optimizer
+    workload = resolve_workload(model, peft_config, batch_size, seq_len, optimizer, dtype, task)
+    trained = trainable_model(base_model(workload, "meta"), peft_config, gradient_checkpointing)
     inputs = make_inputs(trained, workload)
     mode = fake_tensor_mode()
     with mode:
         _make_fake(trained)
-        optimizer = make_optimizer(trained, optim_name)
+        optimizer = make_optimizer(trained, workload.optimizer)
         held = storage_bytes([*trained.parameters(), *trained.buffers()])
         _create_optimizer_state(trained, optimizer)
         live = LiveBytes()
@@ -102,21 +82,6 @@ def estimate_memory(
             optimizer.zero_grad(set_to_none=True)
         state = storage_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
     return MemoryEstimate(held, gradients, state, activations, held + state + live.peak)
-
-
-def check_workload(module, config, peft_config, batch_size, seq_len, task) -> Workload:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size={batch_size!r}: expected a positive integer.")
-    task = infer_task(module, config, peft_config, task)
-    if task == "image_classification":
-        if seq_len is not None:
-            raise ValueError(
-                f"seq_len={seq_len!r}: an image model's sequence comes from its config (image_size, patch_size); "
-                "pass seq_len=None."
-            )
-    elif isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len={seq_len!r}: expected a positive integer (tokens per sequence).")
-    return Workload(batch_size, seq_len, task)
 
 
 def _create_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -9,14 +9,13 @@ import torch
 from peft import PeftConfig
 
 from ..memory import held_memory_bytes, timeline_peak_bytes
-from .estimate import MemoryEstimate, check_workload
+from .estimate import MemoryEstimate
 from .setup import (
-    DTYPES,
     after_step,
     base_model,
-    load_config,
     make_inputs,
     make_optimizer,
+    resolve_workload,
     storage_bytes,
     trainable_model,
 )
@@ -37,14 +36,10 @@ def measure_memory(
     """Build the model for real (a module given is copied; a config gets random weights), train three steps and
     measure as ``estimate_memory`` estimates: step 2 gives the activations (bytes the forward leaves allocated),
     gradients and optimizer state, step 3 the peak (``timeline_peak_bytes`` plus what was held before it)."""
-    module = model if isinstance(model, torch.nn.Module) else None
-    config = module.config if module is not None and hasattr(module, "config") else load_config(model)
-    workload = check_workload(module, config, peft_config, batch_size, seq_len, task)
+    workload = resolve_workload(model, peft_config, batch_size, seq_len, optimizer, dtype, task)
     torch.manual_seed(seed)
-    trained = trainable_model(
-        base_model(module, config, workload.task, DTYPES[dtype], "cpu"), peft_config, gradient_checkpointing
-    )
-    opt = make_optimizer(trained, optimizer)
+    trained = trainable_model(base_model(workload, "cpu"), peft_config, gradient_checkpointing)
+    opt = make_optimizer(trained, workload.optimizer)
     inputs = make_inputs(trained, workload, seed)
 
     def forward():

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from peft import LoraConfig
 
 from ..slimfit import SlimFitConfig
 from ..tokentune import TokenTuneConfig
 from .estimate import MemoryEstimate, estimate_memory
-from .setup import load_config
+from .setup import load_config, resolve_workload
 
 TOKEN_RATIOS = (0.5, 0.3, 0.2, 0.1, 0.05)
 FREEZE_RATIO = 0.8
@@ -95,11 +96,8 @@ def plan(
         raise ValueError(f"budget={budget!r}: expected a positive number of bytes, or None.")
     if not 0.0 < min_token_ratio <= 1.0:
         raise ValueError(f"min_token_ratio={min_token_ratio!r}: expected a fraction in (0, 1].")
-    source = model if model is None or hasattr(model, "parameters") else load_config(model)
-    from .setup import infer_task
-
-    config = getattr(source, "config", source)
-    task = infer_task(source if hasattr(source, "parameters") else None, config, None, task)
+    source = model if isinstance(model, torch.nn.Module) else load_config(model)  # read once, not per setting
+    task = resolve_workload(source, None, batch_size, seq_len, optimizer, dtype, task).task
     task_type = {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS"}.get(task)
     steps = ladder(lora_r, min_token_ratio)
     if checkpointing:

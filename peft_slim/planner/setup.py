@@ -18,6 +18,7 @@ import transformers
 from peft import PeftConfig, PeftModel, get_peft_model
 from torch import nn
 
+from ..compat import storage_key
 from ..slimfit import SlimFitModel
 
 TASKS = ("causal_lm", "sequence_classification", "image_classification")
@@ -39,11 +40,45 @@ _PEFT_TASKS = {"CAUSAL_LM": "causal_lm", "SEQ_CLS": "sequence_classification"}
 
 @dataclass
 class Workload:
-    """What one training step processes."""
+    """What one training step processes, and with what: every input of an estimate, checked."""
 
+    module: nn.Module | None  # the model given as a module, else None (built from ``config``)
+    config: transformers.PretrainedConfig
     batch_size: int
     seq_len: int | None  # tokens per sequence; None for an image model (its config gives the image size)
     task: str
+    optimizer: str
+    dtype: torch.dtype
+
+
+def resolve_workload(model, peft_config, batch_size, seq_len, optimizer, dtype, task) -> Workload:
+    """Check every input of ``estimate_memory`` / ``measure_memory`` before anything is built."""
+    module = model if isinstance(model, nn.Module) else None
+    if module is not None:
+        config = getattr(module, "config", None)
+        if not isinstance(config, transformers.PretrainedConfig):
+            raise ValueError(
+                f"model: {type(module).__name__} has no transformers config (`.config`), which the planner reads to "
+                "make its inputs; pass a transformers model, or its config."
+            )
+    else:
+        config = load_config(model)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r}: expected a positive integer.")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: expected one of {OPTIMIZERS}.")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}.")
+    task = infer_task(module, config, peft_config, task)
+    if task == "image_classification":
+        if seq_len is not None:
+            raise ValueError(
+                f"seq_len={seq_len!r}: an image model's sequence comes from its config (image_size, patch_size); "
+                "pass seq_len=None."
+            )
+    elif isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len={seq_len!r}: expected a positive integer (tokens per sequence).")
+    return Workload(module, config, batch_size, seq_len, task, optimizer, DTYPES[dtype])
 
 
 def load_config(source) -> transformers.PretrainedConfig:
@@ -104,9 +139,10 @@ def infer_task(model: nn.Module | None, config, peft_config: PeftConfig | None, 
     )
 
 
-def base_model(model, config, task: str, dtype: torch.dtype, device: str) -> nn.Module:
-    """The model to train: from ``config`` on ``device`` (random weights; "meta": none at all), or a copy of the
+def base_model(workload: Workload, device: str) -> nn.Module:
+    """The model to train: from the config on ``device`` (random weights; "meta": none at all), or a copy of the
     module given whose parameters and buffers are on ``device`` ("meta": the original's are not copied)."""
+    model, config, task, dtype = workload.module, workload.config, workload.task, workload.dtype
     if model is None:
         with torch.device(device):
             built = _AUTO_CLASSES[task].from_config(config)
@@ -166,11 +202,7 @@ def make_inputs(model: nn.Module, workload: Workload, seed: int = 0) -> dict:
 def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
     """The optimizer over every parameter that can train (SlimFit's frozen units get no gradient and no state)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-4)
-    raise ValueError(f"optimizer={name!r}: expected one of {OPTIMIZERS}.")
+    return torch.optim.AdamW(params, lr=1e-4) if name == "adamw" else torch.optim.SGD(params, lr=1e-4)
 
 
 def after_step(model: nn.Module) -> None:
@@ -182,7 +214,5 @@ def after_step(model: nn.Module) -> None:
 
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages of ``tensors``."""
-    from ..compat import storage_key
-
     seen = {storage_key(t): t.untyped_storage().nbytes() for t in tensors if t is not None}
     return sum(seen.values())
