@@ -30,11 +30,15 @@ from peft import LoraConfig
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import peft_slim  # noqa: E402
-from benchmarks.report import markdown_table, size, write_report  # noqa: E402
+from benchmarks.report import markdown_table, write_report  # noqa: E402
 from peft_slim.planner import estimate_memory, measure_memory, plan  # noqa: E402
 
 COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations", "peak")
 PEAK_TOLERANCE, COMPONENT_TOLERANCE = 0.10, 0.15
+
+
+def mib(n_bytes: int) -> str:
+    return f"{n_bytes / 2**20:.2f} MiB"
 
 
 def architectures() -> dict[str, dict]:
@@ -125,7 +129,7 @@ def main() -> int:
             )
             rows.append(
                 [arch_name, setting]
-                + [f"{size(getattr(estimate, k))} / {size(getattr(measured, k))}" for k in ("activations", "peak")]
+                + [f"{mib(getattr(estimate, k))} / {mib(getattr(measured, k))}" for k in ("activations", "peak")]
                 + [f"{100 * errors[k]:.1f}%" for k in COMPONENTS]
                 + ["yes" if ok else "**no**"]
             )
@@ -162,11 +166,12 @@ def main() -> int:
     header = ["architecture", "setting", "activations est / meas", "peak est / meas"]
     header += [f"error {k}" for k in COMPONENTS] + ["within 10% / 15%"]
     plan_rows = [
-        [p["architecture"], size(p["budget"]), p["top"] or "nothing fits"]
-        + ([size(p["estimated_peak"]), size(p["measured_peak"]), "yes" if p["fits"] else "**no**"] if p["top"] else [])
+        [p["architecture"], mib(p["budget"]), p["top"] or "nothing fits"]
+        + ([mib(p["estimated_peak"]), mib(p["measured_peak"]), "yes" if p["fits"] else "**no**"] if p["top"] else [])
         for p in plans
     ]
-    machine = f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} thread(s)"
+    cores = f"{os.cpu_count()} cores, shared"
+    machine = f"{platform.machine()} CPU ({cores}), torch {torch.__version__}, {args.threads} thread(s)"
     markdown = "\n\n".join(
         [
             "# Memory planner: estimated vs measured (CPU)",
