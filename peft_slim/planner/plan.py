@@ -67,7 +67,7 @@ def ladder(lora_r: int, min_token_ratio: float) -> list[Candidate]:
     steps += [Candidate("tokentune", lora_r, token_ratio=r) for r in ratios]
     for bits in (8, 4):
         steps += [Candidate("tokentune", lora_r, token_ratio=r, compression_bits=bits) for r in ratios]
-    steps.append(Candidate("slimfit", lora_r, freeze_ratio=FREEZE_RATIO, compression_bits=8))
+    steps.append(Candidate("slimfit", lora_r, freeze_ratio=FREEZE_RATIO))  # its own default compression
     return steps
 
 
