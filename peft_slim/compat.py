@@ -205,8 +205,9 @@ _LEAF_ATTR = "variable"  # AccumulateGrad's attribute holding its leaf tensor
 
 @functools.cache
 def _copy_graph_problem() -> str | None:
-    """Why ``autocast_copy_source`` cannot work on this torch (checked once), or None when it can."""
-    with torch.inference_mode(False), torch.enable_grad():
+    """Why ``autocast_copy_source`` cannot work on this torch (checked once), or None when it can. Checked on real
+    tensors even when first asked inside a memory estimate's fake-tensor mode."""
+    with real_operators(), torch.inference_mode(False), torch.enable_grad():
         leaf = nn.Parameter(torch.ones(2))
         node = leaf.to(torch.float16).grad_fn
     if type(node).__name__ != _TO_COPY_NODE:
@@ -626,6 +627,17 @@ def outside_fake_mode() -> Any:
             )
         )
     return module.unset_fake_temporarily()
+
+
+def real_operators() -> Any:
+    """``outside_fake_mode()`` where torch has it, else a no-op: for the package's one-time self-checks (cached for
+    the process), which must see real tensors even when first run inside a memory estimate."""
+    try:
+        return outside_fake_mode()
+    except RuntimeError:
+        import contextlib
+
+        return contextlib.nullcontext()
 
 
 def torch_dispatch_mode_class() -> type:

@@ -263,3 +263,20 @@ def test_slimfit_worst_step_trains_the_largest_units():
     assert len(chosen) == len(tuner.unit_names) - int(0.75 * len(tuner.unit_names))
     assert min(unit_bytes(u) for u in chosen) >= max(unit_bytes(u) for u in others)
     assert tuner.trained_units == chosen
+
+
+def test_cached_self_checks_first_run_inside_an_estimate_still_see_real_tensors():
+    """The package's one-time checks (cached for the process) must not be decided on fake tensors."""
+    from peft_slim import compat
+    from peft_slim.compression import quant
+
+    quant._rowwise_kernels.cache_clear()
+    compat._copy_graph_problem.cache_clear()
+    try:
+        with compat.fake_tensor_mode():
+            kernels, problem = quant._rowwise_kernels(), compat._copy_graph_problem()
+    finally:
+        quant._rowwise_kernels.cache_clear()
+        compat._copy_graph_problem.cache_clear()
+    assert kernels is not None and problem is None
+    assert quant._rowwise_kernels() is not None and compat._copy_graph_problem() is None

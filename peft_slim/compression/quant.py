@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..compat import is_fake_tensor, rowwise_byte_kernels, storage_key
+from ..compat import is_fake_tensor, real_operators, rowwise_byte_kernels, storage_key
 from .packing import pack_bits, unpack_bits
 
 
@@ -219,7 +219,13 @@ def _row_stats(rows: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
 
 @functools.cache
 def _rowwise_kernels():
-    """torch's fused row-wise 8-bit (prepack, unpack) ops, if present and coding as expected here; else None."""
+    """torch's fused row-wise 8-bit (prepack, unpack) ops, if present and coding as expected here; else None.
+    Checked on real tensors even when first asked inside a memory estimate's fake-tensor mode."""
+    with real_operators():
+        return _checked_rowwise_kernels()
+
+
+def _checked_rowwise_kernels():
     try:
         kernels = rowwise_byte_kernels()
         if kernels is None:
