@@ -280,3 +280,16 @@ def test_cached_self_checks_first_run_inside_an_estimate_still_see_real_tensors(
         compat._copy_graph_problem.cache_clear()
     assert kernels is not None and problem is None
     assert quant._rowwise_kernels() is not None and compat._copy_graph_problem() is None
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prune_ratio", [None, 0.1])
+def test_a_fake_activation_compresses_to_the_bytes_a_real_one_does(bits, dtype, prune_ratio):
+    from peft_slim import compat
+    from peft_slim.compression.tensor import compress
+
+    real = compress(torch.randn(3, 40, 96).to(dtype), bits, 128, prune_ratio, False)
+    with compat.fake_tensor_mode():
+        fake = compress(torch.empty(3, 40, 96, dtype=dtype), bits, 128, prune_ratio, False)
+    assert fake.nbytes == real.nbytes

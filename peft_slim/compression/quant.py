@@ -198,6 +198,8 @@ def _groups(values: torch.Tensor, group_size: int, index: torch.Tensor | None = 
 
 def _prepack(values: torch.Tensor, group_size: int) -> torch.Tensor:
     prepack = _rowwise_kernels()[0]
+    if is_fake_tensor(values):  # (torch's fake kernel for it sizes the storage 4x: same layout, the true bytes)
+        prepack = functools.partial(_fake_prepack, group_size=group_size)
     rows = []
     for block in _groups(values, group_size):
         if block.dtype != torch.bfloat16:
@@ -209,6 +211,11 @@ def _prepack(values: torch.Tensor, group_size: int) -> torch.Tensor:
                 rest = (block.shape[0] - chunks[-1][1], rows[-1].shape[1])
                 rows.append(torch.empty(rest, dtype=rows[-1].dtype, device=block.device))
     return torch.cat(rows) if len(rows) > 1 else rows[0]
+
+
+def _fake_prepack(block: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The row-wise layout for a fake tensor (a memory estimate): a group's codes, then its fp32 scale and minimum."""
+    return torch.empty(block.shape[0], group_size + 8, dtype=torch.uint8, device=block.device)
 
 
 def _row_stats(rows: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
