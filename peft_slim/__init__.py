@@ -6,6 +6,7 @@ Importing this package registers ``PeftType.TOKENTUNE`` and ``PeftType.SLIMFIT``
 
 from .compression import ActivationCompressionConfig, compress_activations
 from .export import export_lora
+from .planner import MemoryEstimate, estimate_memory, plan
 from .slimfit import SlimFitCallback, SlimFitConfig, SlimFitModel
 from .token_selection import TokenSelectionConfig
 from .tokentune import TokenTuneCallback, TokenTuneConfig, TokenTuneModel
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ActivationCompressionConfig",
+    "MemoryEstimate",
     "SlimFitCallback",
     "SlimFitConfig",
     "SlimFitModel",
@@ -22,6 +24,8 @@ __all__ = [
     "TokenTuneConfig",
     "TokenTuneModel",
     "compress_activations",
+    "estimate_memory",
     "export_lora",
+    "plan",
     "__version__",
 ]

@@ -206,8 +206,9 @@ _LEAF_ATTR = "variable"  # AccumulateGrad's attribute holding its leaf tensor
 
 @functools.cache
 def _copy_graph_problem() -> str | None:
-    """Why ``autocast_copy_source`` cannot work on this torch (checked once), or None when it can."""
-    with torch.inference_mode(False), torch.enable_grad():
+    """Why ``autocast_copy_source`` cannot work on this torch (checked once), or None when it can. Checked on real
+    tensors even when first asked inside a memory estimate's fake-tensor mode."""
+    with real_operators(), torch.inference_mode(False), torch.enable_grad():
         leaf = nn.Parameter(torch.ones(2))
         node = leaf.to(torch.float16).grad_fn
     if type(node).__name__ != _TO_COPY_NODE:
@@ -636,3 +637,118 @@ class _FusedOutputFallback(transformers.utils.ModelOutput):
     is_top1: torch.Tensor | None = None
     label_mask: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
+
+
+# ---------------------------------------------------------------------------------------------- fake tensors
+# The memory planner (peft_slim.planner) runs one training step on tensors that have shapes but no data.
+
+_CDATA_ATTR = "_cdata"  # a storage's address (of its StorageImpl); the same for every view and Python wrapper
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """An identity of ``tensor``'s storage, the same for every view of it: its data pointer, or for a storage without
+    data (meta device, fake tensors: every data pointer is 0) the address of the storage itself.
+
+    Private API: ``UntypedStorage._cdata``. No fallback: a clear RuntimeError (only data-less tensors need it).
+    """
+    storage = tensor.untyped_storage()
+    if storage.device.type != "meta":
+        return storage.data_ptr()
+    try:
+        return getattr(storage, _CDATA_ATTR)
+    except AttributeError:
+        raise RuntimeError(
+            _moved("torch", torch.__version__, f"UntypedStorage.{_CDATA_ATTR}", "memory estimates cannot run.")
+        ) from None
+
+
+def _fake_tensor_module():
+    try:
+        from torch._subclasses import fake_tensor
+    except ImportError:
+        raise RuntimeError(
+            _moved("torch", torch.__version__, "torch._subclasses.fake_tensor", "memory estimates cannot run.")
+        ) from None
+    return fake_tensor
+
+
+def fake_tensor_mode() -> Any:
+    """A ``FakeTensorMode`` (private API ``torch._subclasses.fake_tensor``): inside it, operators compute shapes,
+    dtypes and strides only. Real tensors given to an operator are converted (``allow_non_fake_inputs``): the
+    planner passes real token ids and labels, which the token selection reads.
+
+    No fallback: a clear RuntimeError.
+    """
+    return _fake_tensor_module().FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_fake_tensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a fake tensor (shapes, no data). False on a torch without fake tensors."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:
+        return False
+    return isinstance(tensor, FakeTensor)
+
+
+def outside_fake_mode() -> Any:
+    """A context in which operators run for real again, inside a ``fake_tensor_mode()`` (a no-op outside one).
+
+    Private API: ``torch._subclasses.fake_tensor.unset_fake_temporarily``. The token selection draws its mask from
+    the real inputs there. No fallback: a clear RuntimeError.
+    """
+    module = _fake_tensor_module()
+    if not hasattr(module, "unset_fake_temporarily"):
+        raise RuntimeError(
+            _moved(
+                "torch",
+                torch.__version__,
+                "torch._subclasses.fake_tensor.unset_fake_temporarily",
+                "memory estimates of token selection cannot run.",
+            )
+        )
+    return module.unset_fake_temporarily()
+
+
+def real_operators() -> Any:
+    """``outside_fake_mode()`` where torch has it, else a no-op: for the package's one-time self-checks (cached for
+    the process), which must see real tensors even when first run inside a memory estimate."""
+    try:
+        return outside_fake_mode()
+    except RuntimeError:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def torch_dispatch_mode_class() -> type:
+    """``TorchDispatchMode`` (private module ``torch.utils._python_dispatch``): a Python hook on every operator call,
+    which the planner uses to follow the bytes of every tensor an operator creates. No fallback: RuntimeError."""
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode
+    except ImportError:
+        raise RuntimeError(
+            _moved(
+                "torch",
+                torch.__version__,
+                "torch.utils._python_dispatch.TorchDispatchMode",
+                "memory estimates cannot run.",
+            )
+        ) from None
+    return TorchDispatchMode
+
+
+def tree_leaves(tree: Any) -> list:
+    """The leaves of nested tuples, lists and dicts (private module ``torch.utils._pytree``): an operator's outputs.
+    Fallback: a plain recursive walk."""
+    try:
+        from torch.utils._pytree import tree_leaves as leaves
+    except ImportError:
+        leaves = None
+    if leaves is not None:
+        return leaves(tree)
+    if isinstance(tree, (tuple, list)):
+        return [leaf for item in tree for leaf in tree_leaves(item)]
+    if isinstance(tree, dict):
+        return [leaf for item in tree.values() for leaf in tree_leaves(item)]
+    return [tree]

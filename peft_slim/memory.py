@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from .compat import storage_key
+
 
 class SavedActivationBytes(saved_tensors_hooks):
     """Count the bytes of distinct storages autograd saves for backward, parameters excluded.
@@ -22,15 +24,14 @@ class SavedActivationBytes(saved_tensors_hooks):
     """
 
     def __init__(self, parameters: Iterable[torch.Tensor] = ()):
-        self._parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
+        self._parameter_storages = {storage_key(p) for p in parameters}
         self._seen: dict[int, int] = {}
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        if pointer not in self._parameter_storages and not isinstance(tensor, torch.nn.Parameter):
-            self._seen[pointer] = storage.nbytes()
+        key = storage_key(tensor)
+        if key not in self._parameter_storages and not isinstance(tensor, torch.nn.Parameter):
+            self._seen[key] = tensor.untyped_storage().nbytes()
         return tensor
 
     def __enter__(self) -> SavedActivationBytes:
@@ -73,3 +74,48 @@ def peak_memory_bytes(step: Callable[[], object]) -> int:
         running += change
         peak = max(peak, running)
     return peak
+
+
+def held_memory_bytes(step: Callable[[], object]) -> tuple[int, object]:
+    """Bytes allocated by ``step()`` and still held when it returns (CPU: the profiler's events replayed, as in
+    ``peak_memory_bytes``; CUDA: the allocator's count), and what ``step()`` returned (kept alive)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        result = step()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated() - before, result
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = step()
+    held = sum(e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage for e in prof.events())
+    return held, result
+
+
+def timeline_peak_bytes(step: Callable[[], object]) -> int:
+    """Peak bytes of tensors during ``step()`` above those held when it starts, from the profiler's memory timeline
+    (``torch.profiler.profile.export_memory_timeline``: every allocation and free at its own time).
+
+    On CPU this sees the moments ``peak_memory_bytes`` misses: that one books an operator's net allocation at the
+    operator's start, so when autograd frees a node's saved tensors and input gradient before the node's kernel
+    allocates its output, the free is counted first and the backward peak reads low.
+    """
+    import json
+    import os
+    import tempfile
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    device = "cpu"
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        device = f"cuda:{torch.cuda.current_device()}"
+    with torch.profiler.profile(
+        activities=activities, profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "timeline.json")
+        prof.export_memory_timeline(path, device=device)
+        with open(path) as handle:
+            _, sizes = json.load(handle)
+    totals = [sum(sample) for sample in sizes]
+    return max(totals) - totals[0] if totals else 0

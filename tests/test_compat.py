@@ -608,3 +608,53 @@ def test_private_apis_are_used_only_through_compat():
                     offenders[os.path.relpath(path, PACKAGE)] = uses
     assert not offenders, f"use these private APIs through peft_slim.compat (add an entry there): {offenders}"
     assert _private_uses(compat.__file__), "the scan no longer finds the private APIs in compat.py itself"
+
+
+# ---------------------------------------------------------------------------------------------- fake tensors
+
+
+def test_storage_key_is_shared_by_views_and_works_without_data():
+    api = "UntypedStorage._cdata"
+    real = torch.zeros(8)
+    assert compat.storage_key(real[2:]) == compat.storage_key(real) == real.untyped_storage().data_ptr()
+    meta, other = torch.empty(8, device="meta"), torch.empty(8, device="meta")
+    assert compat.storage_key(meta[1:]) == compat.storage_key(meta), moved(api)
+    assert compat.storage_key(meta) != compat.storage_key(other), moved(api)
+
+
+def test_storage_key_raises_when_the_storage_address_moved(monkeypatch):
+    monkeypatch.setattr(compat, "_CDATA_ATTR", "_no_such_attribute")
+    with pytest.raises(RuntimeError, match="memory estimates cannot run"):
+        compat.storage_key(torch.empty(2, device="meta"))
+    assert compat.storage_key(torch.zeros(2)) != 0  # tensors with data do not need it
+
+
+def test_fake_tensor_mode_computes_shapes_only_and_can_be_left():
+    api = "torch._subclasses.fake_tensor (FakeTensorMode, unset_fake_temporarily)"
+    with compat.fake_tensor_mode():
+        fake = torch.ones(3, 4) @ torch.ones(4, 5)
+        with compat.outside_fake_mode():
+            real = torch.ones(2) + 1
+    assert compat.is_fake_tensor(fake) and fake.shape == (3, 5), moved(api)
+    assert not compat.is_fake_tensor(real) and real.tolist() == [2.0, 2.0], moved(api)
+    assert not compat.is_fake_tensor(torch.ones(1))
+
+
+def test_torch_dispatch_mode_sees_every_operator():
+    seen = []
+
+    class Spy(compat.torch_dispatch_mode_class()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        torch.ones(2).sin()
+    assert torch.ops.aten.sin.default in seen, moved("torch.utils._python_dispatch.TorchDispatchMode")
+
+
+def test_tree_leaves_with_and_without_pytree(monkeypatch):
+    tree = (torch.ones(1), [2, {"a": 3}])
+    assert [type(x) for x in compat.tree_leaves(tree)] == [torch.Tensor, int, int], moved("torch.utils._pytree")
+    monkeypatch.setitem(sys.modules, "torch.utils._pytree", None)  # the import fails: the plain walk
+    assert compat.tree_leaves(tree)[1:] == [2, 3]

@@ -20,7 +20,14 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from ..compat import ACTIVATION_MODULES, CONV_BASE_CLASSES, NORM_BASE_CLASSES, autocast_copy_source, storage_base
+from ..compat import (
+    ACTIVATION_MODULES,
+    CONV_BASE_CLASSES,
+    NORM_BASE_CLASSES,
+    autocast_copy_source,
+    is_fake_tensor,
+    storage_base,
+)
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm, *NORM_BASE_CLASSES)
@@ -118,7 +125,8 @@ def is_weight(tensor: torch.Tensor, module: nn.Module | None) -> bool:
 def is_compressible(tensor: torch.Tensor, min_numel: int) -> bool:
     """Whether an activation can be stored compressed: a plain floating tensor worth it (not a statistic)."""
     return (
-        type(tensor) is torch.Tensor  # subclasses (DTensor, quantized weights, ...) are left alone
+        # subclasses (DTensor, quantized weights, ...) are left alone; a fake tensor stands for a plain one
+        (type(tensor) is torch.Tensor or is_fake_tensor(tensor))
         and tensor.layout == torch.strided
         and tensor.dtype in _FLOATS
         and tensor.device.type != "meta"

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from ..compat import storage_base
+from ..compat import storage_base, storage_key
 from ..compat import tensor_version as version_of
 from .classify import ModuleStack, is_compressible, is_weight, module_kind
 from .config import KINDS, ActivationCompressionConfig
@@ -125,12 +125,12 @@ class ActivationCompression(saved_tensors_hooks):
         return frozen
 
     def _entry(self, tensor: torch.Tensor) -> _Storage:
-        storage = tensor.untyped_storage()
-        entry = self._storages.get(storage.data_ptr())
+        key = storage_key(tensor)
+        entry = self._storages.get(key)
         if entry is None or entry.owner() is None:
             entry = _Storage(weakref.ref(storage_base(tensor)))
-            self._storages[storage.data_ptr()] = entry
-            self.stats.original_bytes += storage.nbytes()
+            self._storages[key] = entry
+            self.stats.original_bytes += tensor.untyped_storage().nbytes()
         return entry
 
     def _keep(self, entry: _Storage, tensor: torch.Tensor) -> torch.Tensor:

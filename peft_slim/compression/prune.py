@@ -43,7 +43,8 @@ def prune(values: torch.Tensor, ratio: float) -> tuple[torch.Tensor, Positions]:
         return values[index], Positions(index.to(torch.int32), False, numel)
     mask = torch.zeros(numel, dtype=torch.bool, device=values.device)
     mask[index] = True
-    return values[mask], Positions(pack_bits(mask.view(torch.uint8), 1), True, numel)
+    # (the kept values by sorted index, as values[mask] gives them, but of a size known without the data)
+    return values[index.sort().values], Positions(pack_bits(mask.view(torch.uint8), 1), True, numel)
 
 
 def unprune(kept: torch.Tensor, positions: Positions) -> torch.Tensor:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..compat import rowwise_byte_kernels
+from ..compat import is_fake_tensor, real_operators, rowwise_byte_kernels, storage_key
 from .packing import pack_bits, unpack_bits
 
 
@@ -42,7 +42,7 @@ class Quantized:
 
     @property
     def nbytes(self) -> int:
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in (self.codes, self.scale, self.low)}
+        storages = {storage_key(t): t.untyped_storage() for t in (self.codes, self.scale, self.low)}
         return sum(storage.nbytes() for storage in storages.values())
 
     @property
@@ -86,7 +86,7 @@ def dequantize(quantized: Quantized, dtype: torch.dtype) -> torch.Tensor:
         if dtype == torch.float32:
             return unpack(q.codes).view(-1)[: q.numel]
         out = torch.empty(groups, q.group_size, dtype=dtype, device=q.codes.device)
-        for start, stop in _chunks(groups, q.group_size):  # an fp32 chunk at a time, rounded once into dtype
+        for start, stop in _chunks(groups, q.group_size, q.codes):  # an fp32 chunk at a time, rounded once
             out[start:stop].copy_(unpack(q.codes[start:stop]))
         return out.view(-1)[: q.numel]
     fused = _fused_kernels(q.codes.device)
@@ -94,7 +94,7 @@ def dequantize(quantized: Quantized, dtype: torch.dtype) -> torch.Tensor:
         return fused.dequantize(q, dtype)
     out = torch.empty(groups, q.group_size, dtype=dtype, device=q.codes.device)
     scratch = None
-    for start, stop in _chunks(groups, q.group_size):
+    for start, stop in _chunks(groups, q.group_size, q.codes):
         first, end = start * q.group_size * q.bits // 8, -(-stop * q.group_size * q.bits // 8)
         codes = unpack_bits(q.codes[first:end], q.bits, (stop - start) * q.group_size).view(-1, q.group_size)
         target = out[start:stop]
@@ -120,7 +120,7 @@ def _quantize_packed(values: torch.Tensor, bits: int, group_size: int) -> Quanti
     high = grouped.amax(dim=1, keepdim=True).to(stat_dtype)
     # inf/NaN, or a masking sentinel near the dtype's limit (transformers writes finfo.min for -inf): any grid
     # spanning it would erase the ordinary values of its group. (One host sync on an accelerator.)
-    if not torch.maximum(high.max(), -low.min()) < torch.finfo(values.dtype).max / 2:
+    if not _representable(high.max(), low.min(), values):
         return None
     span = high - low
     span.clamp_(min=torch.finfo(stat_dtype).tiny)  # a constant group codes to 0
@@ -131,7 +131,7 @@ def _quantize_packed(values: torch.Tensor, bits: int, group_size: int) -> Quanti
     bias = torch.addcmul(low.new_full((1, 1), 0.5), low, inverse, value=-1)
     codes = torch.empty(-(-groups * group_size * bits // 8), dtype=torch.uint8, device=values.device)
     scratch = None
-    for start, stop in _chunks(groups, group_size):
+    for start, stop in _chunks(groups, group_size, values):
         scratch = _scratch(scratch, stop - start, group_size, stat_dtype, values.device)
         work = torch.mul(grouped[start:stop], inverse[start:stop], out=scratch[: stop - start])
         work.add_(bias[start:stop])  # in [0, levels + 0.5] up to float error
@@ -166,18 +166,27 @@ def _quantize_rowwise(values: torch.Tensor, group_size: int) -> Quantized | None
     group's range and codes it), instead of the packed path's five."""
     # The kernel's own min/max can miss a NaN: one reduction checks every value first.
     low, high = torch.aminmax(values)
-    if not torch.maximum(high.float(), -low.float()) < torch.finfo(values.dtype).max / 2:
+    if not _representable(high.float(), low.float(), values):
         return None
     rows = _prepack(values, group_size)
     scale, low = _row_stats(rows, group_size)
     steps = scale.clone()  # (the views are strided: read them once)
-    narrow = ((steps > 0) & (steps < _ROWWISE_MIN_RANGE / 255)).nonzero().view(-1)
+    # (a fake tensor, in a memory estimate, has no values: redoing narrow groups would change values, not sizes)
+    narrow = None if is_fake_tensor(values) else ((steps > 0) & (steps < _ROWWISE_MIN_RANGE / 255)).nonzero().view(-1)
     scale.copy_(steps.add_(_ROWWISE_EPSILON / 255))  # the kernel's step, (range + epsilon) / 255: decode with it
-    if narrow.numel():
+    if narrow is not None and narrow.numel():
         redone = _quantize_packed(torch.cat(_groups(values, group_size, narrow)).view(-1), 8, group_size)
         rows[narrow, :group_size] = redone.codes.view(-1, group_size)
         scale[narrow], low[narrow] = redone.scale, redone.low
     return Quantized(rows, scale, low, 8, group_size, values.numel(), rowwise=True)
+
+
+def _representable(high: torch.Tensor, low: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether the extreme values ``high`` and ``low`` are finite and away from the dtype's limit. A fake tensor (a
+    memory estimate: shapes, no values) is taken as representable: ordinary activations are."""
+    if is_fake_tensor(high):
+        return True
+    return bool(torch.maximum(high, -low) < torch.finfo(values.dtype).max / 2)
 
 
 def _groups(values: torch.Tensor, group_size: int, index: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -195,13 +204,24 @@ def _groups(values: torch.Tensor, group_size: int, index: torch.Tensor | None = 
 
 def _prepack(values: torch.Tensor, group_size: int) -> torch.Tensor:
     prepack = _rowwise_kernels()[0]
+    if is_fake_tensor(values):  # (torch's fake kernel for it sizes the storage 4x: same layout, the true bytes)
+        prepack = functools.partial(_fake_prepack, group_size=group_size)
     rows = []
     for block in _groups(values, group_size):
         if block.dtype != torch.bfloat16:
             rows.append(prepack(block))
         else:  # the kernel takes fp32 and fp16: bf16 goes through fp32 a chunk at a time
-            rows += [prepack(block[a:b].float()) for a, b in _chunks(block.shape[0], group_size)]
+            chunks = _chunks(block.shape[0], group_size, block)
+            rows += [prepack(block[a:b].float()) for a, b in chunks]
+            if chunks[-1][1] < block.shape[0]:  # a fake tensor: the other chunks' rows, sized alike
+                rest = (block.shape[0] - chunks[-1][1], rows[-1].shape[1])
+                rows.append(torch.empty(rest, dtype=rows[-1].dtype, device=block.device))
     return torch.cat(rows) if len(rows) > 1 else rows[0]
+
+
+def _fake_prepack(block: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The row-wise layout for a fake tensor (a memory estimate): a group's codes, then its fp32 scale and minimum."""
+    return torch.empty(block.shape[0], group_size + 8, dtype=torch.uint8, device=block.device)
 
 
 def _row_stats(rows: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,7 +246,13 @@ def _triton_kernels():
 
 @functools.cache
 def _rowwise_kernels():
-    """torch's fused row-wise 8-bit (prepack, unpack) ops, if present and coding as expected here; else None."""
+    """torch's fused row-wise 8-bit (prepack, unpack) ops, if present and coding as expected here; else None.
+    Checked on real tensors even when first asked inside a memory estimate's fake-tensor mode."""
+    with real_operators():
+        return _checked_rowwise_kernels()
+
+
+def _checked_rowwise_kernels():
     try:
         kernels = rowwise_byte_kernels()
         if kernels is None:
@@ -255,10 +281,13 @@ def _rowwise_kernels():
 CHUNK = 1 << 22
 
 
-def _chunks(groups: int, group_size: int):
-    """(first group, end group) of each chunk; chunk boundaries fall on whole bytes of packed codes."""
+def _chunks(groups: int, group_size: int, tensor: torch.Tensor | None = None):
+    """(first group, end group) of each chunk; chunk boundaries fall on whole bytes of packed codes. For a fake
+    ``tensor`` (a memory estimate: shapes, no values) only the first chunk: the others allocate the same
+    temporaries and write values that do not exist."""
     step = max(8, CHUNK // group_size // 8 * 8)
-    return [(start, min(start + step, groups)) for start in range(0, groups, step)]
+    chunks = [(start, min(start + step, groups)) for start in range(0, groups, step)]
+    return chunks[:1] if tensor is not None and is_fake_tensor(tensor) else chunks
 
 
 def _scratch(scratch, rows: int, group_size: int, dtype: torch.dtype, device) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..compat import storage_key
 from .prune import Positions, prune, unprune
 from .quant import Quantized, dequantize, move, quantize
 
@@ -80,4 +81,4 @@ def memory_order(tensor: torch.Tensor) -> list[int] | None:
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    return storage_key(a) == storage_key(b)

@@ -111,6 +111,17 @@ class SlimFitModel(MethodTuner):
         """Units that train at the next step."""
         return [unit.name for unit, trained in zip(self._units, self.scheduler.trained) if trained]
 
+    def train_largest_units(self) -> list[str]:
+        """Make the next steps train the units with the most bytes, as many as the schedule trains: the step with
+        the most gradients and optimizer state; they require grad from now on. The memory planner
+        (``peft_slim.estimate_memory``) sizes that step; ``slimfit_step()`` goes back to the schedule. Returns the
+        units' names."""
+        sizes = [sum(p.numel() * p.element_size() for p in unit.params) for unit in self._units]
+        largest = set(sorted(range(len(sizes)), key=lambda u: (-sizes[u], u))[: self.scheduler.num_trained])
+        self.scheduler.trained = [u in largest for u in range(len(sizes))]
+        self._apply_schedule()
+        return self.trained_units
+
     def slimfit_step(self, optimizer: torch.optim.Optimizer | list | tuple | None = None) -> None:
         """Close a training step: score the units that trained, re-rank, freeze for the next step.
 

@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from ..compat import is_fake_tensor
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # a build without torch.distributed
@@ -121,4 +123,6 @@ def _item(total: torch.Tensor) -> float:
     shards, so that every rank scores the full tensor alike (numel of a DTensor is already the full count)."""
     if isinstance(total, DTensor):
         total = total.full_tensor()
+    if is_fake_tensor(total):  # a memory estimate (peft_slim.planner): shapes, no values to score
+        return 0.0
     return float(total)

@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..compat import TRL_FUSED_HEAD_ARGUMENT, get_attn_implementation, set_attn_implementation
+from ..compat import (
+    TRL_FUSED_HEAD_ARGUMENT,
+    get_attn_implementation,
+    is_fake_tensor,
+    outside_fake_mode,
+    set_attn_implementation,
+)
 from .attention import REGISTERED_NAMES, SUPPORTED_IMPLEMENTATIONS
 from .blocks import BlockRunner, find_blocks
 from .chunked_loss import chunk_rows, chunked_head_loss
@@ -230,7 +237,10 @@ class TokenSelector:
         if state is None:
             return None
         if state.selection is None:
-            state.selection = TokenSelection.from_mask(self._select(state, hidden))
+            # In a memory estimate (fake tensors: shapes only) the selection is drawn for real, from the real
+            # inputs the planner passes: its size is what the estimate needs.
+            with outside_fake_mode() if is_fake_tensor(hidden) else nullcontext():
+                state.selection = TokenSelection.from_mask(self._select(state, hidden))
             self.last_token_mask = state.selection.mask
         return state.selection
 

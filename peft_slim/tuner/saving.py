@@ -314,7 +314,10 @@ def install() -> None:
 
 
 def tensor_digest(tensor: torch.Tensor) -> bytes:
-    """blake2b (16 bytes) of a tensor's bytes."""
+    """blake2b (16 bytes) of a tensor's bytes; of its dtype and shape alone for a tensor without data (the meta
+    device, e.g. a model built for a memory estimate: it is never saved)."""
+    if tensor.device.type == "meta":
+        return hashlib.blake2b(f"meta {tensor.dtype} {list(tensor.shape)}".encode(), digest_size=16).digest()
     data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
     return hashlib.blake2b(data.numpy(), digest_size=16).digest()
 

@@ -1,0 +1,110 @@
+"""``estimate_memory``: the memory of one training step, from the model's own computation on fake tensors.
+
+The model is built on the meta device (no weights), the PEFT config applied for real, every tensor made fake
+(shapes, dtypes and strides, no data), then one training step (forward, backward, optimizer step) runs
+after the optimizer state has been created (as a real run's first step leaves it). Saved-tensor hooks,
+activation compression, token selection, checkpointing and SlimFit's freezing all run as they do in training,
+so a new architecture or method needs no formula here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, dataclass
+
+import torch
+from peft import PeftConfig
+
+from ..compat import fake_tensor_mode
+from .setup import base_model, make_inputs, make_optimizer, resolve_workload, storage_bytes, trainable_model
+from .trace import LiveBytes
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes of one training step (in steady state: the optimizer state exists).
+
+    ``parameters``: every parameter and buffer of the model; ``gradients``: the ``.grad`` tensors after backward;
+    ``optimizer_state``: after the optimizer step; ``activations``: what the forward leaves allocated for backward
+    (what autograd saves, after compression; a checkpointed block's inputs; the loss); ``peak``: the highest total
+    at any moment of the step, weights, optimizer state and transients included.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    peak: int
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def estimate_memory(
+    model,
+    peft_config: PeftConfig | None,
+    batch_size: int,
+    seq_len: int | None,
+    optimizer: str = "adamw",
+    *,
+    dtype: str = "float32",
+    gradient_checkpointing: bool = False,
+    task: str | None = None,
+) -> MemoryEstimate:
+    """Estimate the memory of training ``model`` with ``peft_config`` (None: full fine-tuning), without weights.
+
+    ``model``: a ``torch.nn.Module`` (real or on the meta device: only shapes are read), a transformers config, a
+    dict, or the path / hub id of a config. ``seq_len``: tokens per sequence (None for an image model, whose config
+    gives the image size). ``optimizer``: "adamw" or "sgd". ``dtype``: the weights' dtype ("float32", "bfloat16",
+    "float16"). ``task``: "causal_lm", "sequence_classification" or "image_classification" (default: from the
+    model's class, the config's ``architectures`` or the PEFT ``task_type``). SlimFit is sized at its worst step:
+    the largest units train. Sizes are those of CPU tensors; an accelerator's allocator rounds each block up a
+    little.
+    """
+    workload = resolve_workload(model, peft_config, batch_size, seq_len, optimizer, dtype, task)
+    trained = trainable_model(base_model(workload, "meta"), peft_config, gradient_checkpointing)
+    inputs = make_inputs(trained, workload)
+    mode = fake_tensor_mode()
+    with mode:
+        _make_fake(trained)
+        optimizer = make_optimizer(trained, workload.optimizer)
+        held = storage_bytes([*trained.parameters(), *trained.buffers()])
+        _create_optimizer_state(trained, optimizer)
+        live = LiveBytes()
+        with live, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="SlimFit: an optimizer stepped twice")
+            loss = trained(**inputs).loss
+            activations = live.total
+            loss.backward()
+            del loss
+            gradients = storage_bytes(p.grad for p in trained.parameters())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        state = storage_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    return MemoryEstimate(held, gradients, state, activations, held + state + live.peak)
+
+
+def _create_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """What a real run's first step leaves: the optimizer state of the parameters that train (SlimFit: its worst
+    step's units). Created by stepping on zero gradients: the state's size does not depend on its values."""
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _make_fake(model: torch.nn.Module) -> None:
+    """Replace every meta parameter and buffer by a fake CPU tensor of the same shape (shared ones stay shared)."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            fake = made.get(id(tensor))
+            if fake is None:
+                fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+                if isinstance(tensor, torch.nn.Parameter):
+                    fake = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
+                made[id(tensor)] = fake
+            setattr(module, name, fake)

@@ -1,0 +1,67 @@
+"""``measure_memory``: the same training step as ``estimate_memory``, run for real on random weights, measured
+by the allocator (``peft_slim.memory``). What the planner's estimates are checked against."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from peft import PeftConfig
+
+from ..memory import held_memory_bytes, timeline_peak_bytes
+from .estimate import MemoryEstimate
+from .setup import (
+    after_step,
+    base_model,
+    make_inputs,
+    make_optimizer,
+    resolve_workload,
+    storage_bytes,
+    trainable_model,
+)
+
+
+def measure_memory(
+    model,
+    peft_config: PeftConfig | None,
+    batch_size: int,
+    seq_len: int | None,
+    optimizer: str = "adamw",
+    *,
+    dtype: str = "float32",
+    gradient_checkpointing: bool = False,
+    task: str | None = None,
+    seed: int = 0,
+) -> MemoryEstimate:
+    """Build the model for real (a module given is copied; a config gets random weights), train three steps and
+    measure as ``estimate_memory`` estimates: step 2 gives the activations (bytes the forward leaves allocated),
+    gradients and optimizer state, step 3 the peak (``timeline_peak_bytes`` plus what was held before it)."""
+    workload = resolve_workload(model, peft_config, batch_size, seq_len, optimizer, dtype, task)
+    torch.manual_seed(seed)
+    trained = trainable_model(base_model(workload, "cpu"), peft_config, gradient_checkpointing)
+    opt = make_optimizer(trained, workload.optimizer)
+    inputs = make_inputs(trained, workload, seed)
+
+    def forward():
+        return trained(**inputs).loss
+
+    def rest(loss):
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        after_step(trained)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="SlimFit: an optimizer stepped twice")
+        rest(forward())  # step 1: creates the optimizer state
+        activations, loss = held_memory_bytes(forward)
+        loss.backward()
+        del loss
+        gradients = storage_bytes(p.grad for p in trained.parameters())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        after_step(trained)
+        state = storage_bytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+        held = storage_bytes([*trained.parameters(), *trained.buffers()])
+        peak = timeline_peak_bytes(lambda: rest(forward()))
+    return MemoryEstimate(held, gradients, state, activations, held + state + peak)

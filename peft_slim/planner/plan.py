@@ -1,0 +1,140 @@
+"""``plan``: the training settings that fit a memory budget, cheapest in time and accuracy first, each estimated.
+
+The ladder, from what costs least to what costs most: plain LoRA; TokenTune + LoRA with fewer and fewer tokens
+(down to ``min_token_ratio``); the same with activations compressed to 8, then 4 bits; SlimFit (LoRA units
+frozen by training dynamics, its default compression); and each of those again with gradient checkpointing
+(recomputation: about a third more time per step), tried only where it lowers the estimate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from peft import LoraConfig
+
+from ..slimfit import SlimFitConfig
+from ..tokentune import TokenTuneConfig
+from .estimate import MemoryEstimate, estimate_memory
+from .setup import load_config, resolve_workload
+
+TOKEN_RATIOS = (0.5, 0.3, 0.2, 0.1, 0.05)
+FREEZE_RATIO = 0.8
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One setting: the train-command fields it stands for, the PEFT config it builds, and its estimate."""
+
+    method: str  # "lora", "tokentune" or "slimfit"
+    lora_r: int
+    token_ratio: float | None = None
+    compression_bits: int | None = None
+    freeze_ratio: float | None = None
+    gradient_checkpointing: bool = False
+    estimate: MemoryEstimate | None = field(default=None, compare=False)
+
+    @property
+    def name(self) -> str:
+        parts = [self.method if self.method != "tokentune" else f"tokentune-{self.token_ratio:g}"]
+        if self.method == "slimfit":
+            parts[0] = f"slimfit-{self.freeze_ratio:g}"
+        parts.append(f"lora-r{self.lora_r}")
+        if self.compression_bits is not None:
+            parts.append(f"{self.compression_bits}bit")
+        if self.gradient_checkpointing:
+            parts.append("ckpt")
+        return "+".join(parts)
+
+    def peft_config(self, task_type: str | None, target_modules) -> LoraConfig | TokenTuneConfig | SlimFitConfig:
+        lora = LoraConfig(
+            r=self.lora_r, lora_alpha=2 * self.lora_r, target_modules=target_modules, task_type=task_type
+        )
+        compression = None if self.compression_bits is None else {"bits": self.compression_bits}
+        if self.method == "lora":
+            return lora
+        if self.method == "tokentune":
+            return TokenTuneConfig(
+                task_type=task_type, token_ratio=self.token_ratio, lora=lora, activation_compression=compression
+            )
+        return SlimFitConfig(task_type=task_type, freeze_ratio=self.freeze_ratio, lora=lora)
+
+
+def ladder(lora_r: int, min_token_ratio: float) -> list[Candidate]:
+    """Every setting tried, cheapest first (before checkpointing variants)."""
+    ratios = [r for r in TOKEN_RATIOS if r >= min_token_ratio]
+    steps = [Candidate("lora", lora_r)]
+    steps += [Candidate("tokentune", lora_r, token_ratio=r) for r in ratios]
+    for bits in (8, 4):
+        steps += [Candidate("tokentune", lora_r, token_ratio=r, compression_bits=bits) for r in ratios]
+    steps.append(Candidate("slimfit", lora_r, freeze_ratio=FREEZE_RATIO))  # its own default compression
+    return steps
+
+
+def plan(
+    model,
+    budget: int | None,
+    batch_size: int,
+    seq_len: int | None,
+    optimizer: str = "adamw",
+    *,
+    dtype: str = "float32",
+    lora_r: int = 8,
+    target_modules="all-linear",
+    min_token_ratio: float = 0.1,
+    task: str | None = None,
+    checkpointing: bool = True,
+    progress: bool = False,
+) -> list[Candidate]:
+    """The settings whose estimated peak fits ``budget`` bytes (None: every setting), cheapest first.
+
+    ``model`` and the rest as for ``estimate_memory``; ``lora_r`` and ``target_modules`` make every setting's
+    LoRA. With ``checkpointing``, gradient-checkpointed variants follow the others and are kept only where they
+    lower the peak. ``progress``: a progress bar. An empty list: nothing fits.
+    """
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise ValueError(f"budget={budget!r}: expected a positive number of bytes, or None.")
+    if not 0.0 < min_token_ratio <= 1.0:
+        raise ValueError(f"min_token_ratio={min_token_ratio!r}: expected a fraction in (0, 1].")
+    source = model if isinstance(model, torch.nn.Module) else load_config(model)  # read once, not per setting
+    task = resolve_workload(source, None, batch_size, seq_len, optimizer, dtype, task).task
+    task_type = {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS"}.get(task)
+    steps = ladder(lora_r, min_token_ratio)
+    if checkpointing:
+        steps += [Candidate(**{**_fields(c), "gradient_checkpointing": True}) for c in steps]
+    if progress:
+        from tqdm.auto import tqdm
+
+        steps = tqdm(steps, desc="estimating", unit="setting")
+    results, plain = [], {}
+    for candidate in steps:
+        estimate = estimate_memory(
+            source,
+            candidate.peft_config(task_type, target_modules),
+            batch_size,
+            seq_len,
+            optimizer,
+            dtype=dtype,
+            gradient_checkpointing=candidate.gradient_checkpointing,
+            task=task,
+        )
+        key = _fields(candidate) | {"gradient_checkpointing": False}
+        if candidate.gradient_checkpointing:
+            if estimate.peak >= plain[tuple(key.items())]:
+                continue  # checkpointing costs time and saves nothing here
+        else:
+            plain[tuple(key.items())] = estimate.peak
+        if budget is None or estimate.peak <= budget:
+            results.append(Candidate(**_fields(candidate), estimate=estimate))
+    return results
+
+
+def _fields(candidate: Candidate) -> dict:
+    return {
+        "method": candidate.method,
+        "lora_r": candidate.lora_r,
+        "token_ratio": candidate.token_ratio,
+        "compression_bits": candidate.compression_bits,
+        "freeze_ratio": candidate.freeze_ratio,
+        "gradient_checkpointing": candidate.gradient_checkpointing,
+    }

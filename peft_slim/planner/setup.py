@@ -1,0 +1,218 @@
+"""The training step the planner sizes, built the same way for an estimate (fake tensors) and for a measurement.
+
+A model is given as a module (real or on the meta device), a transformers config, or a path / hub id of one. Its
+task (what the inputs and labels are) comes from the model's class, the config's ``architectures``, or the PEFT
+config's ``task_type``. Inputs are synthetic and real (token ids, labels, pixels: small): every token is a real
+token with a label, the case a budget must hold.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import transformers
+from peft import PeftConfig, PeftModel, get_peft_model
+from torch import nn
+
+from ..compat import storage_key
+from ..slimfit import SlimFitModel
+
+TASKS = ("causal_lm", "sequence_classification", "image_classification")
+OPTIMIZERS = ("adamw", "sgd")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_AUTO_CLASSES = {
+    "causal_lm": transformers.AutoModelForCausalLM,
+    "sequence_classification": transformers.AutoModelForSequenceClassification,
+    "image_classification": transformers.AutoModelForImageClassification,
+}
+_SUFFIXES = {
+    "ForCausalLM": "causal_lm",
+    "LMHeadModel": "causal_lm",
+    "ForSequenceClassification": "sequence_classification",
+}
+_SUFFIXES["ForImageClassification"] = "image_classification"
+_PEFT_TASKS = {"CAUSAL_LM": "causal_lm", "SEQ_CLS": "sequence_classification"}
+
+
+@dataclass
+class Workload:
+    """What one training step processes, and with what: every input of an estimate, checked."""
+
+    module: nn.Module | None  # the model given as a module, else None (built from ``config``)
+    config: transformers.PretrainedConfig
+    batch_size: int
+    seq_len: int | None  # tokens per sequence; None for an image model (its config gives the image size)
+    task: str
+    optimizer: str
+    dtype: torch.dtype
+
+
+def resolve_workload(model, peft_config, batch_size, seq_len, optimizer, dtype, task) -> Workload:
+    """Check every input of ``estimate_memory`` / ``measure_memory`` before anything is built."""
+    module = model if isinstance(model, nn.Module) else None
+    if module is not None:
+        config = getattr(module, "config", None)
+        if not isinstance(config, transformers.PretrainedConfig):
+            raise ValueError(
+                f"model: {type(module).__name__} has no transformers config (`.config`), which the planner reads to "
+                "make its inputs; pass a transformers model, or its config."
+            )
+    else:
+        config = load_config(model)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r}: expected a positive integer.")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: expected one of {OPTIMIZERS}.")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}.")
+    task = infer_task(module, config, peft_config, task)
+    if task == "image_classification":
+        if seq_len is not None:
+            raise ValueError(
+                f"seq_len={seq_len!r}: an image model's sequence comes from its config (image_size, patch_size); "
+                "pass seq_len=None."
+            )
+    elif isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len={seq_len!r}: expected a positive integer (tokens per sequence).")
+    return Workload(module, config, batch_size, seq_len, task, optimizer, DTYPES[dtype])
+
+
+def load_config(source) -> transformers.PretrainedConfig:
+    """A transformers config from a config object, a dict, a config.json file, a folder or a hub id."""
+    if isinstance(source, transformers.PretrainedConfig):
+        return source
+    if isinstance(source, dict):
+        return _config_from_dict(source, "the config dict")
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if os.path.isfile(path):
+            try:
+                with open(path) as handle:
+                    return _config_from_dict(json.load(handle), path)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"model: {path} is not a JSON config file ({error}).") from None
+        try:
+            return transformers.AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as error:
+            raise ValueError(
+                f"model: cannot load a transformers config from {path!r} (a config.json file, a folder holding one, "
+                f"or a hub id reachable from here): {error}"
+            ) from None
+    raise ValueError(
+        "model: expected a torch.nn.Module, a transformers config, a dict, or a path / hub id of a config, got "
+        f"{type(source).__name__}."
+    )
+
+
+def _config_from_dict(values: dict, where: str) -> transformers.PretrainedConfig:
+    if "model_type" not in values:
+        raise ValueError(f"model: {where} has no 'model_type', so the architecture is unknown.")
+    values = dict(values)
+    try:
+        return transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+    except ValueError as error:
+        raise ValueError(f"model: {where}: {error}") from None
+
+
+def infer_task(model: nn.Module | None, config, peft_config: PeftConfig | None, task: str | None) -> str:
+    """The task given, or the one the model's class, the config's architectures or the PEFT task type says."""
+    if task is not None:
+        if task not in TASKS:
+            raise ValueError(f"task={task!r}: expected one of {TASKS}.")
+        return task
+    names = [type(model).__name__] if model is not None else list(getattr(config, "architectures", None) or [])
+    for name in names:
+        for suffix, found in _SUFFIXES.items():
+            if name.endswith(suffix):
+                return found
+    peft_task = getattr(peft_config, "task_type", None)
+    peft_task = getattr(peft_task, "value", peft_task)
+    if peft_task in _PEFT_TASKS:
+        return _PEFT_TASKS[peft_task]
+    raise ValueError(
+        f"task: cannot tell what {names or 'this model'} is trained for (no known head class, no PEFT task_type "
+        f"CAUSAL_LM/SEQ_CLS); pass task= one of {TASKS}."
+    )
+
+
+def base_model(workload: Workload, device: str) -> nn.Module:
+    """The model to train: from the config on ``device`` (random weights; "meta": none at all), or a copy of the
+    module given whose parameters and buffers are on ``device`` ("meta": the original's are not copied)."""
+    model, config, task, dtype = workload.module, workload.config, workload.task, workload.dtype
+    if model is None:
+        with torch.device(device):
+            built = _AUTO_CLASSES[task].from_config(config)
+        return built.to(dtype)
+    if isinstance(model, PeftModel):
+        raise ValueError(
+            "model: pass the base model and its PEFT config separately (estimate_memory(base, peft_config, ...)), "
+            "not a PeftModel: the planner applies the config itself."
+        )
+    if device != "meta":
+        return copy.deepcopy(model).to(dtype)
+    memo = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        empty = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = (
+            nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+        )
+    return copy.deepcopy(model, memo).to(dtype)
+
+
+def trainable_model(base: nn.Module, peft_config: PeftConfig | None, gradient_checkpointing: bool) -> nn.Module:
+    """``base`` with the PEFT config applied (None: full fine-tuning), in train mode."""
+    if gradient_checkpointing:
+        if not getattr(base, "supports_gradient_checkpointing", False):
+            raise ValueError(f"gradient_checkpointing: {type(base).__name__} does not support it.")
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if peft_config is None:
+        base.requires_grad_(True)
+        model = base
+    else:
+        model = get_peft_model(base, copy.deepcopy(peft_config))
+        tuner = model.base_model
+        if isinstance(tuner, SlimFitModel):
+            tuner.train_largest_units()
+    return model.train()
+
+
+def make_inputs(model: nn.Module, workload: Workload, seed: int = 0) -> dict:
+    """One batch of real, synthetic inputs with labels."""
+    config = model.config
+    generator = torch.Generator().manual_seed(seed)
+    batch = workload.batch_size
+    if workload.task == "image_classification":
+        size, channels = config.image_size, getattr(config, "num_channels", 3)
+        dtype = next(model.parameters()).dtype
+        pixels = torch.randn(batch, channels, size, size, generator=generator).to(dtype)
+        return {"pixel_values": pixels, "labels": torch.randint(config.num_labels, (batch,), generator=generator)}
+    ids = torch.randint(config.vocab_size, (batch, workload.seq_len), generator=generator)
+    pad = getattr(config, "pad_token_id", None)
+    if pad is not None:  # every token real: none is the padding id
+        ids = torch.where(ids == pad, (pad + 1) % config.vocab_size, ids)
+    if workload.task == "causal_lm":
+        return {"input_ids": ids, "labels": ids.clone()}
+    return {"input_ids": ids, "labels": torch.randint(config.num_labels, (batch,), generator=generator)}
+
+
+def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    """The optimizer over every parameter that can train (SlimFit's frozen units get no gradient and no state)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=1e-4) if name == "adamw" else torch.optim.SGD(params, lr=1e-4)
+
+
+def after_step(model: nn.Module) -> None:
+    """Keep SlimFit on its worst step (the largest units train) for the next step too."""
+    tuner = getattr(model, "base_model", None)
+    if isinstance(tuner, SlimFitModel):
+        tuner.train_largest_units()
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors``."""
+    seen = {storage_key(t): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    return sum(seen.values())

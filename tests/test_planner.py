@@ -1,0 +1,295 @@
+"""The memory planner: estimates (fake tensors, no weights) against the allocator on tiny models, no real weights
+allocated, plan's ordering and budget, the ``peft-slim plan`` command, and its errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import warnings
+
+import pytest
+import torch
+import transformers
+from peft import LoraConfig, get_peft_model
+
+import peft_slim
+from peft_slim.cli import main as cli_main
+from peft_slim.memory import peak_memory_bytes
+from peft_slim.planner import estimate_memory, measure_memory, plan
+from peft_slim.planner.plan import ladder
+
+COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations")
+
+
+def llama_config(**extra):
+    values = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    values.update(num_key_value_heads=2, vocab_size=500, architectures=["LlamaForCausalLM"])
+    return transformers.LlamaConfig(**{**values, **extra})
+
+
+def bert_config():
+    values = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=500)
+    return transformers.BertConfig(**values, num_labels=3, architectures=["BertForSequenceClassification"])
+
+
+def vit_config():
+    values = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    return transformers.ViTConfig(**values, image_size=32, patch_size=4, num_labels=3)
+
+
+def lora(targets=("q_proj", "v_proj"), task_type="CAUSAL_LM"):
+    return LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), task_type=task_type)
+
+
+@pytest.fixture(autouse=True)
+def quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+CASES = {
+    "llama lora": (llama_config, lambda: lora(), 96),
+    "llama tokentune 4bit": (
+        llama_config,
+        lambda: peft_slim.TokenTuneConfig(
+            task_type="CAUSAL_LM", token_ratio=0.25, lora=lora(), activation_compression={"bits": 4}
+        ),
+        96,
+    ),
+    "bert slimfit": (
+        bert_config,
+        lambda: peft_slim.SlimFitConfig(task_type="SEQ_CLS", freeze_ratio=0.75),
+        64,
+    ),
+    "vit full fine-tuning, checkpointed": (vit_config, lambda: None, None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_estimate_matches_the_allocator(case):
+    make_config, make_peft, seq_len = CASES[case]
+    kwargs = dict(batch_size=2, seq_len=seq_len)
+    if case.startswith("vit"):
+        kwargs.update(gradient_checkpointing=True, task="image_classification")
+    estimate = estimate_memory(make_config(), make_peft(), **kwargs)
+    measured = measure_memory(make_config(), make_peft(), **kwargs)
+    assert abs(estimate.peak / measured.peak - 1) <= 0.10, (estimate, measured)
+    for name in COMPONENTS:
+        real, guess = getattr(measured, name), getattr(estimate, name)
+        assert abs(guess - real) <= 0.15 * real, (name, estimate, measured)
+
+
+def test_parameters_and_optimizer_state_from_first_principles():
+    """Independent of any tracing: LoRA A/B in fp32 and AdamW's two moments (plus a 4-byte step per tensor)."""
+    config = llama_config()
+    estimate = estimate_memory(config, lora(), batch_size=1, seq_len=16)
+    base = transformers.AutoModelForCausalLM.from_config(config)
+    weights = sum(p.numel() * 4 for p in base.parameters()) + sum(b.numel() * b.element_size() for b in base.buffers())
+    head, kv = config.hidden_size, config.hidden_size // config.num_attention_heads * config.num_key_value_heads
+    lora_numel = config.num_hidden_layers * 4 * ((head + head) + (head + kv))  # r=4: q (64->64), v (64->32)
+    assert estimate.parameters == weights + 4 * lora_numel
+    assert estimate.gradients == 4 * lora_numel
+    assert estimate.optimizer_state == 2 * 4 * lora_numel + 4 * (4 * config.num_hidden_layers)
+
+
+def test_bf16_halves_the_weights():
+    fp32 = estimate_memory(llama_config(), None, batch_size=1, seq_len=16)
+    bf16 = estimate_memory(llama_config(), None, batch_size=1, seq_len=16, dtype="bfloat16")
+    assert bf16.parameters * 2 == pytest.approx(fp32.parameters, rel=0.01)
+
+
+def test_no_weights_are_allocated():
+    """A config whose fp32 weights take ~400 MB is estimated while the CPU allocator sees only a few MB."""
+    config = llama_config(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, vocab_size=8000)
+    result = {}
+    real_peak = peak_memory_bytes(lambda: result.update(e=estimate_memory(config, lora(), batch_size=1, seq_len=32)))
+    assert result["e"].parameters > 300 * 2**20
+    assert real_peak < result["e"].parameters / 20
+
+
+def test_meta_and_real_modules_are_estimated_alike_and_left_untouched():
+    config = llama_config()
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config)
+    real = transformers.AutoModelForCausalLM.from_config(config)
+    before = {n: p.clone() for n, p in real.named_parameters()}
+    from_meta = estimate_memory(meta, lora(), batch_size=2, seq_len=32)
+    from_real = estimate_memory(real, lora(), batch_size=2, seq_len=32)
+    assert from_meta == from_real == estimate_memory(config, lora(), batch_size=2, seq_len=32)
+    assert all(torch.equal(p, before[n]) for n, p in real.named_parameters())
+    assert not any(isinstance(m, peft_slim.TokenTuneModel) for m in real.modules())
+    assert all(p.device.type == "meta" for p in meta.parameters())
+
+
+def test_fewer_tokens_and_fewer_bits_need_less():
+    config = llama_config()
+    full = estimate_memory(config, lora(), batch_size=2, seq_len=128)
+    few = estimate_memory(
+        config, peft_slim.TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.2, lora=lora()), 2, 128
+    )
+    packed = estimate_memory(
+        config,
+        peft_slim.TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.2, lora=lora(), activation_compression={}),
+        2,
+        128,
+    )
+    assert packed.activations < few.activations < full.activations
+
+
+def test_plan_fits_the_budget_in_ladder_order():
+    config = llama_config()
+    options = dict(lora_r=4, target_modules=["q_proj", "v_proj"], min_token_ratio=0.3)
+    everything = plan(config, None, 2, 64, **options)
+    order = [c.name for c in ladder(4, 0.3)]
+    plain = [c.name for c in everything if not c.gradient_checkpointing]
+    assert plain == [name for name in order if name in plain] and plain[0] == "lora+lora-r4"
+    budget = sorted(c.estimate.peak for c in everything)[len(everything) // 2]
+    fitting = plan(config, budget, 2, 64, **options)
+    assert fitting and all(c.estimate.peak <= budget for c in fitting)
+    assert [c.name for c in fitting] == [c.name for c in everything if c.estimate.peak <= budget]
+    assert plan(config, 1000, 2, 64, **options, checkpointing=False) == []
+    checkpointed = [c for c in everything if c.gradient_checkpointing]
+    assert checkpointed  # kept only where checkpointing lowers the peak of the same setting
+    for candidate in checkpointed:
+        same = next(c for c in everything if c.name == candidate.name.removesuffix("+ckpt"))
+        assert candidate.estimate.peak < same.estimate.peak
+
+
+def train_parser() -> argparse.ArgumentParser:
+    """The train flags the plan command may print, as the brief for ``peft-slim train`` lists them."""
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--method", choices=("tokentune", "slimfit", "lora", "full"), required=True)
+    parser.add_argument("--token-ratio", type=float)
+    parser.add_argument("--selection")
+    parser.add_argument("--freeze-ratio", type=float)
+    parser.add_argument("--lora-r", type=int)
+    parser.add_argument("--compression-bits", choices=("none", "8", "4", "2"))
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--max-length", type=int)
+    parser.add_argument("--bf16", action="store_true")
+    return parser
+
+
+def test_cli_prints_a_table_and_a_train_line(tmp_path, capsys):
+    config = llama_config()
+    config.save_pretrained(tmp_path)
+    budget = estimate_memory(
+        config, lora(targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")), 2, 64
+    ).peak
+    code = cli_main(
+        [
+            "plan",
+            "--model",
+            str(tmp_path / "config.json"),
+            "--budget",
+            str(budget),
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "64",
+            "--lora-r",
+            "4",
+            "--min-token-ratio",
+            "0.5",
+            "--no-checkpointing",
+        ]
+    )
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert code == 0
+    assert lines[0].split(" | ")[:2] == ["setting", "peak"]
+    assert lines[1].split(" | ")[0] == "lora+lora-r4"
+    command = shlex.split(lines[-1])
+    assert command[:2] == ["peft-slim", "train"]
+    parsed = train_parser().parse_args(command[2:])
+    assert (parsed.method, parsed.lora_r, parsed.batch_size, parsed.max_length) == ("lora", 4, 2, 64)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: estimate_memory(llama_config(), None, 0, 16), "batch_size=0"),
+        (lambda: estimate_memory(llama_config(), None, 1, None), "seq_len=None"),
+        (lambda: estimate_memory(vit_config(), None, 1, 16, task="image_classification"), "seq_len=16"),
+        (lambda: estimate_memory(llama_config(), None, 1, 16, task="translation"), "task='translation'"),
+        (lambda: estimate_memory(llama_config(), None, 1, 16, optimizer="lion"), "optimizer='lion'"),
+        (lambda: estimate_memory(llama_config(), None, 1, 16, dtype="int8"), "dtype='int8'"),
+        (lambda: estimate_memory("/nonexistent/folder", None, 1, 16), "cannot load a transformers config"),
+        (lambda: estimate_memory(transformers.LlamaConfig(), None, 1, 16), "task"),
+        (lambda: plan(llama_config(), -5, 1, 16), "budget=-5"),
+        (lambda: estimate_memory(torch.nn.Linear(2, 2), None, 1, 16), "no transformers config"),
+        (
+            lambda: estimate_memory(
+                get_peft_model(transformers.AutoModelForCausalLM.from_config(llama_config()), lora()), None, 1, 16
+            ),
+            "not a PeftModel",
+        ),
+    ],
+)
+def test_clear_errors(call, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        call()
+
+
+def test_cli_refuses_a_bad_budget(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["plan", "--model", "x", "--budget", "lots", "--batch-size", "1"])
+    assert "expected a size such as 24GB" in capsys.readouterr().err
+
+
+def test_cli_reports_a_bad_model(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"hidden_size": 8}))
+    assert cli_main(["plan", "--model", str(path), "--batch-size", "1", "--seq-len", "8"]) == 2
+    assert "no 'model_type'" in capsys.readouterr().out
+
+
+def test_slimfit_worst_step_trains_the_largest_units():
+    model = get_peft_model(
+        transformers.AutoModelForSequenceClassification.from_config(bert_config()),
+        peft_slim.SlimFitConfig(task_type="SEQ_CLS", freeze_ratio=0.75),
+    )
+    tuner = model.base_model
+    chosen = tuner.train_largest_units()
+    params = dict(tuner.model.named_parameters())
+
+    def unit_bytes(name):  # a unit is one weight tensor here, named like the parameter
+        return sum(p.numel() * p.element_size() for n, p in params.items() if n.startswith(name))
+
+    others = [u for u in tuner.unit_names if u not in chosen]
+    assert len(chosen) == len(tuner.unit_names) - int(0.75 * len(tuner.unit_names))
+    assert min(unit_bytes(u) for u in chosen) >= max(unit_bytes(u) for u in others)
+    assert tuner.trained_units == chosen
+
+
+def test_cached_self_checks_first_run_inside_an_estimate_still_see_real_tensors():
+    """The package's one-time checks (cached for the process) must not be decided on fake tensors."""
+    from peft_slim import compat
+    from peft_slim.compression import quant
+
+    quant._rowwise_kernels.cache_clear()
+    compat._copy_graph_problem.cache_clear()
+    try:
+        with compat.fake_tensor_mode():
+            kernels, problem = quant._rowwise_kernels(), compat._copy_graph_problem()
+    finally:
+        quant._rowwise_kernels.cache_clear()
+        compat._copy_graph_problem.cache_clear()
+    assert kernels is not None and problem is None
+    assert quant._rowwise_kernels() is not None and compat._copy_graph_problem() is None
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prune_ratio", [None, 0.1])
+def test_a_fake_activation_compresses_to_the_bytes_a_real_one_does(bits, dtype, prune_ratio):
+    from peft_slim import compat
+    from peft_slim.compression.tensor import compress
+
+    real = compress(torch.randn(3, 40, 96).to(dtype), bits, 128, prune_ratio, False)
+    with compat.fake_tensor_mode():
+        fake = compress(torch.empty(3, 40, 96, dtype=dtype), bits, 128, prune_ratio, False)
+    assert fake.nbytes == real.nbytes
