@@ -64,16 +64,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 methods, 1 seed, 3 steps, 16 held-out examples")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--max-length", type=int, default=128)
+    parser.add_argument("--max-length", type=int, default=96)
+    parser.add_argument("--held-out", type=int, default=48, help="held-out examples evaluated (every 5th, in order)")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     parser.add_argument("--out", default=None, help="default benchmarks/results (quick: benchmarks/results/quick)")
     parser.add_argument("--plot-only", action="store_true", help="no training: table and plot from <out>/sft.json")
+    parser.add_argument("--part", help="write only <out>/sft.part-<PART>.json (run method groups in parallel)")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="no training: one report from these parts")
     args = parser.parse_args(argv)
     if args.quick:
-        args.seeds, args.steps, args.methods = [0], 3, ["lora", f"tokentune-0.2-{SELECT}"]
+        args.seeds, args.steps, args.held_out = [0], 3, 16
+        args.methods = ["lora", f"tokentune-0.2-{SELECT}"]
     args.out = args.out or (os.path.join(RESULTS, "quick") if args.quick else RESULTS)
     return args
 
@@ -264,6 +268,18 @@ def main(argv=None) -> None:
         with open(os.path.join(args.out, "sft.json")) as handle:
             write(json.load(handle), args.out)
         return
+    if args.merge:
+        parts = []
+        for path in args.merge:
+            with open(path) as handle:
+                parts.append(json.load(handle))
+        report = parts[0]
+        for part in parts[1:]:
+            assert part["setup"]["protocol"] == report["setup"]["protocol"], "parts of different settings"
+            report["runs"].update(part["runs"])
+        report["runs"] = {name: report["runs"][name] for name in METHODS if name in report["runs"]}
+        write(report, args.out)
+        return
     torch.set_num_threads(1)
     from transformers.utils import logging as hf_logging
 
@@ -274,8 +290,7 @@ def main(argv=None) -> None:
     rows = sft_data.read_rows(None, "train")
     examples, _ = sft_data.tokenize(rows, sft_data.find_columns(rows), tokenizer, args.max_length)
     train, held_out = split(examples)
-    if args.quick:
-        held_out = held_out[:16]
+    held_out = held_out[: args.held_out]
     pad_id = tokenizer.pad_token_id
     report = {
         "setup": {
@@ -285,20 +300,24 @@ def main(argv=None) -> None:
             "protocol": f"{args.steps} AdamW steps (lr {args.learning_rate}, no decay), batch {args.batch_size}, "
             f"max length {args.max_length}, LoRA r=8 alpha 16 on all linear layers, seeds {args.seeds}; "
             "mean ± std over seeds; ratios against LoRA's mean in the same run.",
-            "argv": sys.argv[1:],
+            "held_out_every": HELD_OUT_EVERY,
         },
         "untrained": evaluate(base, held_out, pad_id),
         "runs": {},
     }
-    for name in args.methods:
-        seeds = args.seeds if METHODS[name][1] == "all" else args.seeds[:1]
-        report["runs"][name] = []
-        for seed in seeds:
-            report["runs"][name].append(run_one(name, base, train, held_out, pad_id, args, seed))
+    # Seed-major: every method has a first seed before any has a second (a part stopped early still covers all).
+    for seed in args.seeds:
+        for name in args.methods:
+            if METHODS[name][1] != "all" and seed != args.seeds[0]:
+                continue
+            result = run_one(name, base, train, held_out, pad_id, args, seed)
+            report["runs"].setdefault(name, []).append(result)
             os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "sft.partial.json"), "w") as handle:
+            stem = f"sft.part-{args.part}" if args.part else "sft.partial"
+            with open(os.path.join(args.out, f"{stem}.json"), "w") as handle:
                 json.dump(report, handle)
-    write(report, args.out)
+    if not args.part:
+        write(report, args.out)
 
 
 if __name__ == "__main__":

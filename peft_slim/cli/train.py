@@ -24,7 +24,7 @@ METHODS = ("tokentune", "slimfit", "lora", "full")
 COMPRESSION_BITS = ("none", "8", "4", "2")
 # The rule that selects the labelled (answer) positions first; read from the rules the config accepts.
 LABEL_FIRST = next(rule for rule in ("answer", "supervised") if rule in SELECTION_RULES)
-DEFAULT_STEPS = 40  # on the embedded dataset: a few minutes on 2 CPU cores
+DEFAULT_STEPS = 30  # on the embedded dataset: a few minutes on 2 CPU cores
 DEFAULT_LORA_R, DEFAULT_FREEZE_RATIO = 8, 0.9
 ADAPTER_LR, BASE_WEIGHT_LR = 2e-4, 2e-5
 MIB = 2**20
@@ -395,6 +395,7 @@ def make_trainer(model, tokenizer, examples, args, context):
         remove_unused_columns=False,
         disable_tqdm=False,
         dataloader_pin_memory=torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available(),  # bf16 autocast on CPU needs it
     )
     callbacks = {"tokentune": [TokenTuneCallback()], "slimfit": [SlimFitCallback()]}.get(args.method, [])
     return MeasuredTrainer(
