@@ -12,7 +12,7 @@ import importlib
 import sys
 
 # name -> module under peft_slim.cli
-SUBCOMMANDS: dict[str, str] = {"plan": "plan"}
+SUBCOMMANDS: dict[str, str] = {"train": "train", "plan": "plan"}
 
 
 def build_parser() -> argparse.ArgumentParser:

