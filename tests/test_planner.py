@@ -157,21 +157,11 @@ def test_plan_fits_the_budget_in_ladder_order():
         assert candidate.estimate.peak < same.estimate.peak
 
 
-def train_parser() -> argparse.ArgumentParser:
-    """The train flags the plan command may print, as the brief for ``peft-slim train`` lists them."""
-    parser = argparse.ArgumentParser(exit_on_error=False)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--method", choices=("tokentune", "slimfit", "lora", "full"), required=True)
-    parser.add_argument("--token-ratio", type=float)
-    parser.add_argument("--selection")
-    parser.add_argument("--freeze-ratio", type=float)
-    parser.add_argument("--lora-r", type=int)
-    parser.add_argument("--compression-bits", choices=("none", "8", "4", "2"))
-    parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--max-length", type=int)
-    parser.add_argument("--bf16", action="store_true")
-    return parser
+def parse_train_line(argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed by the real ``peft-slim train`` parser (an unknown flag or value exits)."""
+    from peft_slim.cli import build_parser
+
+    return build_parser().parse_args(argv)
 
 
 def test_cli_prints_a_table_and_a_train_line(tmp_path, capsys):
@@ -204,8 +194,19 @@ def test_cli_prints_a_table_and_a_train_line(tmp_path, capsys):
     assert lines[1].split(" | ")[0] == "lora+lora-r4"
     command = shlex.split(lines[-1])
     assert command[:2] == ["peft-slim", "train"]
-    parsed = train_parser().parse_args(command[2:])
+    parsed = parse_train_line(command[1:])
     assert (parsed.method, parsed.lora_r, parsed.batch_size, parsed.max_length) == ("lora", 4, 2, 64)
+    assert parsed.dtype == "float32"
+
+
+def test_train_line_asks_for_the_planned_weight_dtype():
+    """A plan for bf16 weights prints a train line that loads bf16 weights (not fp32 weights with bf16 autocast)."""
+    from peft_slim.cli.plan import train_command
+    from peft_slim.planner.plan import Candidate
+
+    candidate = Candidate("tokentune-0.2+lora-r8", "tokentune", 8, token_ratio=0.2)
+    parsed = parse_train_line(shlex.split(train_command("m", candidate, 2, 64, "bfloat16"))[1:])
+    assert (parsed.dtype, parsed.bf16, parsed.token_ratio) == ("bfloat16", False, 0.2)
 
 
 @pytest.mark.parametrize(

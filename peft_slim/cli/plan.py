@@ -25,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="Tokens per sequence (not for image models).")
     parser.add_argument("--lora-r", type=int, default=8)
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    parser.add_argument("--bf16", action="store_true", help="Weights in bfloat16 (default float32).")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype of the weights (default float32)."
+    )
     parser.add_argument("--min-token-ratio", type=float, default=0.1, help="Fewest tokens TokenTune may keep.")
     parser.add_argument(
         "--no-checkpointing", action="store_true", help="Do not try gradient checkpointing (faster planning)."
@@ -33,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", choices=("causal_lm", "sequence_classification", "image_classification"))
 
 
-def train_command(model: str, candidate, batch_size: int, seq_len: int | None, bf16: bool) -> str:
+def train_command(model: str, candidate, batch_size: int, seq_len: int | None, dtype: str) -> str:
     """The ``peft-slim train`` line for one planned setting."""
     parts = ["peft-slim train", f"--model {model}", f"--method {candidate.method}", f"--lora-r {candidate.lora_r}"]
     if candidate.token_ratio is not None:
@@ -47,8 +49,8 @@ def train_command(model: str, candidate, batch_size: int, seq_len: int | None, b
     parts.append(f"--batch-size {batch_size}")
     if seq_len is not None:
         parts.append(f"--max-length {seq_len}")
-    if bf16:
-        parts.append("--bf16")
+    if dtype != "float32":
+        parts.append(f"--dtype {dtype}")
     return " ".join(parts)
 
 
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
             args.batch_size,
             args.seq_len,
             args.optimizer,
-            dtype="bfloat16" if args.bf16 else "float32",
+            dtype=args.dtype,
             lora_r=args.lora_r,
             min_token_ratio=args.min_token_ratio,
             task=args.task,
@@ -89,5 +91,5 @@ def run(args: argparse.Namespace) -> int:
         if not found:
             print(f"Nothing fits {_size(args.budget)}: lower --batch-size or --seq-len.")
             return 1
-        print(train_command(args.model, found[0], args.batch_size, args.seq_len, args.bf16))
+        print(train_command(args.model, found[0], args.batch_size, args.seq_len, args.dtype))
     return 0

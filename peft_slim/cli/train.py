@@ -159,7 +159,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_float,
         help=f"Peak learning rate (linear decay). Default {ADAPTER_LR} for LoRA, {BASE_WEIGHT_LR} for base weights.",
     )
-    train.add_argument("--bf16", action="store_true", help="bf16 autocast (weights stay fp32).")
+    train.add_argument("--bf16", action="store_true", help="bf16 autocast (weights stay as --dtype loads them).")
+    train.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype the weights are loaded in (default float32; bfloat16 halves the weights' and optimizer state's "
+        "bytes, what `peft-slim plan --dtype bfloat16` estimates).",
+    )
     train.add_argument("--seed", type=_at_least(0), default=0, help="Seed of data order, LoRA init and selection.")
     train.add_argument("--output", default="peft-slim-output", help="Folder the adapter (or full model) is saved to.")
 
@@ -232,18 +239,18 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, str | None, str]:
     return DEFAULT_MODEL, None, f"{DEFAULT_MODEL} (from the hub)"
 
 
-def load_model(path: str, gguf_file: str | None):
+def load_model(path: str, gguf_file: str | None, dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **extra)
-        if gguf_file:  # unpacked to fp32 weights, so that the model is a plain one that trains (Trainer refuses GGUF)
+        if gguf_file:  # unpacked to plain weights, so that the model is one that trains (Trainer refuses GGUF)
             from transformers import GgufConfig
 
             extra["quantization_config"] = GgufConfig(dequantize=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **extra)
     except Exception as error:
         hint = " (GGUF needs the `gguf` package: pip install gguf)" if gguf_file else ""
         raise UsageError(f"--model {path!r} could not be loaded{hint}: {error}") from error
@@ -426,7 +433,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     path, gguf_file, model_name = resolve_model(args)
     print(f"model: {model_name}\nmethod: {describe(args)}", flush=True)
-    model, tokenizer = load_model(path, gguf_file)
+    model, tokenizer = load_model(path, gguf_file, args.dtype)
     examples, dropped = sft_data.tokenize(
         rows, columns, tokenizer, args.max_length, args.completion_only_loss, args.chat_template
     )
