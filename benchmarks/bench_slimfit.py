@@ -59,14 +59,16 @@ def minilm_l6_shape(layers: int = 6) -> BertConfig:
     )
 
 
-def bert_methods(layers: int, ratios: list[float]) -> dict[str, torch.nn.Module]:
+def bert_methods(layers: int, ratios: list[float], rule: dict | None = None) -> dict[str, torch.nn.Module]:
+    """``rule``: SlimFitConfig fields of every SlimFit row (``--rule paper``: the paper's, as in 0.1.0)."""
+    rule = rule or {}
     torch.manual_seed(0)
     base = BertForSequenceClassification(minilm_l6_shape(layers))
     methods = {"full": copy.deepcopy(base)}
     for ratio in ratios:
         for compressed in (False, True):
             # AdamW state kept for every unit (SlimFit's default frees it: the ``+release`` row, and bench.md).
-            fields = {"release_frozen_optimizer_state": False}
+            fields = {"release_frozen_optimizer_state": False, **rule}
             if not compressed:
                 fields["activation_compression"] = None
             config = peft_slim.SlimFitConfig(task_type="SEQ_CLS", freeze_ratio=ratio, seed=0, **fields)
@@ -74,7 +76,12 @@ def bert_methods(layers: int, ratios: list[float]) -> dict[str, torch.nn.Module]
             methods[name] = get_peft_model(copy.deepcopy(base), config)
     # Optimizer state freed for units frozen 10 steps in a row (the default frees it after 1).
     release = peft_slim.SlimFitConfig(
-        task_type="SEQ_CLS", freeze_ratio=0.9, seed=0, release_frozen_optimizer_state=True, release_after_steps=10
+        task_type="SEQ_CLS",
+        freeze_ratio=0.9,
+        seed=0,
+        release_frozen_optimizer_state=True,
+        release_after_steps=10,
+        **rule,
     )
     methods["slimfit0.9+compression+release"] = get_peft_model(copy.deepcopy(base), release)
     return methods
@@ -206,6 +213,12 @@ def main() -> None:
         help="bert: SlimFit vs full fine-tuning (results in slimfit.*); llama: the stack vs LoRA (slimfit_stack.*)",
     )
     parser.add_argument("--quick", action="store_true", help="small shapes, 2 layers, 1 timed step")
+    parser.add_argument(
+        "--rule",
+        choices=["defaults", "paper"],
+        default="defaults",
+        help="SlimFit rows: the current defaults, or the paper's rule (freeze_by='count', no catch-up) as in 0.1.0",
+    )
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     if args.quick:
@@ -214,9 +227,10 @@ def main() -> None:
     torch.manual_seed(0)
     machine = f"{platform.machine()}, {os.cpu_count()} CPU threads, torch {torch.__version__}"
 
-    suffix = "_quick" if args.quick else ""
+    suffix = ("_quick" if args.quick else "") + ("_paper" if args.rule == "paper" else "")
     if args.part in ("bert", "all"):
-        bert = bert_methods(args.bert_layers, [0.8, 0.9, 0.95])
+        rule = dict(peft_slim.SlimFitConfig.saved_before_defaults) if args.rule == "paper" else {}
+        bert = bert_methods(args.bert_layers, [0.8, 0.9, 0.95], rule)
         vocab = bert["full"].config.vocab_size
         batch, warmup = batch_of(vocab, args.bert_batch, args.bert_seq, "class"), batch_of(vocab, 2, 16, "class")
         results = measure(bert, batch, warmup, args.steps)
@@ -224,7 +238,8 @@ def main() -> None:
         add_ratios(results, "full", args.bert_batch * args.bert_seq, RATIOS)
         setup = (
             f"BERT, all-MiniLM-L6-v2 shape, {args.bert_layers} layers, random weights, fp32, sdpa, batch "
-            f"{args.bert_batch} x sequence {args.bert_seq}, AdamW (lr 1e-4, weight decay 0.01)"
+            f"{args.bert_batch} x sequence {args.bert_seq}, AdamW (lr 1e-4, weight decay 0.01), SlimFit rule: "
+            f"{args.rule}"
         )
         targets = bert_targets(results)
         report = {
