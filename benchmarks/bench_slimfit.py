@@ -28,7 +28,9 @@ import functools
 import math
 import os
 import platform
+import statistics
 import sys
+import time
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -41,6 +43,8 @@ from benchmarks.measure import optimizer_state_bytes, tensor_bytes  # noqa: E402
 from benchmarks.report import markdown_table, mib, write_report  # noqa: E402
 from benchmarks.side_by_side import add_ratios, time_alternating  # noqa: E402
 from peft_slim.memory import SavedActivationBytes, peak_memory_bytes  # noqa: E402
+from peft_slim.slimfit.observer import snapshot, step_parts  # noqa: E402
+from peft_slim.slimfit.scheduler import score_parts  # noqa: E402
 
 RATIOS = {"activation_bytes": "activation_ratio", "total_bytes": "total_ratio"}
 
@@ -208,9 +212,10 @@ def main() -> None:
     parser.add_argument("--token-ratio", type=float, default=0.2)
     parser.add_argument(
         "--part",
-        choices=["bert", "llama", "all"],
+        choices=["bert", "llama", "all", "scoring"],
         default="all",
-        help="bert: SlimFit vs full fine-tuning (results in slimfit.*); llama: the stack vs LoRA (slimfit_stack.*)",
+        help="bert: SlimFit vs full fine-tuning (results in slimfit.*); llama: the stack vs LoRA (slimfit_stack.*); "
+        "scoring: the per-step scoring, per tensor against torch._foreach_* (slimfit_scoring.*; not in 'all')",
     )
     parser.add_argument("--quick", action="store_true", help="small shapes, 2 layers, 1 timed step")
     parser.add_argument(
@@ -228,6 +233,18 @@ def main() -> None:
     machine = f"{platform.machine()}, {os.cpu_count()} CPU threads, torch {torch.__version__}"
 
     suffix = ("_quick" if args.quick else "") + ("_paper" if args.rule == "paper" else "")
+    if args.part == "scoring":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        result = scoring(args.bert_layers, 5 if args.quick else 20, device)
+        medians = result["median_seconds"]
+        text = (
+            f"Scoring every weight tensor of a MiniLM-shape BERT ({args.bert_layers} layers, {result['tensors']} "
+            f"tensors, {result['values']} values) after one step; {machine}, {device}, {result['clock']}: per tensor "
+            f"{medians['per_tensor'] * 1e3:.1f} ms, device-side {medians['foreach'] * 1e3:.1f} ms "
+            f"({result['foreach_vs_per_tensor']:.2f}x)."
+        )
+        write_report(args.out, f"slimfit_scoring{suffix}", {"machine": machine, **result}, text)
+        return
     if args.part in ("bert", "all"):
         rule = dict(peft_slim.SlimFitConfig.saved_before_defaults) if args.rule == "paper" else {}
         bert = bert_methods(args.bert_layers, [0.8, 0.9, 0.95], rule)
@@ -265,6 +282,48 @@ def main() -> None:
         report = {"setup": setup, "machine": machine, "steps_timed": args.steps, "results": results}
         text = [f"Setup: {setup}; {machine}; median of {args.steps} steps.", "", table(results, "lora")]
         write_report(args.out, f"slimfit_stack{suffix}", report, "\n".join(text))
+
+
+def scoring(layers: int, repeats: int, device: str) -> dict:
+    """SlimFit's per-step scoring of every weight tensor of a MiniLM-shape model, two ways in the same run: tensor by
+    tensor with a host sync each (``score_parts``, the path before 0.2 and still the FSDP2 one) and without host
+    syncs (``step_parts``: sums left on the device, one transfer; ``torch._foreach_*`` on CUDA). CPU time per pass
+    (``time.process_time``; on CUDA, wall time after a synchronize)."""
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(minilm_l6_shape(layers)).to(device)
+    params = [p for n, p in model.named_parameters() if not n.endswith("bias")]
+    moved = [p.detach() + 1e-4 * torch.randn_like(p) for p in params]
+    cuda = device.startswith("cuda")
+
+    def clock():
+        if cuda:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.process_time()
+
+    def per_tensor():
+        for old, new in zip([p.detach().clone() for p in params], moved):
+            score_parts("relative_change", [old], [new], 1e-3)
+
+    def all_at_once():
+        before = snapshot(params)
+        step_parts("relative_change", before, moved, 1e-3, [1.0] * len(moved)).tolist()
+
+    seconds = {"per_tensor": [], "foreach": []}
+    with torch.no_grad():
+        for _ in range(repeats):
+            for name, run in (("per_tensor", per_tensor), ("foreach", all_at_once)):
+                start = clock()
+                run()
+                seconds[name].append(clock() - start)
+    medians = {name: statistics.median(values) for name, values in seconds.items()}
+    return {
+        "tensors": len(params),
+        "values": sum(p.numel() for p in params),
+        "median_seconds": medians,
+        "foreach_vs_per_tensor": medians["foreach"] / medians["per_tensor"],
+        "clock": "wall (synchronized)" if cuda else "process CPU time",
+    }
 
 
 def bert_targets(results: dict) -> list[str]:

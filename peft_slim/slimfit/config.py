@@ -81,10 +81,10 @@ class SlimFitConfig(MethodConfig):
         default="bytes",
         metadata={
             "help": "What `freeze_ratio` counts. 'bytes': the units that train at a step hold at most "
-            "`1 - freeze_ratio` of the scheduled units' bytes (so of their gradients and optimizer state), whatever "
-            "the tensor sizes; a unit larger than that budget (e.g. a large vocabulary's embedding) never trains "
-            "(a warning names it). 'count': at most `1 - freeze_ratio` of the units (the paper's rule; the default "
-            "of configs saved by peft_slim 0.1.0).",
+            "`1 - freeze_ratio` of the scheduled units' bytes (so of their gradients and optimizer state), or the "
+            "smallest unit's bytes if that is more, whatever the tensor sizes; a unit larger than that budget (e.g. "
+            "a large vocabulary's embedding) never trains (a warning names it). 'count': at most "
+            "`1 - freeze_ratio` of the units (the paper's rule; the default of configs saved by peft_slim 0.1.0).",
             "check": OneOf(FREEZE_BY),
         },
     )
@@ -99,10 +99,12 @@ class SlimFitConfig(MethodConfig):
         },
     )
     always_train_norms: bool = field(
-        default=False,
+        default=True,
         metadata={
             "help": "Without `lora`: the weights of normalisation layers (modules whose class name contains 'Norm', "
-            "e.g. LayerNorm, RMSNorm) train at every step, like biases, instead of being scheduled.",
+            "e.g. LayerNorm, RMSNorm) train at every step, like biases, instead of being scheduled (a few KiB per "
+            "layer). False: scheduled like other weights (the paper's rule, and the default of configs saved by "
+            "0.1.0).",
             "check": Boolean(),
         },
     )

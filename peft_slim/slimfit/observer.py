@@ -30,22 +30,36 @@ Parts = tuple[list[int], list[int], "torch.Tensor | list"]
 
 
 def _plain(tensors: list[torch.Tensor]) -> bool:
-    """Whether ``torch._foreach_*`` can take them: plain tensors (a DTensor shard's sums need a reduction)."""
+    """Whether ``step_parts`` can take them: plain tensors (a DTensor shard's sums need a reduction)."""
     return not any(isinstance(t, DTensor) for t in tensors)
+
+
+def _fused(tensors: list[torch.Tensor]) -> bool:
+    """Whether to use ``torch._foreach_*``: on CUDA one multi-tensor kernel per operation; on a CPU it loops over
+    the tensors in C++ slower than separate operations do (measured: benchmarks/bench_slimfit.py --part scoring)."""
+    return all(t.is_cuda for t in tensors)
+
+
+def snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``params`` before an optimizer step."""
+    return torch._foreach_mul(params, 1.0) if _fused(params) else [p.detach().clone() for p in params]
 
 
 def step_parts(
     metric: str, before: list[torch.Tensor], after: list[torch.Tensor], epsilon: float, factors: list[float]
 ) -> torch.Tensor:
-    """Each tensor's score sums over one optimizer step, computed on its device with ``torch._foreach_*`` (no host
-    sync, no loop of kernels per tensor); consumes ``before``. A tensor whose factor is not 1 then moves
-    ``factor`` times the optimizer's update (catch-up); the sums are of the optimizer's update itself.
+    """Each tensor's score sums over one optimizer step, left on the device (no host sync); consumes ``before``.
+    A tensor whose factor is not 1 then moves ``factor`` times the optimizer's update (catch-up); the sums are of
+    the optimizer's update itself.
 
     relative_change: sum(|after - before| / (|before| + eps)) per tensor, shape [n]; update_norm: the squared
     norms of the change and of the old values, shape [n, 2].
     """
-    low = [i for i, t in enumerate(after) if t.dtype != torch.float32]
-    new = [t.float() for t in after] if low else list(after)
+    low = any(t.dtype != torch.float32 for t in after)
+    if not _fused(after):  # tensor by tensor, one temporary at a time; the sums stay on the device
+        sums = [_tensor_parts(metric, o, n, epsilon, f) for o, n, f in zip(before, after, factors)]
+        return _stack(sums) if metric == "relative_change" else torch.stack([_stack(p) for p in zip(*sums)], dim=1)
+    new = [t.detach().float() for t in after] if low else [t.detach() for t in after]
     old = [t.float() for t in before] if low else before
     delta = torch._foreach_sub(new, old)
     scaled = [i for i, factor in enumerate(factors) if factor != 1.0]
@@ -61,6 +75,17 @@ def step_parts(
     change = torch._foreach_pow(torch._foreach_norm(delta, 2), 2)
     size = torch._foreach_pow(torch._foreach_norm(old, 2), 2)
     return torch.stack([_stack(change), _stack(size)], dim=1)
+
+
+def _tensor_parts(metric: str, before: torch.Tensor, after: torch.Tensor, epsilon: float, factor: float):
+    """``step_parts`` of one tensor (0-d tensors, no host sync)."""
+    old = before.float()
+    delta = after.detach().float() - old
+    if factor != 1.0:
+        after.add_(delta, alpha=factor - 1.0)
+    if metric == "relative_change":
+        return delta.abs_().div_(old.abs_().add_(epsilon)).sum()
+    return delta.pow_(2).sum(), old.pow(2).sum()
 
 
 def _stack(sums: list[torch.Tensor]) -> torch.Tensor:
@@ -211,8 +236,7 @@ class StepObserver:
                         indices.append(index)
                         params.append(param)
         with torch.no_grad():
-            plain = params and _plain(params)
-            before = torch._foreach_mul(params, 1.0) if plain else [p.detach().clone() for p in params]
+            before = snapshot(params) if params and _plain(params) else [p.detach().clone() for p in params]
         self._snapshot = (indices, params, before)
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:

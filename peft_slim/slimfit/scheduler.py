@@ -22,8 +22,9 @@ class FreezeScheduler:
     """Rank units by score; the lowest ``freeze_ratio`` of them freeze until the next re-ranking.
 
     ``sizes`` (bytes per unit) makes the ratio count bytes: the units that train fill, in rank order, a budget of
-    ``(1 - freeze_ratio)`` of all units' bytes (a unit that does not fit what is left is passed over for smaller
-    ones; a unit larger than the whole budget never trains, see ``too_large``). Without it the ratio counts units.
+    ``(1 - freeze_ratio)`` of all units' bytes, or the smallest unit's if that is more (a unit that does not fit
+    what is left is passed over for smaller ones; a unit larger than the whole budget never trains, see
+    ``too_large``). Without it the ratio counts units.
     Units start with an infinite score, so the first steps train every unit once, in a seeded random order
     (ties are broken by that order throughout). A unit frozen for ``max_frozen_steps`` consecutive steps
     trains at the next re-ranking, whatever its score (if it fits), so none starves.
@@ -41,13 +42,8 @@ class FreezeScheduler:
         self.num_units = num_units
         self.num_trained = max(1, num_units - math.floor(freeze_ratio * num_units))
         self.sizes = None if sizes is None else [int(size) for size in sizes]
-        self.budget = None if sizes is None else (1.0 - freeze_ratio) * sum(self.sizes)
-        if self.sizes is not None and (not self.sizes or min(self.sizes) > self.budget):
-            raise ValueError(
-                f"SlimFitConfig.freeze_ratio={freeze_ratio} with freeze_by='bytes' leaves a budget of "
-                f"{self.budget:.0f} bytes per step, less than the smallest unit ({min(self.sizes, default=0)} bytes): "
-                "no unit could ever train. Lower freeze_ratio, or use freeze_by='count'."
-            )
+        # At least one unit trains, as under the count rule: the budget is never below the smallest unit.
+        self.budget = None if sizes is None else max((1.0 - freeze_ratio) * sum(self.sizes), min(self.sizes))
         self.schedule_every = schedule_every
         self.max_frozen_steps = max_frozen_steps
         generator = torch.Generator().manual_seed(seed)
