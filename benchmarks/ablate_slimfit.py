@@ -23,7 +23,9 @@ from transformers.utils import logging as hf_logging
 from . import measure, plots
 from .methods import Method, all_methods, slimfit
 from .report import markdown_table, size, write_report
-from .tasks import TASKS
+from .tasks import SMALL_TASKS, TASKS
+
+ALL_TASKS = {**SMALL_TASKS, **TASKS}
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ablation")
 PAPER = {"freeze_by": "count", "catch_up": False, "always_train_norms": False}  # the paper's rule (0.1.0's)
@@ -56,7 +58,7 @@ def run(task_name: str, variants: list[str], seeds: list[int]) -> None:
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     hf_logging.set_verbosity_error()
-    task = TASKS[task_name](False)
+    task = ALL_TASKS[task_name](False)
     folder = os.path.join(OUT, task_name)
     os.makedirs(folder, exist_ok=True)
     for seed in seeds:
@@ -149,7 +151,7 @@ def report(tasks: list[str], out: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", choices=list(TASKS), default="minilm-condition")
+    parser.add_argument("--task", choices=list(ALL_TASKS), default="minilm-condition")
     parser.add_argument("--variants", nargs="+", default=[], metavar="VARIANT", help=", ".join(VARIANTS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--table", action="store_true", help="print the summary of the task's recorded runs")
