@@ -202,7 +202,7 @@ def test_scores_of_a_step_follow_their_definition(metric):
 
 def test_new_configs_use_the_measured_defaults():
     config = SlimFitConfig()
-    assert (config.freeze_by, config.catch_up, config.always_train_norms) == ("bytes", True, True)
+    assert (config.freeze_by, config.catch_up, config.always_train_norms) == ("bytes", False, True)
 
 
 def test_a_config_saved_by_0_1_0_keeps_the_papers_rule(tmp_path):
@@ -217,7 +217,7 @@ def test_a_config_saved_by_0_1_0_keeps_the_papers_rule(tmp_path):
     config.save_pretrained(str(tmp_path / "again"))  # saved now: the fields are written, and read back as they are
     again = PeftConfig.from_pretrained(str(tmp_path / "again"))
     assert (again.freeze_by, again.catch_up) == ("count", False)
-    current = SlimFitConfig(freeze_ratio=0.8)
+    current = SlimFitConfig(freeze_ratio=0.8, catch_up=True)
     current.save_pretrained(str(tmp_path / "current"))
     loaded = PeftConfig.from_pretrained(str(tmp_path / "current"))
     assert (loaded.freeze_by, loaded.catch_up, loaded.always_train_norms) == ("bytes", True, True)
