@@ -255,7 +255,8 @@ def minilm_small(quick: bool, label: str) -> Task:
     description = (
         f"all-MiniLM-L6-v2 (mean pooling), Drugs.com reviews by {label} ({len(classes)} classes, "
         f"{len(splits['Train'][1])} train / {len(splits['Test'][1])} test), max {cfg['max_length']} tokens, "
-        f"batch {cfg['batch']}, {cfg['steps']} steps ({cfg['epochs']} epochs), one learning rate per method"
+        f"batch {cfg['batch']}, {cfg['steps']} steps ({cfg['epochs']} epochs), base weights 5e-5, adapters and the "
+        "new head 1e-3"
     )
     return text_classification_task(
         name, description, base, *splits["Train"], *splits["Test"],
