@@ -28,7 +28,9 @@ import functools
 import math
 import os
 import platform
+import statistics
 import sys
+import time
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -41,6 +43,8 @@ from benchmarks.measure import optimizer_state_bytes, tensor_bytes  # noqa: E402
 from benchmarks.report import markdown_table, mib, write_report  # noqa: E402
 from benchmarks.side_by_side import add_ratios, time_alternating  # noqa: E402
 from peft_slim.memory import SavedActivationBytes, peak_memory_bytes  # noqa: E402
+from peft_slim.slimfit.observer import snapshot, step_parts  # noqa: E402
+from peft_slim.slimfit.scheduler import score_parts  # noqa: E402
 
 RATIOS = {"activation_bytes": "activation_ratio", "total_bytes": "total_ratio"}
 
@@ -59,14 +63,16 @@ def minilm_l6_shape(layers: int = 6) -> BertConfig:
     )
 
 
-def bert_methods(layers: int, ratios: list[float]) -> dict[str, torch.nn.Module]:
+def bert_methods(layers: int, ratios: list[float], rule: dict | None = None) -> dict[str, torch.nn.Module]:
+    """``rule``: SlimFitConfig fields of every SlimFit row (``--rule paper``: the paper's, as in 0.1.0)."""
+    rule = rule or {}
     torch.manual_seed(0)
     base = BertForSequenceClassification(minilm_l6_shape(layers))
     methods = {"full": copy.deepcopy(base)}
     for ratio in ratios:
         for compressed in (False, True):
             # AdamW state kept for every unit (SlimFit's default frees it: the ``+release`` row, and bench.md).
-            fields = {"release_frozen_optimizer_state": False}
+            fields = {"release_frozen_optimizer_state": False, **rule}
             if not compressed:
                 fields["activation_compression"] = None
             config = peft_slim.SlimFitConfig(task_type="SEQ_CLS", freeze_ratio=ratio, seed=0, **fields)
@@ -74,7 +80,12 @@ def bert_methods(layers: int, ratios: list[float]) -> dict[str, torch.nn.Module]
             methods[name] = get_peft_model(copy.deepcopy(base), config)
     # Optimizer state freed for units frozen 10 steps in a row (the default frees it after 1).
     release = peft_slim.SlimFitConfig(
-        task_type="SEQ_CLS", freeze_ratio=0.9, seed=0, release_frozen_optimizer_state=True, release_after_steps=10
+        task_type="SEQ_CLS",
+        freeze_ratio=0.9,
+        seed=0,
+        release_frozen_optimizer_state=True,
+        release_after_steps=10,
+        **rule,
     )
     methods["slimfit0.9+compression+release"] = get_peft_model(copy.deepcopy(base), release)
     return methods
@@ -201,11 +212,18 @@ def main() -> None:
     parser.add_argument("--token-ratio", type=float, default=0.2)
     parser.add_argument(
         "--part",
-        choices=["bert", "llama", "all"],
+        choices=["bert", "llama", "all", "scoring"],
         default="all",
-        help="bert: SlimFit vs full fine-tuning (results in slimfit.*); llama: the stack vs LoRA (slimfit_stack.*)",
+        help="bert: SlimFit vs full fine-tuning (results in slimfit.*); llama: the stack vs LoRA (slimfit_stack.*); "
+        "scoring: the per-step scoring, per tensor against torch._foreach_* (slimfit_scoring.*; not in 'all')",
     )
     parser.add_argument("--quick", action="store_true", help="small shapes, 2 layers, 1 timed step")
+    parser.add_argument(
+        "--rule",
+        choices=["defaults", "paper"],
+        default="defaults",
+        help="SlimFit rows: the current defaults, or the paper's rule (freeze_by='count', no catch-up) as in 0.1.0",
+    )
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     if args.quick:
@@ -214,9 +232,22 @@ def main() -> None:
     torch.manual_seed(0)
     machine = f"{platform.machine()}, {os.cpu_count()} CPU threads, torch {torch.__version__}"
 
-    suffix = "_quick" if args.quick else ""
+    suffix = ("_quick" if args.quick else "") + ("_paper" if args.rule == "paper" else "")
+    if args.part == "scoring":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        result = scoring(args.bert_layers, 5 if args.quick else 20, device)
+        medians = result["median_seconds"]
+        text = (
+            f"Scoring every weight tensor of a MiniLM-shape BERT ({args.bert_layers} layers, {result['tensors']} "
+            f"tensors, {result['values']} values) after one step; {machine}, {device}, {result['clock']}: per tensor "
+            f"{medians['per_tensor'] * 1e3:.1f} ms, device-side {medians['foreach'] * 1e3:.1f} ms "
+            f"({result['foreach_vs_per_tensor']:.2f}x)."
+        )
+        write_report(args.out, f"slimfit_scoring{suffix}", {"machine": machine, **result}, text)
+        return
     if args.part in ("bert", "all"):
-        bert = bert_methods(args.bert_layers, [0.8, 0.9, 0.95])
+        rule = dict(peft_slim.SlimFitConfig.saved_before_defaults) if args.rule == "paper" else {}
+        bert = bert_methods(args.bert_layers, [0.8, 0.9, 0.95], rule)
         vocab = bert["full"].config.vocab_size
         batch, warmup = batch_of(vocab, args.bert_batch, args.bert_seq, "class"), batch_of(vocab, 2, 16, "class")
         results = measure(bert, batch, warmup, args.steps)
@@ -224,7 +255,8 @@ def main() -> None:
         add_ratios(results, "full", args.bert_batch * args.bert_seq, RATIOS)
         setup = (
             f"BERT, all-MiniLM-L6-v2 shape, {args.bert_layers} layers, random weights, fp32, sdpa, batch "
-            f"{args.bert_batch} x sequence {args.bert_seq}, AdamW (lr 1e-4, weight decay 0.01)"
+            f"{args.bert_batch} x sequence {args.bert_seq}, AdamW (lr 1e-4, weight decay 0.01), SlimFit rule: "
+            f"{args.rule}"
         )
         targets = bert_targets(results)
         report = {
@@ -250,6 +282,48 @@ def main() -> None:
         report = {"setup": setup, "machine": machine, "steps_timed": args.steps, "results": results}
         text = [f"Setup: {setup}; {machine}; median of {args.steps} steps.", "", table(results, "lora")]
         write_report(args.out, f"slimfit_stack{suffix}", report, "\n".join(text))
+
+
+def scoring(layers: int, repeats: int, device: str) -> dict:
+    """SlimFit's per-step scoring of every weight tensor of a MiniLM-shape model, two ways in the same run: tensor by
+    tensor with a host sync each (``score_parts``, the path before 0.2 and still the FSDP2 one) and without host
+    syncs (``step_parts``: sums left on the device, one transfer; ``torch._foreach_*`` on CUDA). CPU time per pass
+    (``time.process_time``; on CUDA, wall time after a synchronize)."""
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(minilm_l6_shape(layers)).to(device)
+    params = [p for n, p in model.named_parameters() if not n.endswith("bias")]
+    moved = [p.detach() + 1e-4 * torch.randn_like(p) for p in params]
+    cuda = device.startswith("cuda")
+
+    def clock():
+        if cuda:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.process_time()
+
+    def per_tensor():
+        for old, new in zip([p.detach().clone() for p in params], moved):
+            score_parts("relative_change", [old], [new], 1e-3)
+
+    def all_at_once():
+        before = snapshot(params)
+        step_parts("relative_change", before, moved, 1e-3, [1.0] * len(moved)).tolist()
+
+    seconds = {"per_tensor": [], "foreach": []}
+    with torch.no_grad():
+        for _ in range(repeats):
+            for name, run in (("per_tensor", per_tensor), ("foreach", all_at_once)):
+                start = clock()
+                run()
+                seconds[name].append(clock() - start)
+    medians = {name: statistics.median(values) for name, values in seconds.items()}
+    return {
+        "tensors": len(params),
+        "values": sum(p.numel() for p in params),
+        "median_seconds": medians,
+        "foreach_vs_per_tensor": medians["foreach"] / medians["per_tensor"],
+        "clock": "wall (synchronized)" if cuda else "process CPU time",
+    }
 
 
 def bert_targets(results: dict) -> list[str]:

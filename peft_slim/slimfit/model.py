@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -76,9 +77,20 @@ class SlimFitModel(MethodTuner):
             named = {name: p for name, p in model.named_parameters() if id(p) in tracked}
             self._base_weights = BaseWeights(named, keep_copies=config.keep_base_weights)
             self.slimfit_base_weights = BaseWeightsSwitch(self.active_adapters[0])
+        sizes = None
+        if config.freeze_by == "bytes":
+            sizes = [sum(p.numel() * p.element_size() for p in unit.params) for unit in self._units]
         self.scheduler = FreezeScheduler(
-            len(self._units), config.freeze_ratio, config.schedule_every, config.max_frozen_steps, config.seed
+            len(self._units), config.freeze_ratio, config.schedule_every, config.max_frozen_steps, config.seed, sizes
         )
+        too_large = [self._units[index].name for index in self.scheduler.too_large]
+        if too_large and not config.inference_mode:
+            warnings.warn(
+                f"SlimFit: {len(too_large)} unit(s) are larger than the byte budget of freeze_ratio="
+                f"{config.freeze_ratio} ({1 - config.freeze_ratio:.3g} of the scheduled bytes) and will never train: "
+                f"{too_large[:5]}. Lower freeze_ratio, list them in `always_trainable`, or set freeze_by='count'.",
+                stacklevel=4,
+            )
         if config.inference_mode:
             return
         # Every unit keeps requires_grad=True until the first training forward, so that an optimizer (or DDP)
@@ -90,6 +102,7 @@ class SlimFitModel(MethodTuner):
             config.epsilon,
             resolve=self._resolve_params,
             guard=lambda: self._refuse_while_disabled("optimizer.step()"),
+            catch_up=self._catch_up_factor if config.catch_up else None,
         )
         self._handles.append(model.register_forward_pre_hook(self._before_forward))
 
@@ -112,15 +125,31 @@ class SlimFitModel(MethodTuner):
         return [unit.name for unit, trained in zip(self._units, self.scheduler.trained) if trained]
 
     def train_largest_units(self) -> list[str]:
-        """Make the next steps train the units with the most bytes, as many as the schedule trains: the step with
-        the most gradients and optimizer state; they require grad from now on. The memory planner
+        """Make the next steps train the largest units the schedule could train at once: the step with the most
+        gradients and optimizer state (by count: the ``num_trained`` largest; by bytes: the largest first, each that
+        still fits the byte budget, as the scheduler fills it). They require grad from now on. The memory planner
         (``peft_slim.estimate_memory``) sizes that step; ``slimfit_step()`` goes back to the schedule. Returns the
         units' names."""
+        scheduler = self.scheduler
         sizes = [sum(p.numel() * p.element_size() for p in unit.params) for unit in self._units]
-        largest = set(sorted(range(len(sizes)), key=lambda u: (-sizes[u], u))[: self.scheduler.num_trained])
-        self.scheduler.trained = [u in largest for u in range(len(sizes))]
+        order = sorted(range(len(sizes)), key=lambda u: (-sizes[u], u))
+        if scheduler.sizes is None:
+            largest = set(order[: scheduler.num_trained])
+        else:
+            largest, left = set(), scheduler.budget
+            for unit in order:
+                if scheduler.sizes[unit] <= left:
+                    largest.add(unit)
+                    left -= scheduler.sizes[unit]
+        scheduler.trained = [u in largest for u in range(len(sizes))]
         self._apply_schedule()
         return self.trained_units
+
+    def _catch_up_factor(self, index: int) -> float:
+        """How many steps' worth of update unit ``index`` makes now: 1 + the consecutive steps it was frozen (or,
+        before it first trained, every step so far), at most 1 / (1 - freeze_ratio)."""
+        limit = 1.0 / (1.0 - self._config.freeze_ratio)
+        return float(min(1 + self.scheduler.frozen_for[index], limit))
 
     def slimfit_step(self, optimizer: torch.optim.Optimizer | list | tuple | None = None) -> None:
         """Close a training step: score the units that trained, re-rank, freeze for the next step.

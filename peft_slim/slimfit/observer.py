@@ -20,10 +20,77 @@ from collections.abc import Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .scheduler import finish_score, score_parts
+from .scheduler import DTensor, finish_score, score_parts
 from .units import Unit
 
 ORDER = "loss.backward(); optimizer.step(); optimizer.zero_grad(); model.slimfit_step()"
+# One optimizer step's score parts: unit index and value count of each tensor it stepped, and each tensor's sums
+# (a device tensor until the step is scored: relative_change [n], update_norm [n, 2]; host floats under FSDP2).
+Parts = tuple[list[int], list[int], "torch.Tensor | list"]
+
+
+def _plain(tensors: list[torch.Tensor]) -> bool:
+    """Whether ``step_parts`` can take them: plain tensors (a DTensor shard's sums need a reduction)."""
+    return not any(isinstance(t, DTensor) for t in tensors)
+
+
+def _fused(tensors: list[torch.Tensor]) -> bool:
+    """Whether to use ``torch._foreach_*``: on CUDA one multi-tensor kernel per operation; on a CPU it loops over
+    the tensors in C++ slower than separate operations do (measured: benchmarks/bench_slimfit.py --part scoring)."""
+    return all(t.is_cuda for t in tensors)
+
+
+def snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``params`` before an optimizer step."""
+    return torch._foreach_mul(params, 1.0) if _fused(params) else [p.detach().clone() for p in params]
+
+
+def step_parts(
+    metric: str, before: list[torch.Tensor], after: list[torch.Tensor], epsilon: float, factors: list[float]
+) -> torch.Tensor:
+    """Each tensor's score sums over one optimizer step, left on the device (no host sync); consumes ``before``.
+    A tensor whose factor is not 1 then moves ``factor`` times the optimizer's update (catch-up); the sums are of
+    the optimizer's update itself.
+
+    relative_change: sum(|after - before| / (|before| + eps)) per tensor, shape [n]; update_norm: the squared
+    norms of the change and of the old values, shape [n, 2].
+    """
+    low = any(t.dtype != torch.float32 for t in after)
+    if not _fused(after):  # tensor by tensor, one temporary at a time; the sums stay on the device
+        sums = [_tensor_parts(metric, o, n, epsilon, f) for o, n, f in zip(before, after, factors)]
+        return _stack(sums) if metric == "relative_change" else torch.stack([_stack(p) for p in zip(*sums)], dim=1)
+    new = [t.detach().float() for t in after] if low else [t.detach() for t in after]
+    old = [t.float() for t in before] if low else before
+    delta = torch._foreach_sub(new, old)
+    scaled = [i for i, factor in enumerate(factors) if factor != 1.0]
+    if scaled:
+        extra = torch._foreach_mul([delta[i] for i in scaled], [factors[i] - 1.0 for i in scaled])
+        torch._foreach_add_([after[i] for i in scaled], extra)
+    if metric == "relative_change":
+        torch._foreach_abs_(delta)
+        torch._foreach_abs_(old)
+        torch._foreach_add_(old, epsilon)
+        torch._foreach_div_(delta, old)
+        return _stack(torch._foreach_norm(delta, 1))  # the values are >= 0: their 1-norm is their sum
+    change = torch._foreach_pow(torch._foreach_norm(delta, 2), 2)
+    size = torch._foreach_pow(torch._foreach_norm(old, 2), 2)
+    return torch.stack([_stack(change), _stack(size)], dim=1)
+
+
+def _tensor_parts(metric: str, before: torch.Tensor, after: torch.Tensor, epsilon: float, factor: float):
+    """``step_parts`` of one tensor (0-d tensors, no host sync)."""
+    old = before.float()
+    delta = after.detach().float() - old
+    if factor != 1.0:
+        after.add_(delta, alpha=factor - 1.0)
+    if metric == "relative_change":
+        return delta.abs_().div_(old.abs_().add_(epsilon)).sum()
+    return delta.pow_(2).sum(), old.pow(2).sum()
+
+
+def _stack(sums: list[torch.Tensor]) -> torch.Tensor:
+    device = sums[0].device
+    return torch.stack([s if s.device == device else s.to(device) for s in sums])
 
 
 class StepObserver:
@@ -41,17 +108,20 @@ class StepObserver:
         epsilon: float,
         resolve: Callable[[], None] | None = None,
         guard: Callable[[], None] | None = None,
+        catch_up: Callable[[int], float] | None = None,
     ):
         self.units = units
+        self.catch_up = catch_up  # unit index -> factor of its update (SlimFitConfig.catch_up), None: 1
         self.resolve = resolve  # re-points units at the model's current parameters (FSDP2 replaces them)
         self.guard = guard  # called before an optimizer steps over the units; raises if it must not
         self.is_training = is_training
         self.metric = metric
         self.epsilon = epsilon
         self.active = True  # False while the schedule is paused: steps are not watched
-        self._scores: dict[int, float] = {}  # training steps closed since take_scores
-        self._parts: dict[int, list[float]] = {}  # the open training step's summed score parts
-        self._snapshot: list[tuple[int, list[torch.Tensor], list[torch.Tensor]]] | None = None
+        self._closed_steps: list[list[Parts]] = []  # training steps closed since take_scores: their parts
+        self._parts: list[Parts] = []  # the open training step's score parts, one entry per optimizer step
+        self._early_scores: dict[int, float] = {}  # of closed steps before the last one, since take_scores
+        self._snapshot: tuple[list[int], list[torch.Tensor], list[torch.Tensor]] | None = None
         self._depth = 0  # nesting of optimizer steps over the units (a wrapper's step around the inner one's)
         self._stepped: set[int] = set()  # ids of unit parameters held by an optimizer that stepped since take
         self._optimizers: list[weakref.ref] = []  # optimizers that stepped over the units since take
@@ -90,7 +160,10 @@ class StepObserver:
             )
         self._finish_step()
         self._warn_if_missing(stacklevel + 1)
-        scores, self._scores = self._scores, {}
+        scores, self._early_scores = self._early_scores, {}
+        for step in self._closed_steps:  # a later training step's score of a unit replaces an earlier one's
+            scores.update(self._step_scores(step))
+        self._closed_steps = []
         if self._optimizers:
             self._last_optimizers = self._optimizers
         self._optimizers, self._stepped = [], set()
@@ -99,9 +172,27 @@ class StepObserver:
         return scores
 
     def _finish_step(self) -> None:
-        for index, parts in self._parts.items():
-            self._scores[index] = finish_score(self.metric, parts, self.epsilon)
-        self._parts = {}
+        if self._parts:
+            if self._closed_steps:  # closed without slimfit_step(): keep one step's device sums, at most
+                self._early_scores.update(self._step_scores(self._closed_steps.pop()))
+            self._closed_steps.append(self._parts)
+        self._parts = []
+
+    def _step_scores(self, step: list[Parts]) -> dict[int, float]:
+        """Scores of one training step from its optimizer steps' parts: here, and only here, the device's sums
+        come to the host (one transfer per optimizer step; none at all in the steps themselves)."""
+        totals: dict[int, list[float]] = {}
+        for indices, counts, sums in step:
+            values = sums.tolist() if torch.is_tensor(sums) else sums
+            for index, count, value in zip(indices, counts, values):
+                total = totals.setdefault(index, [0.0, 0.0])
+                if self.metric == "relative_change":  # [sum of relative changes, count of values]
+                    total[0] += value
+                    total[1] += count
+                else:  # [squared norm of the change, squared norm of the old values]
+                    total[0] += value[0]
+                    total[1] += value[1]
+        return {index: finish_score(self.metric, parts, self.epsilon) for index, parts in totals.items()}
 
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self.active:
@@ -137,12 +228,16 @@ class StepObserver:
         self._stepped |= mine
         if not any(ref() is optimizer for ref in self._optimizers):
             self._optimizers.append(weakref.ref(optimizer))
-        snapshot = []
+        indices, params = [], []
         for index, unit in enumerate(self.units):
-            params = [p for p in unit.params if id(p) in mine]
-            if params and self.is_training(index):
-                snapshot.append((index, params, [p.detach().clone() for p in params]))
-        self._snapshot = snapshot
+            if self.is_training(index):
+                for param in unit.params:
+                    if id(param) in mine:
+                        indices.append(index)
+                        params.append(param)
+        with torch.no_grad():
+            before = snapshot(params) if params and _plain(params) else [p.detach().clone() for p in params]
+        self._snapshot = (indices, params, before)
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._depth:
@@ -150,13 +245,23 @@ class StepObserver:
         self._depth -= 1
         if self._depth:
             return
-        snapshot, self._snapshot = self._snapshot or [], None
+        snapshot, self._snapshot = self._snapshot, None
+        if snapshot is None or not snapshot[1]:
+            return
+        indices, params, before = snapshot
+        factors = [1.0] * len(indices) if self.catch_up is None else [self.catch_up(index) for index in indices]
         with torch.no_grad():
-            for index, params, before in snapshot:
-                parts = score_parts(self.metric, before, params, self.epsilon)
-                total = self._parts.setdefault(index, [0.0, 0.0])
-                total[0] += parts[0]
-                total[1] += parts[1]
+            if _plain(params):
+                sums = step_parts(self.metric, before, params, self.epsilon, factors)
+            else:  # DTensor shards (FSDP2): tensor by tensor, each sum reduced over the shards
+                sums = []
+                for old, new, factor in zip(before, params, factors):
+                    update = new.detach() - old if factor != 1.0 else None
+                    parts = score_parts(self.metric, [old], [new], self.epsilon)  # consumes old
+                    sums.append(parts[0] if self.metric == "relative_change" else parts)
+                    if update is not None:
+                        new.add_(update.mul_(factor - 1.0))
+        self._parts.append((indices, [p.numel() for p in params], sums))
 
     def _warn_if_missing(self, stacklevel: int) -> None:
         """Units that trained in this step but that no optimizer which stepped holds: their gradient is lost."""

@@ -23,14 +23,29 @@ NEVER_TRAINED = math.inf
 class FreezeScheduler:
     """Rank units by score; the lowest ``freeze_ratio`` of them freeze until the next re-ranking.
 
+    ``sizes`` (bytes per unit) makes the ratio count bytes: the units that train fill, in rank order, a budget of
+    ``(1 - freeze_ratio)`` of all units' bytes, or the smallest unit's if that is more (a unit that does not fit
+    what is left is passed over for smaller ones; a unit larger than the whole budget never trains, see
+    ``too_large``). Without it the ratio counts units.
     Units start with an infinite score, so the first steps train every unit once, in a seeded random order
     (ties are broken by that order throughout). A unit frozen for ``max_frozen_steps`` consecutive steps
-    trains at the next re-ranking, whatever its score, so none starves.
+    trains at the next re-ranking, whatever its score (if it fits), so none starves.
     """
 
-    def __init__(self, num_units: int, freeze_ratio: float, schedule_every: int, max_frozen_steps: int, seed: int):
+    def __init__(
+        self,
+        num_units: int,
+        freeze_ratio: float,
+        schedule_every: int,
+        max_frozen_steps: int,
+        seed: int,
+        sizes: list[int] | None = None,
+    ):
         self.num_units = num_units
         self.num_trained = max(1, num_units - math.floor(freeze_ratio * num_units))
+        self.sizes = None if sizes is None else [int(size) for size in sizes]
+        # At least one unit trains, as under the count rule: the budget is never below the smallest unit.
+        self.budget = None if sizes is None else max((1.0 - freeze_ratio) * sum(self.sizes), min(self.sizes))
         self.schedule_every = schedule_every
         self.max_frozen_steps = max_frozen_steps
         generator = torch.Generator().manual_seed(seed)
@@ -41,15 +56,31 @@ class FreezeScheduler:
         self.history: list[list[bool]] = []  # per completed step: which units trained
         self.trained = self._rank()
 
+    @property
+    def too_large(self) -> list[int]:
+        """Units that never train: larger than the whole byte budget (``sizes`` given), else none."""
+        if self.sizes is None:
+            return []
+        return [unit for unit, size in enumerate(self.sizes) if size > self.budget]
+
     def _rank(self) -> list[bool]:
         units = range(self.num_units)
         starving = sorted(
             (u for u in units if self.frozen_for[u] >= self.max_frozen_steps),
             key=lambda u: (-self.frozen_for[u], self.sweep_rank[u]),
-        )[: self.num_trained]
-        chosen = set(starving)
-        rest = sorted((u for u in units if u not in chosen), key=lambda u: (-self.scores[u], self.sweep_rank[u]))
-        chosen |= set(rest[: self.num_trained - len(chosen)])
+        )
+        rest = sorted(
+            (u for u in units if self.frozen_for[u] < self.max_frozen_steps),
+            key=lambda u: (-self.scores[u], self.sweep_rank[u]),
+        )
+        if self.sizes is None:
+            chosen = set((starving + rest)[: self.num_trained])
+        else:
+            chosen, left = set(), self.budget
+            for unit in starving + rest:
+                if self.sizes[unit] <= left:
+                    chosen.add(unit)
+                    left -= self.sizes[unit]
         return [u in chosen for u in units]
 
     def advance(self, scores: dict[int, float]) -> None:

@@ -28,8 +28,9 @@ def find_units(model: nn.Module, config: SlimFitConfig) -> tuple[list[Unit], lis
     """The scheduled units of ``model`` (after LoRA injection) and the parameters that train at every step.
 
     Without LoRA every parameter is a candidate except biases (they always train, as in the paper); with
-    LoRA only the adapters are (the base model stays frozen). Candidates under `always_trainable` modules
-    train at every step; PEFT's `modules_to_save` copies are PEFT's and always train.
+    LoRA only the adapters are (the base model stays frozen). Candidates under `always_trainable` modules (and,
+    with `always_train_norms`, the weights of normalisation layers) train at every step; PEFT's `modules_to_save`
+    copies are PEFT's and always train.
     """
     # PEFT wraps `modules_to_save` (with a task type, also "classifier"/"score") after the tuner is built.
     to_save = config.modules_to_save or []
@@ -41,6 +42,13 @@ def find_units(model: nn.Module, config: SlimFitConfig) -> tuple[list[Unit], lis
     always_names = set()
     if config.always_trainable is not None:
         always_names = set(trainable_parameter_names(model, config.always_trainable, "SlimFitConfig.always_trainable"))
+    if config.always_train_norms and config.lora is None:
+        always_names |= {
+            f"{module_name}.{param_name}" if module_name else param_name
+            for module_name, module in model.named_modules()
+            if "norm" in type(module).__name__.lower()
+            for param_name, _ in module.named_parameters(recurse=False)
+        }
     candidates, always = [], []
     for name, param in model.named_parameters():
         if any(name == w or name.startswith(w + ".") for w in wrapped):

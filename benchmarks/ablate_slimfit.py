@@ -1,0 +1,181 @@
+"""What SlimFit's accuracy in short, small-data runs depends on: one variant of its settings per run, recorded.
+
+``python -m benchmarks.ablate_slimfit --task minilm-condition --variants paper bytes --seeds 0 1`` trains each
+variant (a SlimFitConfig set apart from the defaults, or a baseline of ``benchmarks.methods``) with each seed,
+and writes one JSON per run to ``benchmarks/results/ablation/<task>/<variant>_s<seed>.json`` (a run already there
+is skipped). ``--table`` prints the Markdown summary of every run recorded for the task; ``--report TASK ...``
+writes the benchmark's methods on those tasks (accuracy ± sd over the recorded seeds, total memory) to
+``results/ablation/accuracy.md`` with ``accuracy_vs_memory.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from . import measure, plots
+from .methods import Method, all_methods, slimfit
+from .report import markdown_table, size, write_report
+from .tasks import SMALL_TASKS, TASKS
+
+ALL_TASKS = {**SMALL_TASKS, **TASKS}
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ablation")
+PAPER = {"freeze_by": "count", "catch_up": False, "always_train_norms": False}  # the paper's rule (0.1.0's)
+BYTES = {**PAPER, "freeze_by": "bytes"}
+# name -> (freeze ratio, SlimFitConfig fields): what each variant sets apart from the current defaults.
+VARIANTS: dict[str, tuple[float, dict]] = {
+    **{f"paper-{r:g}": (r, PAPER) for r in (0.5, 0.8, 0.9, 0.95)},
+    **{f"bytes-{r:g}": (r, BYTES) for r in (0.8, 0.9, 0.95)},
+    "paper-0.9+norms": (0.9, {**PAPER, "always_train_norms": True}),
+    "paper-0.9+catchup": (0.9, {**PAPER, "catch_up": True}),
+    "paper-0.9+minshare": (0.9, {**PAPER, "max_frozen_steps": 10}),
+    "paper-0.9+keepstate": (0.9, {**PAPER, "release_frozen_optimizer_state": False}),
+    "bytes-0.9+catchup": (0.9, {**BYTES, "catch_up": True}),
+    "bytes-0.9+norms": (0.9, {**BYTES, "always_train_norms": True}),
+    "bytes-0.9+norms+catchup": (0.9, {**BYTES, "always_train_norms": True, "catch_up": True}),
+    "bytes-0.9+minshare": (0.9, {**BYTES, "max_frozen_steps": 10}),
+    **{
+        f"bytes-{r:g}+norms+catchup": (r, {**BYTES, "always_train_norms": True, "catch_up": True}) for r in (0.8, 0.95)
+    },
+    "stack-0.9+catchup": (0.9, {**BYTES, "catch_up": True, "stack": True}),  # + TokenTune 0.2 + LoRA
+}
+# The runs of bytes-*+norms+catchup and stack-0.9+catchup in results/ablation/ were made as SlimFit's benchmark
+# methods (slimfit-0.8/0.9/0.95+comp, slimfit-0.9+tokentune-0.2+lora+comp) while catch-up was on by default, and
+# renamed after the run to the settings they ran with (their "fields" say so).
+
+
+def method(name: str) -> Method:
+    baselines = all_methods()
+    if name in baselines:
+        return baselines[name]
+    ratio, fields = VARIANTS[name]
+    return Method(name, lambda task, seed: slimfit(task, seed, ratio, compression=True, **fields), str(fields))
+
+
+def run(task_name: str, variants: list[str], seeds: list[int]) -> None:
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    hf_logging.set_verbosity_error()
+    task = ALL_TASKS[task_name](False)
+    folder = os.path.join(OUT, task_name)
+    os.makedirs(folder, exist_ok=True)
+    for seed in seeds:
+        for variant in variants:
+            path = os.path.join(folder, f"{variant}_s{seed}.json")
+            if os.path.exists(path):
+                continue
+            result = measure.run(task, method(variant), seed, True, torch.device("cpu"))
+            result.pop("slimfit_history", None)
+            result.update(variant=variant, fields=method(variant).note, task=task.description)
+            with open(path + ".tmp", "w") as handle:
+                json.dump(result, handle)
+            os.replace(path + ".tmp", path)
+            print(f"{task_name} {variant} s{seed}: {result['metrics']}", flush=True)
+
+
+# The benchmark's rows: bytes-0.9+norms is SlimFit 0.9 with the current defaults; the 0.8/0.95 and stack rows ran
+# with catch-up on (the default while they ran).
+BENCH = [
+    "full-ft",
+    "lora",
+    "tokentune-0.2+lora",
+    "tokentune-0.3+lora",
+    "paper-0.9",
+    "bytes-0.9+norms",
+    "bytes-0.8+norms+catchup",
+    "bytes-0.9+norms+catchup",
+    "bytes-0.95+norms+catchup",
+    "stack-0.9+catchup",
+]
+
+
+def recorded(task_name: str) -> dict[str, list[dict]]:
+    """Every run recorded for the task: variant -> its runs, in seed order."""
+    runs: dict[str, list[dict]] = {}
+    for path in sorted(glob.glob(os.path.join(OUT, task_name, "*.json"))):
+        with open(path) as handle:
+            result = json.load(handle)
+        runs.setdefault(result["variant"], []).append(result)
+    return runs
+
+
+def summary(task_name: str, variants: list[str] | None = None) -> dict:
+    """The task in the shape ``benchmarks.plots`` draws: per variant, total memory (first seed's) and accuracy."""
+    runs = recorded(task_name)
+    variants = [v for v in variants if v in runs] if variants else list(runs)
+    methods = {}
+    for variant in variants:
+        results = runs[variant]
+        metrics = {}
+        for key in ("accuracy", "macro_f1"):
+            values = [r["metrics"][key] for r in results]
+            metrics[key] = {
+                "mean": statistics.mean(values),
+                "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            }
+        methods[variant] = {
+            "total_bytes": results[0]["memory"]["total_bytes"],
+            "memory": results[0]["memory"],
+            "metrics": metrics,
+            "seeds": [r["seed"] for r in results],
+            "fields": results[0]["fields"],
+        }
+    description = runs[variants[0]][0]["task"] if variants else ""
+    return {"name": task_name, "description": description, "metric": "accuracy", "higher_is_better": True,
+            "methods": methods}  # fmt: skip
+
+
+def table(task: dict, settings: bool = True) -> str:
+    methods = task["methods"]
+    full = methods.get("full-ft", {}).get("total_bytes")
+    header = ["method", "seeds", "accuracy", "macro-F1", "total memory", "vs full FT"]
+    rows = []
+    for name, m in methods.items():
+        accuracy, f1 = m["metrics"]["accuracy"], m["metrics"]["macro_f1"]
+        row = [name, len(m["seeds"]), f"{accuracy['mean']:.3f} ± {accuracy['std']:.3f}", f"{f1['mean']:.3f}"]
+        row += [size(m["total_bytes"]), f"{m['total_bytes'] / full:.2f}" if full else ""]
+        if settings:
+            row.append(m["fields"] if name in VARIANTS else "")
+        rows.append(row)
+    return markdown_table(header + (["settings"] if settings else []), rows)
+
+
+def report(tasks: list[str], out: str) -> None:
+    """The benchmark's methods on ``tasks``: ``<out>/accuracy.md`` (tables) and ``accuracy_vs_memory.png``."""
+    summaries = [summary(name, BENCH) for name in tasks]
+    text = ["# Accuracy of the methods on short, small-data runs (benchmarks.ablate_slimfit --report)", ""]
+    for task in summaries:
+        text += [f"## {task['name']}", "", task["description"], "", table(task, settings=False), ""]
+    text.append("![accuracy against memory](accuracy_vs_memory.png)")
+    plots.accuracy_vs_memory(summaries, os.path.join(out, "accuracy_vs_memory.png"))
+    write_report(out, "accuracy", {"tasks": summaries}, "\n".join(text))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", choices=list(ALL_TASKS), default="minilm-condition")
+    parser.add_argument("--variants", nargs="+", default=[], metavar="VARIANT", help=", ".join(VARIANTS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--table", action="store_true", help="print the summary of the task's recorded runs")
+    parser.add_argument("--report", nargs="+", metavar="TASK", help="tables and plot of the benchmark's methods")
+    args = parser.parse_args(argv)
+    if args.table:
+        print(table(summary(args.task)))
+        return 0
+    if args.report:
+        report(args.report, OUT)
+        return 0
+    run(args.task, args.variants, args.seeds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

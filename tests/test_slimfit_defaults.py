@@ -1,0 +1,251 @@
+"""SlimFit's rules beyond the paper's: byte-aware freezing, the catch-up update, norms that always train, scores
+computed on the device, and configs saved by 0.1.0 keeping the paper's rule."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from peft import PeftConfig
+from slimfit_cases import loss_of, slimfit_model
+from tiny_models import make_batch
+
+from peft_slim import SlimFitConfig
+from peft_slim.slimfit.scheduler import FreezeScheduler
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "v0.1.0")
+
+
+def unit_bytes(unit) -> int:
+    return sum(p.numel() * p.element_size() for p in unit.params)
+
+
+# ---------------------------------------------------------------------------------------------- freeze_by="bytes"
+
+
+def priority(scheduler: FreezeScheduler, unit: int) -> tuple:
+    """The order in which units claim the budget, by definition: units frozen for max_frozen_steps or more first
+    (longest frozen first), then the highest score; ties by the seeded sweep order."""
+    starving = scheduler.frozen_for[unit] >= scheduler.max_frozen_steps
+    if starving:
+        return (0, -scheduler.frozen_for[unit], scheduler.sweep_rank[unit])
+    return (1, -scheduler.scores[unit], scheduler.sweep_rank[unit])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 1000), min_size=1, max_size=30),
+    ratio=st.floats(0.0, 0.95),
+    max_frozen=st.integers(1, 8),
+    seed=st.integers(0, 2**31),
+)
+def test_bytes_rule_fills_the_budget_in_rank_order(sizes, ratio, max_frozen, seed):
+    """At every step the trained units hold at most (1 - ratio) of all bytes (or the smallest unit's), at least one
+    trains, and a frozen unit is one that did not fit what the units ahead of it left; a unit larger than the
+    budget never trains."""
+    budget = max((1 - ratio) * sum(sizes), min(sizes))  # at least the smallest unit: one always trains
+    scheduler = FreezeScheduler(len(sizes), ratio, 1, max_frozen, seed, sizes)
+    assert scheduler.too_large == [u for u, size in enumerate(sizes) if size > budget]
+    scores = torch.rand(len(sizes), generator=torch.Generator().manual_seed(seed)).tolist()
+    for _ in range(3 * len(sizes)):
+        trained = scheduler.trained
+        assert 0 < sum(size for size, t in zip(sizes, trained) if t) <= budget + 1e-6
+        order = sorted(range(len(sizes)), key=lambda u: priority(scheduler, u))
+        left = budget
+        for unit in order:
+            if trained[unit]:
+                left -= sizes[unit]
+            else:
+                assert sizes[unit] > left, f"unit {unit} ({sizes[unit]} bytes) fits the {left} left but froze"
+        assert not any(trained[u] for u in scheduler.too_large)
+        scheduler.advance({u: scores[u] for u, t in enumerate(trained) if t})
+
+
+def test_bytes_rule_in_a_model_caps_the_gradient_bytes():
+    """In a real model: the gradients of scheduled units hold at most (1 - ratio) of their bytes at every step,
+    and a unit larger than that budget never gets a gradient (with a warning naming it)."""
+    with pytest.warns(UserWarning, match="larger than the byte budget") as caught:
+        model = slimfit_model("bert", freeze_ratio=0.8, freeze_by="bytes")
+    tuner = model.base_model
+    total = sum(unit_bytes(unit) for unit in tuner._units)
+    too_large = [unit for unit in tuner._units if unit_bytes(unit) > 0.2 * total]
+    assert too_large and all(unit.name in str(caught[0].message) for unit in too_large)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    for step in range(6):
+        loss_of(model, make_batch("bert", seed=step)).backward()
+        held = sum(
+            p.grad.numel() * p.grad.element_size() for u in tuner._units for p in u.params if p.grad is not None
+        )
+        assert 0 < held <= 0.2 * total + 1e-6
+        assert all(p.grad is None for unit in too_large for p in unit.params)
+        optimizer.step()
+        optimizer.zero_grad()
+        model.slimfit_step()
+
+
+def test_count_rule_is_the_papers():
+    """freeze_by='count': exactly max(1, n - floor(ratio n)) units train, whatever their sizes."""
+    model = slimfit_model("bert", freeze_ratio=0.8, freeze_by="count")
+    tuner = model.base_model
+    assert tuner.scheduler.sizes is None
+    assert sum(tuner.scheduler.trained) == max(1, len(tuner._units) - math.floor(0.8 * len(tuner._units)))
+
+
+# ---------------------------------------------------------------------------------------------- catch-up
+
+
+@pytest.mark.parametrize("catch_up", [True, False])
+def test_catch_up_scales_the_update_by_the_missed_steps(catch_up):
+    """With plain SGD the optimizer's update is -lr * grad: a unit that trains after f frozen steps moves by
+    -lr * grad * min(f + 1, 1 / (1 - ratio)) (1 without catch-up); frozen units do not move at all (bit-identical)."""
+    ratio, lr = 0.75, 0.1
+    model = slimfit_model("bert", freeze_ratio=ratio, freeze_by="count", catch_up=catch_up)
+    tuner = model.base_model
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    model.train()
+    seen_factors = set()
+    for step in range(10):
+        loss_of(model, make_batch("bert", seed=step)).backward()
+        frozen_for = list(tuner.scheduler.frozen_for)
+        before = [[p.detach().clone() for p in unit.params] for unit in tuner._units]
+        grads = [[None if p.grad is None else p.grad.clone() for p in unit.params] for unit in tuner._units]
+        trained = list(tuner.scheduler.trained)
+        optimizer.step()
+        for index, unit in enumerate(tuner._units):
+            factor = min(frozen_for[index] + 1, 1 / (1 - ratio)) if catch_up else 1.0
+            for p, old, grad in zip(unit.params, before[index], grads[index]):
+                if not trained[index]:
+                    assert torch.equal(p, old), unit.name
+                else:
+                    seen_factors.add(factor)
+                    torch.testing.assert_close(p.detach(), old - lr * factor * grad, rtol=1e-5, atol=1e-6)
+        optimizer.zero_grad()
+        model.slimfit_step()
+    assert seen_factors == ({1.0, 2.0, 3.0, 4.0} if catch_up else {1.0})
+
+
+def test_catch_up_does_not_change_the_scores():
+    """The scores rank the optimizer's own update: over the first sweep (two steps at ratio 0.5; the second step's
+    units missed one step, so catch-up doubles their update) both runs score alike, though their weights differ."""
+    scores, weights = [], []
+    for catch_up in (True, False):
+        model = slimfit_model("bert", freeze_ratio=0.5, freeze_by="count", catch_up=catch_up)
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        model.train()
+        for step in range(2):
+            loss_of(model, make_batch("bert", seed=step)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            model.slimfit_step()
+        scores.append(model.base_model.scheduler.scores)
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert not any(math.isinf(s) for s in scores[0])
+    assert scores[0] == pytest.approx(scores[1], rel=1e-5)
+    assert not torch.equal(weights[0], weights[1])
+
+
+# ---------------------------------------------------------------------------------------------- norms, scores
+
+
+def test_norms_always_train_and_are_no_unit():
+    model = slimfit_model("bert", freeze_ratio=0.9, always_train_norms=True)
+    tuner = model.base_model
+    norms = [n for n, m in model.base_model.model.named_modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert norms and not any(name.startswith(tuple(norms)) for name in tuner.unit_names)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    for step in range(3):
+        loss_of(model, make_batch("bert", seed=step)).backward()
+        for name in norms:
+            module = tuner.model.get_submodule(name)
+            assert module.weight.grad is not None and module.bias.grad is not None, name
+        optimizer.step()
+        optimizer.zero_grad()
+        model.slimfit_step()
+    plain = slimfit_model("bert", freeze_ratio=0.9, always_train_norms=False)
+    assert any("LayerNorm" in name for name in plain.base_model.unit_names)
+
+
+@pytest.mark.parametrize("metric", ["relative_change", "update_norm"])
+def test_scores_of_a_step_follow_their_definition(metric):
+    """The device-side scores (torch._foreach_*) equal the definition computed here tensor by tensor, in float64."""
+    eps = 1e-3
+    model = slimfit_model("llama", freeze_ratio=0.5, freeze_by="count", metric=metric, epsilon=eps)
+    tuner = model.base_model
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    loss_of(model, make_batch("llama")).backward()
+    trained = [u for u, t in enumerate(tuner.scheduler.trained) if t]
+    before = {u: [p.detach().double() for p in tuner._units[u].params] for u in trained}
+    optimizer.step()
+    optimizer.zero_grad()
+    model.slimfit_step()
+    for u in trained:
+        olds, news = before[u], [p.detach().double() for p in tuner._units[u].params]
+        if metric == "relative_change":
+            total = sum(((n - o).abs() / (o.abs() + eps)).sum().item() for o, n in zip(olds, news))
+            expected = total / sum(o.numel() for o in olds)
+        else:
+            change = math.sqrt(sum((n - o).pow(2).sum().item() for o, n in zip(olds, news)))
+            expected = change / (math.sqrt(sum(o.pow(2).sum().item() for o in olds)) + eps)
+        assert tuner.scheduler.scores[u] == pytest.approx(expected, rel=1e-5), tuner._units[u].name
+
+
+# ---------------------------------------------------------------------------------------------- defaults, old files
+
+
+def test_new_configs_use_the_measured_defaults():
+    config = SlimFitConfig()
+    assert (config.freeze_by, config.catch_up, config.always_train_norms) == ("bytes", False, True)
+
+
+def test_a_config_saved_by_0_1_0_keeps_the_papers_rule(tmp_path):
+    """Saved before these fields existed, a config means what 0.1.0 did: count units, no catch-up."""
+    with open(os.path.join(DATA, "slimfit_adapter_config.json")) as handle:
+        saved = json.load(handle)
+    assert not {"freeze_by", "catch_up", "always_train_norms"} & saved.keys()
+    (tmp_path / "adapter_config.json").write_text(json.dumps(saved))
+    config = PeftConfig.from_pretrained(str(tmp_path))
+    assert isinstance(config, SlimFitConfig)
+    assert (config.freeze_by, config.catch_up, config.always_train_norms) == ("count", False, False)
+    config.save_pretrained(str(tmp_path / "again"))  # saved now: the fields are written, and read back as they are
+    again = PeftConfig.from_pretrained(str(tmp_path / "again"))
+    assert (again.freeze_by, again.catch_up) == ("count", False)
+    current = SlimFitConfig(freeze_ratio=0.8, catch_up=True)
+    current.save_pretrained(str(tmp_path / "current"))
+    loaded = PeftConfig.from_pretrained(str(tmp_path / "current"))
+    assert (loaded.freeze_by, loaded.catch_up, loaded.always_train_norms) == ("bytes", True, True)
+
+
+@pytest.mark.parametrize(("field", "value"), [("freeze_by", "units"), ("catch_up", "yes"), ("always_train_norms", 2)])
+def test_new_fields_refuse_bad_values(field, value):
+    with pytest.raises((ValueError, TypeError), match=f"SlimFitConfig.{field}"):
+        SlimFitConfig(**{field: value})
+
+
+@pytest.mark.parametrize("metric", ["relative_change", "update_norm"])
+def test_foreach_path_equals_the_tensor_by_tensor_path(metric, monkeypatch):
+    """The CUDA path (torch._foreach_*) computes what the CPU path does, catch-up included: forced here on CPU."""
+    from peft_slim.slimfit import observer
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(3, 4), (5,), (2, 2, 3)]
+    olds = [torch.randn(s, generator=generator) for s in shapes]
+    news = [o + 0.01 * torch.randn(o.shape, generator=generator) for o in olds]
+    factors = [1.0, 3.0, 2.5]
+    results = {}
+    for fused in (False, True):
+        monkeypatch.setattr(observer, "_fused", lambda tensors, fused=fused: fused)
+        after = [n.clone() for n in news]
+        sums = observer.step_parts(metric, [o.clone() for o in olds], after, 1e-3, factors)
+        results[fused] = (sums, after)
+    torch.testing.assert_close(results[True][0], results[False][0])
+    for o, n, f, a, b in zip(olds, news, factors, results[True][1], results[False][1]):
+        torch.testing.assert_close(a, o + f * (n - o))
+        torch.testing.assert_close(b, o + f * (n - o))
