@@ -28,6 +28,7 @@ import math
 import os
 import platform
 import random
+import re
 import statistics
 import sys
 import time
@@ -273,10 +274,18 @@ def main(argv=None) -> None:
         for path in args.merge:
             with open(path) as handle:
                 parts.append(json.load(handle))
+
+        # Parts may split methods or seeds: same protocol apart from the seeds, runs of a method concatenated.
+        def protocol(part: dict) -> str:
+            return re.sub(r", seeds \[[^]]*\]", "", part["setup"]["protocol"])
+
         report = parts[0]
         for part in parts[1:]:
-            assert part["setup"]["protocol"] == report["setup"]["protocol"], "parts of different settings"
-            report["runs"].update(part["runs"])
+            assert protocol(part) == protocol(report), "parts of different settings"
+            for name, runs in part["runs"].items():
+                report["runs"].setdefault(name, []).extend(runs)
+        seeds = sorted({run["seed"] for runs in report["runs"].values() for run in runs})
+        report["setup"]["protocol"] = protocol(report).replace("; mean ± std", f", seeds {seeds}; mean ± std")
         report["runs"] = {name: report["runs"][name] for name in METHODS if name in report["runs"]}
         write(report, args.out)
         return
