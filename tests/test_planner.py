@@ -204,7 +204,7 @@ def test_train_line_asks_for_the_planned_weight_dtype():
     from peft_slim.cli.plan import train_command
     from peft_slim.planner.plan import Candidate
 
-    candidate = Candidate("tokentune-0.2+lora-r8", "tokentune", 8, token_ratio=0.2)
+    candidate = Candidate("tokentune", 8, token_ratio=0.2)
     parsed = parse_train_line(shlex.split(train_command("m", candidate, 2, 64, "bfloat16"))[1:])
     assert (parsed.dtype, parsed.bf16, parsed.token_ratio) == ("bfloat16", False, 0.2)
 
@@ -248,10 +248,13 @@ def test_cli_reports_a_bad_model(tmp_path, capsys):
     assert "no 'model_type'" in capsys.readouterr().out
 
 
-def test_slimfit_worst_step_trains_the_largest_units():
+@pytest.mark.parametrize("freeze_by", ["count", "bytes"])
+def test_slimfit_worst_step_trains_the_largest_units(freeze_by):
+    """The step the planner sizes: by count, the most units the schedule trains, each larger than every other; by
+    bytes, the largest units first, each that still fits (1 - freeze_ratio) of all scheduled units' bytes."""
     model = get_peft_model(
         transformers.AutoModelForSequenceClassification.from_config(bert_config()),
-        peft_slim.SlimFitConfig(task_type="SEQ_CLS", freeze_ratio=0.75),
+        peft_slim.SlimFitConfig(task_type="SEQ_CLS", freeze_ratio=0.75, freeze_by=freeze_by),
     )
     tuner = model.base_model
     chosen = tuner.train_largest_units()
@@ -260,9 +263,20 @@ def test_slimfit_worst_step_trains_the_largest_units():
     def unit_bytes(name):  # a unit is one weight tensor here, named like the parameter
         return sum(p.numel() * p.element_size() for n, p in params.items() if n.startswith(name))
 
-    others = [u for u in tuner.unit_names if u not in chosen]
-    assert len(chosen) == len(tuner.unit_names) - int(0.75 * len(tuner.unit_names))
-    assert min(unit_bytes(u) for u in chosen) >= max(unit_bytes(u) for u in others)
+    names = tuner.unit_names
+    others = [u for u in names if u not in chosen]
+    if freeze_by == "count":
+        assert len(chosen) == len(names) - int(0.75 * len(names))
+        assert min(unit_bytes(u) for u in chosen) >= max(unit_bytes(u) for u in others)
+    else:
+        budget = max(0.25 * sum(unit_bytes(u) for u in names), min(unit_bytes(u) for u in names))
+        expected, left = [], budget
+        for unit in sorted(names, key=lambda u: -unit_bytes(u)):
+            if unit_bytes(unit) <= left:
+                expected.append(unit)
+                left -= unit_bytes(unit)
+        assert sorted(chosen) == sorted(expected)
+        assert sum(unit_bytes(u) for u in chosen) <= budget
     assert tuner.trained_units == chosen
 
 
