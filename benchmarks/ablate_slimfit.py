@@ -81,19 +81,18 @@ def run(task_name: str, variants: list[str], seeds: list[int]) -> None:
             print(f"{task_name} {variant} s{seed}: {result['metrics']}", flush=True)
 
 
-# The benchmark's rows: bytes-0.9+norms is SlimFit 0.9 with the current defaults; the 0.8/0.95 and stack rows ran
-# with catch-up on (the default while they ran).
+# The benchmark's rows: bytes-0.9+norms is SlimFit 0.9 with the current defaults, as are the benchmark methods
+# slimfit-0.8+comp / slimfit-0.95+comp and the stack (slimfit-0.9+tokentune-0.2+lora+comp), re-run with them.
 BENCH = [
     "full-ft",
     "lora",
     "tokentune-0.2+lora",
     "tokentune-0.3+lora",
     "paper-0.9",
+    "slimfit-0.8+comp",
     "bytes-0.9+norms",
-    "bytes-0.8+norms+catchup",
-    "bytes-0.9+norms+catchup",
-    "bytes-0.95+norms+catchup",
-    "stack-0.9+catchup",
+    "slimfit-0.95+comp",
+    "slimfit-0.9+tokentune-0.2+lora+comp",
 ]
 
 
