@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import os
 import platform
 import sys
@@ -23,11 +22,13 @@ from transformers import LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import peft_slim  # noqa: E402
-from benchmarks.bench_tokentune import LORA_TARGETS, RATIOS, results_table, smollm2_135m_shape  # noqa: E402
-from benchmarks.bench_tokentune import training_step as step  # noqa: E402
+from benchmarks.bench_tokentune import (  # noqa: E402
+    LORA_TARGETS,
+    measure_side_by_side,
+    results_table,
+    smollm2_135m_shape,
+)
 from benchmarks.report import write_report  # noqa: E402
-from benchmarks.side_by_side import add_ratios, time_alternating  # noqa: E402
-from peft_slim.memory import SavedActivationBytes, peak_memory_bytes  # noqa: E402
 
 
 def build_methods(layers: int, token_ratio: float) -> dict[str, torch.nn.Module]:
@@ -64,25 +65,7 @@ def main() -> None:
     torch.manual_seed(0)
     input_ids = torch.randint(0, vocab, (args.batch, args.seq))
     batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids}
-    optimizers = {
-        name: torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        for name, model in methods.items()
-    }
-    results = {}
-    for name, model in methods.items():
-        model.train()
-        with SavedActivationBytes(list(model.parameters())) as saved:
-            loss = model(**batch).loss
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        del loss
-        step(model, optimizers[name], batch)  # warm-up, creates optimizer state
-        peak = peak_memory_bytes(lambda m=model, o=optimizers[name]: step(m, o, batch))
-        results[name] = {"saved_activation_bytes": saved.bytes, "peak_step_bytes": peak, "step_seconds": []}
-    steps = {name: functools.partial(step, model, optimizers[name], batch) for name, model in methods.items()}
-    for name, seconds in time_alternating(steps, args.steps).items():
-        results[name]["step_seconds"] = seconds
-    add_ratios(results, "lora", args.batch * args.seq, RATIOS)
+    results = measure_side_by_side(methods, batch, args.steps)
 
     threads = torch.get_num_threads()
     setup = {

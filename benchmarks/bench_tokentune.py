@@ -72,6 +72,31 @@ def training_step(model, optimizer, batch):
     return loss
 
 
+def measure_side_by_side(methods: dict[str, torch.nn.Module], batch: dict, steps: int) -> dict:
+    """Per method: saved activations of one training forward, the peak of one step (after a warm-up step that
+    creates the AdamW state), and ``steps`` step times with the methods alternating; ratios to "lora"."""
+    optimizers = {
+        name: torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        for name, model in methods.items()
+    }
+    results = {}
+    for name, model in methods.items():
+        model.train()
+        with SavedActivationBytes(list(model.parameters())) as saved:
+            loss = model(**batch).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        del loss
+        training_step(model, optimizers[name], batch)  # warm-up, creates optimizer state
+        peak = peak_memory_bytes(lambda m=model, o=optimizers[name]: training_step(m, o, batch))
+        results[name] = {"saved_activation_bytes": saved.bytes, "peak_step_bytes": peak, "step_seconds": []}
+    timed = {name: functools.partial(training_step, model, optimizers[name], batch) for name, model in methods.items()}
+    for name, seconds in time_alternating(timed, steps).items():
+        results[name]["step_seconds"] = seconds
+    add_ratios(results, "lora", batch["input_ids"].numel(), RATIOS)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=4)
@@ -90,28 +115,7 @@ def main() -> None:
     methods = build_methods(config, args.token_ratio)
     input_ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
     batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids}
-    optimizers = {
-        name: torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        for name, model in methods.items()
-    }
-
-    results = {}
-    for name, model in methods.items():
-        model.train()
-        parameters = list(model.parameters())
-        with SavedActivationBytes(parameters) as saved:
-            loss = model(**batch).loss
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        del loss
-        training_step(model, optimizers[name], batch)  # warm-up, creates optimizer state
-        peak = peak_memory_bytes(lambda m=model, o=optimizers[name]: training_step(m, o, batch))
-        results[name] = {"saved_activation_bytes": saved.bytes, "peak_step_bytes": peak, "step_seconds": []}
-
-    steps = {name: functools.partial(training_step, model, optimizers[name], batch) for name, model in methods.items()}
-    for name, seconds in time_alternating(steps, args.steps).items():
-        results[name]["step_seconds"] = seconds
-    add_ratios(results, "lora", args.batch * args.seq, RATIOS)
+    results = measure_side_by_side(methods, batch, args.steps)
 
     setup = {
         "model": f"Llama, SmolLM2-135M shape, {args.layers} layers, random weights, fp32, sdpa",

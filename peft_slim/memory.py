@@ -63,14 +63,8 @@ def peak_memory_bytes(step: Callable[[], object]) -> int:
         return torch.cuda.max_memory_allocated() - before
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    # Each allocation is reported by the operator that made it (its *self* usage, children excluded) and
-    # each free outside an operator as a "[memory]" event; replay both in time order.
-    changes = sorted(
-        (e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
-        for e in prof.events()
-    )
     running = peak = 0
-    for _, change in changes:
+    for _, change in sorted(_allocation_changes(prof)):  # replayed in time order
         running += change
         peak = max(peak, running)
     return peak
@@ -87,8 +81,19 @@ def held_memory_bytes(step: Callable[[], object]) -> tuple[int, object]:
         return torch.cuda.memory_allocated() - before, result
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         result = step()
-    held = sum(e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage for e in prof.events())
-    return held, result
+    return sum(change for _, change in _allocation_changes(prof)), result
+
+
+def _allocation_changes(prof: torch.profiler.profile) -> list[tuple[int, int]]:
+    """(start time, byte change) of every CPU allocation and free the profiler saw.
+
+    Each allocation is reported by the operator that made it (its *self* usage, children excluded) and each free
+    outside an operator as a "[memory]" event.
+    """
+    return [
+        (e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
+        for e in prof.events()
+    ]
 
 
 def timeline_peak_bytes(step: Callable[[], object]) -> int:

@@ -16,7 +16,16 @@ import torch
 from peft import PeftConfig
 
 from ..compat import fake_tensor_mode
-from .setup import base_model, make_inputs, make_optimizer, resolve_workload, storage_bytes, trainable_model
+from .setup import (
+    base_model,
+    gradient_bytes,
+    make_inputs,
+    make_optimizer,
+    optimizer_state_bytes,
+    resolve_workload,
+    trainable_model,
+    weight_bytes,
+)
 from .trace import LiveBytes
 
 
@@ -68,7 +77,7 @@ def estimate_memory(
     with mode:
         _make_fake(trained)
         optimizer = make_optimizer(trained, workload.optimizer)
-        held = storage_bytes([*trained.parameters(), *trained.buffers()])
+        held = weight_bytes(trained)
         _create_optimizer_state(trained, optimizer)
         live = LiveBytes()
         with live, warnings.catch_warnings():
@@ -77,10 +86,10 @@ def estimate_memory(
             activations = live.total
             loss.backward()
             del loss
-            gradients = storage_bytes(p.grad for p in trained.parameters())
+            gradients = gradient_bytes(trained)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        state = storage_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+        state = optimizer_state_bytes(optimizer)
     return MemoryEstimate(held, gradients, state, activations, held + state + live.peak)
 
 

@@ -13,11 +13,13 @@ from .estimate import MemoryEstimate
 from .setup import (
     after_step,
     base_model,
+    gradient_bytes,
     make_inputs,
     make_optimizer,
+    optimizer_state_bytes,
     resolve_workload,
-    storage_bytes,
     trainable_model,
+    weight_bytes,
 )
 
 
@@ -57,11 +59,11 @@ def measure_memory(
         activations, loss = held_memory_bytes(forward)
         loss.backward()
         del loss
-        gradients = storage_bytes(p.grad for p in trained.parameters())
+        gradients = gradient_bytes(trained)
         opt.step()
         opt.zero_grad(set_to_none=True)
         after_step(trained)
-        state = storage_bytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-        held = storage_bytes([*trained.parameters(), *trained.buffers()])
+        state = optimizer_state_bytes(opt)
+        held = weight_bytes(trained)
         peak = timeline_peak_bytes(lambda: rest(forward()))
     return MemoryEstimate(held, gradients, state, activations, held + state + peak)

@@ -216,3 +216,16 @@ def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages of ``tensors``."""
     seen = {storage_key(t): t.untyped_storage().nbytes() for t in tensors if t is not None}
     return sum(seen.values())
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s parameters and buffers (shared ones once)."""
+    return storage_bytes([*model.parameters(), *model.buffers()])
+
+
+def gradient_bytes(model: nn.Module) -> int:
+    return storage_bytes(p.grad for p in model.parameters())
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return storage_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))

@@ -315,10 +315,7 @@ class TokenSelector:
             shift=self._head.kind == "causal_lm",
             num_items_in_batch=state.num_items_in_batch,
         )
-        if isinstance(output, dict):
-            fields = {key: value for key, value in output.items() if key != "loss"}
-            return type(output)(loss=loss, **fields)
-        return (loss, *output)
+        return with_loss(output, loss)
 
     def _finish_chunked(self, model: nn.Module, state: _TrainingForward, output: Any, logits: Any):
         """The loss through ``chunked_head_loss``; the output's logits (over no position) become None."""
@@ -349,10 +346,18 @@ class TokenSelector:
             chunk_rows(logits.shape[-1]),
         )
         loss = labelled_mean(total, targets, labels, True, state.num_items_in_batch)
-        if isinstance(output, dict):
-            fields = {key: value for key, value in output.items() if key not in ("loss", "logits")}
-            return type(output)(loss=loss, logits=None, **fields)
-        return (loss, *output[1:])
+        return with_loss(output, loss, drop_logits=True)
+
+
+def with_loss(output: Any, loss: torch.Tensor, drop_logits: bool = False) -> Any:
+    """``output`` (a ``ModelOutput`` or a tuple without a loss) with ``loss`` first; ``drop_logits``: its logits
+    (over no position, when the chunked loss ran the head) become None, and leave the tuple."""
+    if isinstance(output, dict):
+        fields = {key: value for key, value in output.items() if key != "loss"}
+        if drop_logits:
+            fields["logits"] = None
+        return type(output)(loss=loss, **fields)
+    return (loss, *output[1:]) if drop_logits else (loss, *output)
 
 
 def post_processes_logits(model: nn.Module) -> bool:
