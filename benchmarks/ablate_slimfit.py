@@ -21,7 +21,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from . import measure, plots
-from .methods import Method, all_methods, slimfit
+from .methods import Method, all_methods, slimfit, tokentune
 from .report import markdown_table, size, write_report
 from .tasks import SMALL_TASKS, TASKS
 
@@ -47,6 +47,7 @@ VARIANTS: dict[str, tuple[float, dict]] = {
     },
     "stack-0.9+catchup": (0.9, {**BYTES, "catch_up": True, "stack": True}),  # + TokenTune 0.2 + LoRA
 }
+TOKENTUNE = {f"tokentune-{r:g}+lora": r for r in (0.5, 0.7)}
 # The runs of bytes-*+norms+catchup and stack-0.9+catchup in results/ablation/ were made as SlimFit's benchmark
 # methods (slimfit-0.8/0.9/0.95+comp, slimfit-0.9+tokentune-0.2+lora+comp) while catch-up was on by default, and
 # renamed after the run to the settings they ran with (their "fields" say so).
@@ -56,6 +57,8 @@ def method(name: str) -> Method:
     baselines = all_methods()
     if name in baselines:
         return baselines[name]
+    if name in TOKENTUNE:  # the TokenTune side of the trade-off curve, beyond the benchmark's ratios
+        return Method(name, lambda task, seed: tokentune(task, seed, TOKENTUNE[name]))
     ratio, fields = VARIANTS[name]
     return Method(name, lambda task, seed: slimfit(task, seed, ratio, compression=True, **fields), str(fields))
 
@@ -74,11 +77,24 @@ def run(task_name: str, variants: list[str], seeds: list[int]) -> None:
                 continue
             result = measure.run(task, method(variant), seed, True, torch.device("cpu"))
             result.pop("slimfit_history", None)
-            result.update(variant=variant, fields=method(variant).note, task=task.description)
+            result.update(
+                variant=variant, fields=method(variant).note, task=task.description, environment=environment()
+            )
             with open(path + ".tmp", "w") as handle:
                 json.dump(result, handle)
             os.replace(path + ".tmp", path)
             print(f"{task_name} {variant} s{seed}: {result['metrics']}", flush=True)
+
+
+def environment() -> dict[str, str]:
+    """Versions a run's numbers depend on: the same seed gives another head initialisation (MiniLM) or another
+    pretrained ViT under other versions, so runs of one seed are comparable only within one environment."""
+    import numpy
+    import peft
+    import transformers
+
+    modules = {"torch": torch, "transformers": transformers, "peft": peft, "numpy": numpy}
+    return {name: module.__version__ for name, module in modules.items()}
 
 
 # The benchmark's rows: bytes-0.9+norms is SlimFit 0.9 with the current defaults, as are the benchmark methods
@@ -161,7 +177,9 @@ def report(tasks: list[str], out: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", choices=list(ALL_TASKS), default="minilm-condition")
-    parser.add_argument("--variants", nargs="+", default=[], metavar="VARIANT", help=", ".join(VARIANTS))
+    parser.add_argument(
+        "--variants", nargs="+", default=[], metavar="VARIANT", help=", ".join([*VARIANTS, *TOKENTUNE])
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--table", action="store_true", help="print the summary of the task's recorded runs")
     parser.add_argument("--report", nargs="+", metavar="TASK", help="tables and plot of the benchmark's methods")
