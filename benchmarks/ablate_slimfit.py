@@ -46,6 +46,8 @@ VARIANTS: dict[str, tuple[float, dict]] = {
         f"bytes-{r:g}+norms+catchup": (r, {**BYTES, "always_train_norms": True, "catch_up": True}) for r in (0.8, 0.95)
     },
     "stack-0.9+catchup": (0.9, {**BYTES, "catch_up": True, "stack": True}),  # + TokenTune 0.2 + LoRA
+    # SlimFit with the current defaults at lower freeze ratios: the trade-off curve beside slimfit-0.8/0.95+comp.
+    **{f"slimfit-{r:g}+comp": (r, {}) for r in (0.5, 0.7)},
 }
 TOKENTUNE = {f"tokentune-{r:g}+lora": r for r in (0.5, 0.7)}
 # The runs of bytes-*+norms+catchup and stack-0.9+catchup in results/ablation/ were made as SlimFit's benchmark
