@@ -54,6 +54,13 @@ METHODS: dict[str, tuple[list[str], str | int]] = {
     "tokentune-0.3-random": (["--token-ratio", "0.3", "--selection", "random", *LORA], "all"),
     f"tokentune-0.3-{SELECT}": (["--token-ratio", "0.3", "--selection", SELECT, *LORA], "all"),
     "slimfit-0.9+lora": (["--method", "slimfit", "--freeze-ratio", "0.9", "--compression-bits", "none", *LORA], "all"),
+    # Base weights trained (no LoRA; --base-learning-rate): full fine-tuning and SlimFit on the model's own weights,
+    # with SlimFit's default activation compression (issue 17's rows).
+    "full": (["--method", "full"], "all"),
+    **{
+        f"slimfit-{r:g}": (["--method", "slimfit", "--freeze-ratio", str(r), "--lora-r", "0"], "all")
+        for r in (0.8, 0.9, 0.95)
+    },
     f"stack: slimfit-0.9+tokentune-0.2-{SELECT}+lora+comp": (
         ["--method", "slimfit", "--freeze-ratio", "0.9", "--token-ratio", "0.2", "--selection", SELECT, *LORA],
         "all",
@@ -67,7 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--learning-rate", type=float, default=1e-3, help="of the methods that train adapters")
+    parser.add_argument(
+        "--base-learning-rate", type=float, default=1e-4, help="of the methods that train the base weights"
+    )
     parser.add_argument("--max-length", type=int, default=96)
     parser.add_argument("--held-out", type=int, default=48, help="held-out examples evaluated (every 5th, in order)")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
@@ -83,11 +93,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def trains_base_weights(flags: list[str]) -> bool:
+    """Full fine-tuning, or SlimFit with ``--lora-r 0`` (its units are then the model's own weights)."""
+    lora_r = flags[flags.index("--lora-r") + 1] if "--lora-r" in flags else None
+    return "full" in flags or lora_r == "0"
+
+
 def method_args(flags: list[str], args: argparse.Namespace, seed: int) -> argparse.Namespace:
     """The flags parsed and checked exactly as ``peft-slim train`` does."""
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    extra = ["--seed", str(seed), "--learning-rate", str(args.learning_rate), "--max-steps", str(args.steps)]
+    rate = args.base_learning_rate if trains_base_weights(flags) else args.learning_rate
+    extra = ["--seed", str(seed), "--learning-rate", str(rate), "--max-steps", str(args.steps)]
     parsed = parser.parse_args(flags + extra)
     cli.check_flags(parsed)
     return parsed
@@ -306,7 +323,8 @@ def main(argv=None) -> None:
             "title": f"SFT: {model_name.split(' ')[0]} on chatterbot-corpus QA ({len(train)} train / "
             f"{len(held_out)} held-out), completion-only",
             "machine": f"{platform.machine()} CPU, torch {torch.__version__}, 1 intra-op thread",
-            "protocol": f"{args.steps} AdamW steps (lr {args.learning_rate}, no decay), batch {args.batch_size}, "
+            "protocol": f"{args.steps} AdamW steps (lr {args.learning_rate}; base weights {args.base_learning_rate}; "
+            f"no decay), batch {args.batch_size}, "
             f"max length {args.max_length}, LoRA r=8 alpha 16 on all linear layers, seeds {args.seeds}; "
             "mean ± std over seeds; ratios against LoRA's mean in the same run.",
             "held_out_every": HELD_OUT_EVERY,
