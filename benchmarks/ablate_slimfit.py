@@ -30,6 +30,7 @@ ALL_TASKS = {**SMALL_TASKS, **TASKS}
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ablation")
 PAPER = {"freeze_by": "count", "catch_up": False, "always_train_norms": False}  # the paper's rule (0.1.0's)
 BYTES = {**PAPER, "freeze_by": "bytes"}
+NORMS = {**BYTES, "always_train_norms": True}
 # name -> (freeze ratio, SlimFitConfig fields): what each variant sets apart from the current defaults.
 VARIANTS: dict[str, tuple[float, dict]] = {
     **{f"paper-{r:g}": (r, PAPER) for r in (0.5, 0.8, 0.9, 0.95)},
@@ -46,8 +47,11 @@ VARIANTS: dict[str, tuple[float, dict]] = {
         f"bytes-{r:g}+norms+catchup": (r, {**BYTES, "always_train_norms": True, "catch_up": True}) for r in (0.8, 0.95)
     },
     "stack-0.9+catchup": (0.9, {**BYTES, "catch_up": True, "stack": True}),  # + TokenTune 0.2 + LoRA
-    # SlimFit with the current defaults at lower freeze ratios: the trade-off curve beside slimfit-0.8/0.95+comp.
-    **{f"slimfit-{r:g}+comp": (r, {}) for r in (0.5, 0.7)},
+    # The trade-off curves: freeze ratio 0.5 -> 0.95, with the paper's update and with catch-up by sqrt(k).
+    **{f"bytes-{r:g}+norms": (r, {**BYTES, "always_train_norms": True}) for r in (0.5, 0.7, 0.8, 0.95)},
+    **{f"bytes-{r:g}+norms+sqrt": (r, {**NORMS, "catch_up": "sqrt"}) for r in (0.5, 0.7, 0.8, 0.9, 0.95)},
+    "stack-0.9": (0.9, {**NORMS, "stack": True}),
+    "stack-0.9+sqrt": (0.9, {**NORMS, "catch_up": "sqrt", "stack": True}),
 }
 TOKENTUNE = {f"tokentune-{r:g}+lora": r for r in (0.5, 0.7)}
 # The runs of bytes-*+norms+catchup and stack-0.9+catchup in results/ablation/ were made as SlimFit's benchmark
@@ -99,19 +103,41 @@ def environment() -> dict[str, str]:
     return {name: module.__version__ for name, module in modules.items()}
 
 
-# The benchmark's rows: bytes-0.9+norms is SlimFit 0.9 with the current defaults, as are the benchmark methods
-# slimfit-0.8+comp / slimfit-0.95+comp and the stack (slimfit-0.9+tokentune-0.2+lora+comp), re-run with them.
+# The benchmark's rows (explicit settings, so that a later change of defaults cannot rename them): SlimFit's
+# defaults are bytes-*+norms+sqrt (byte-aware freezing, norms always train, catch-up by sqrt(k)) and
+# stack-0.9+sqrt (SlimFit 0.9 + TokenTune 0.2 + LoRA + compression); bytes-0.9+norms is the previous default
+# (no catch-up) and paper-0.9 the paper's rule.
 BENCH = [
     "full-ft",
     "lora",
     "tokentune-0.2+lora",
     "tokentune-0.3+lora",
     "paper-0.9",
-    "slimfit-0.8+comp",
     "bytes-0.9+norms",
-    "slimfit-0.95+comp",
-    "slimfit-0.9+tokentune-0.2+lora+comp",
+    "bytes-0.8+norms+sqrt",
+    "bytes-0.9+norms+sqrt",
+    "bytes-0.95+norms+sqrt",
+    "stack-0.9+sqrt",
 ]
+# Further points of the trade-off curves (accuracy against memory as the ratio moves), shown after the rows.
+CURVE = [
+    "tokentune-0.5+lora",
+    "bytes-0.5+norms+sqrt",
+    "bytes-0.7+norms+sqrt",
+    "bytes-0.5+norms",
+    "bytes-0.7+norms",
+    "bytes-0.8+norms",
+    "bytes-0.95+norms",
+    "stack-0.9",
+]
+# The curves the plot draws through its points, in ratio order.
+LINES = {
+    "SlimFit (defaults: catch-up sqrt), freeze 0.5 -> 0.95": [
+        f"bytes-{r}+norms+sqrt" for r in (0.5, 0.7, 0.8, 0.9, 0.95)
+    ],
+    "SlimFit without catch-up, freeze 0.5 -> 0.95": [f"bytes-{r}+norms" for r in (0.5, 0.7, 0.8, 0.9, 0.95)],
+    "TokenTune + LoRA, token ratio 0.5 -> 0.2": ["tokentune-0.5+lora", "tokentune-0.3+lora", "tokentune-0.2+lora"],
+}
 
 
 def recorded(task_name: str) -> dict[str, list[dict]]:
@@ -143,6 +169,9 @@ def summary(task_name: str, variants: list[str] | None = None) -> dict:
             "memory": results[0]["memory"],
             "metrics": metrics,
             "seeds": [r["seed"] for r in results],
+            # keyed by environment and seed: only runs of one environment pair up (``paired_difference``)
+            "accuracy_by_seed": {f"{environment_name(r)}|{r['seed']}": r["metrics"]["accuracy"] for r in results},
+            "environments": [environment_name(r) for r in results],
             "fields": results[0]["fields"],
         }
     description = runs[variants[0]][0]["task"] if variants else ""
@@ -150,14 +179,38 @@ def summary(task_name: str, variants: list[str] | None = None) -> dict:
             "methods": methods}  # fmt: skip
 
 
+def environment_name(result: dict) -> str:
+    versions = result.get("environment")
+    return f"transformers {versions['transformers']}" if versions else "unrecorded (before 2026-12-01 09:30)"
+
+
+def reference(name: str) -> str:
+    """What a row is judged against (issue 17): TokenTune + LoRA against LoRA, the rest against full FT."""
+    return "lora" if name.startswith("tokentune") else "full-ft"
+
+
+def paired_difference(m: dict, ref: dict) -> str:
+    """Accuracy minus the reference's, in points, over the seeds both ran (same seed: same data order and head
+    initialisation, within one environment): mean ± sd (number of pairs)."""
+    seeds = [s for s in m["accuracy_by_seed"] if s in ref["accuracy_by_seed"]]
+    diffs = [100 * (m["accuracy_by_seed"][s] - ref["accuracy_by_seed"][s]) for s in seeds]
+    if not diffs:
+        return ""
+    spread = f" ± {statistics.stdev(diffs):.1f}" if len(diffs) > 1 else ""
+    return f"{statistics.mean(diffs):+.1f}{spread} ({len(diffs)})"
+
+
 def table(task: dict, settings: bool = True) -> str:
     methods = task["methods"]
     full = methods.get("full-ft", {}).get("total_bytes")
-    header = ["method", "seeds", "accuracy", "macro-F1", "total memory", "vs full FT"]
+    header = ["method", "seeds", "accuracy", "macro-F1", "Δ acc, points (pairs)", "vs", "total memory", "vs full FT"]
     rows = []
     for name, m in methods.items():
         accuracy, f1 = m["metrics"]["accuracy"], m["metrics"]["macro_f1"]
+        ref = reference(name)
+        difference = paired_difference(m, methods[ref]) if ref in methods and name != ref else ""
         row = [name, len(m["seeds"]), f"{accuracy['mean']:.3f} ± {accuracy['std']:.3f}", f"{f1['mean']:.3f}"]
+        row += [difference, ref if difference else ""]
         row += [size(m["total_bytes"]), f"{m['total_bytes'] / full:.2f}" if full else ""]
         if settings:
             row.append(m["fields"] if name in VARIANTS else "")
@@ -167,12 +220,17 @@ def table(task: dict, settings: bool = True) -> str:
 
 def report(tasks: list[str], out: str) -> None:
     """The benchmark's methods on ``tasks``: ``<out>/accuracy.md`` (tables) and ``accuracy_vs_memory.png``."""
-    summaries = [summary(name, BENCH) for name in tasks]
+    summaries = [summary(name, BENCH + CURVE) for name in tasks]
     text = ["# Accuracy of the methods on short, small-data runs (benchmarks.ablate_slimfit --report)", ""]
     for task in summaries:
         text += [f"## {task['name']}", "", task["description"], "", table(task, settings=False), ""]
+        by_environment: dict[str, set] = {}
+        for m in task["methods"].values():
+            for seed, env in zip(m["seeds"], m["environments"]):
+                by_environment.setdefault(env, set()).add(seed)
+        text += ["Seeds by environment: " + "; ".join(f"{e}: {sorted(s)}" for e, s in by_environment.items()), ""]
     text.append("![accuracy against memory](accuracy_vs_memory.png)")
-    plots.accuracy_vs_memory(summaries, os.path.join(out, "accuracy_vs_memory.png"))
+    plots.accuracy_vs_memory(summaries, os.path.join(out, "accuracy_vs_memory.png"), lines=LINES)
     write_report(out, "accuracy", {"tasks": summaries}, "\n".join(text))
 
 

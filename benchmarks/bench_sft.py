@@ -300,7 +300,16 @@ def main(argv=None) -> None:
         for part in parts[1:]:
             assert protocol(part) == protocol(report), "parts of different settings"
             for name, runs in part["runs"].items():
-                report["runs"].setdefault(name, []).extend(runs)
+                have = {run["seed"]: run for run in report["runs"].setdefault(name, [])}
+                for run in runs:  # a run in two parts (a reference re-run beside new methods) must agree
+                    # (to 1e-4: other package versions round differently; seen 7e-7)
+                    if run["seed"] in have:
+                        same = math.isclose(
+                            have[run["seed"]]["answer_perplexity"], run["answer_perplexity"], rel_tol=1e-4
+                        )
+                        assert same, f"{name} seed {run['seed']} differs between parts"
+                    else:
+                        report["runs"][name].append(run)
         seeds = sorted({run["seed"] for runs in report["runs"].values() for run in runs})
         report["setup"]["protocol"] = protocol(report).replace("; mean ± std", f", seeds {seeds}; mean ± std")
         report["runs"] = {name: report["runs"][name] for name in METHODS if name in report["runs"]}

@@ -43,7 +43,8 @@ def pareto_front(points: list[tuple[float, float]], higher_is_better: bool) -> l
     return front
 
 
-def accuracy_vs_memory(tasks: list[dict], path: str) -> None:
+def accuracy_vs_memory(tasks: list[dict], path: str, lines: dict[str, list[str]] | None = None) -> None:
+    """One panel per task: each method's mean (± sd) against its memory; ``lines``: label -> methods to connect."""
     figure, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.5))
     for axis, task in zip(np.atleast_1d(axes), tasks):
         metric, higher = task["metric"], task["higher_is_better"]
@@ -54,6 +55,10 @@ def accuracy_vs_memory(tasks: list[dict], path: str) -> None:
         for name, (memory, value, std) in points.items():
             axis.errorbar(memory, value, yerr=std, fmt="o", capsize=3)
             axis.annotate(name, (memory, value), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        for label, names in (lines or {}).items():
+            curve = [points[name][:2] for name in names if name in points]
+            if len(curve) > 1:
+                axis.plot(*zip(*curve), linewidth=1, alpha=0.6, label=label)
         front = pareto_front([(m, v) for m, v, _ in points.values()], higher)
         axis.step(*zip(*front), where="post", color="grey", linestyle="--", label="Pareto front")
         axis.set_xscale("log")

@@ -156,12 +156,17 @@ class OneOf(Check):
 
     choices: tuple
     optional: bool = False
+    # The choices that False and True stand for, where the field was a bool in an earlier release (files saved
+    # then still load); None: a bool is refused.
+    from_bool: tuple[Any, Any] | None = None
 
     @property
     def expected(self) -> str:
         return f"one of {self.choices}"
 
     def coerce(self, value: Any, where: str) -> Any:
+        if isinstance(value, bool) and self.from_bool is not None:
+            return self.from_bool[value]
         if isinstance(value, numbers.Integral) and not isinstance(value, bool):
             value = int(value)
         elif not isinstance(value, str):

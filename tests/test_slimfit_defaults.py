@@ -100,12 +100,18 @@ def test_count_rule_is_the_papers():
 # ---------------------------------------------------------------------------------------------- catch-up
 
 
-@pytest.mark.parametrize("catch_up", [True, False])
+CATCH_UP_FACTOR = {"linear": lambda k: k, "sqrt": math.sqrt, "none": lambda k: 1.0}
+
+
+@pytest.mark.parametrize("catch_up", ["linear", "sqrt", "none", True, False])
 def test_catch_up_scales_the_update_by_the_missed_steps(catch_up):
     """With plain SGD the optimizer's update is -lr * grad: a unit that trains after f frozen steps moves by
-    -lr * grad * min(f + 1, 1 / (1 - ratio)) (1 without catch-up); frozen units do not move at all (bit-identical)."""
+    -lr * grad * g(k), k = min(f + 1, 1 / (1 - ratio)), g(k) = k ('linear', or True as 0.1.x wrote it), sqrt(k)
+    ('sqrt'), 1 ('none', False); frozen units do not move at all (bit-identical)."""
     ratio, lr = 0.75, 0.1
+    rule = {True: "linear", False: "none"}.get(catch_up, catch_up)
     model = slimfit_model("bert", freeze_ratio=ratio, freeze_by="count", catch_up=catch_up)
+    assert model.peft_config["default"].catch_up == rule
     tuner = model.base_model
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     model.train()
@@ -118,7 +124,7 @@ def test_catch_up_scales_the_update_by_the_missed_steps(catch_up):
         trained = list(tuner.scheduler.trained)
         optimizer.step()
         for index, unit in enumerate(tuner._units):
-            factor = min(frozen_for[index] + 1, 1 / (1 - ratio)) if catch_up else 1.0
+            factor = CATCH_UP_FACTOR[rule](min(frozen_for[index] + 1, 1 / (1 - ratio)))
             for p, old, grad in zip(unit.params, before[index], grads[index]):
                 if not trained[index]:
                     assert torch.equal(p, old), unit.name
@@ -127,14 +133,14 @@ def test_catch_up_scales_the_update_by_the_missed_steps(catch_up):
                     torch.testing.assert_close(p.detach(), old - lr * factor * grad, rtol=1e-5, atol=1e-6)
         optimizer.zero_grad()
         model.slimfit_step()
-    assert seen_factors == ({1.0, 2.0, 3.0, 4.0} if catch_up else {1.0})
+    assert seen_factors == {CATCH_UP_FACTOR[rule](k) for k in (1.0, 2.0, 3.0, 4.0)}
 
 
 def test_catch_up_does_not_change_the_scores():
     """The scores rank the optimizer's own update: over the first sweep (two steps at ratio 0.5; the second step's
     units missed one step, so catch-up doubles their update) both runs score alike, though their weights differ."""
     scores, weights = [], []
-    for catch_up in (True, False):
+    for catch_up in ("linear", "none"):
         model = slimfit_model("bert", freeze_ratio=0.5, freeze_by="count", catch_up=catch_up)
         optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
         model.train()
@@ -202,7 +208,7 @@ def test_scores_of_a_step_follow_their_definition(metric):
 
 def test_new_configs_use_the_measured_defaults():
     config = SlimFitConfig()
-    assert (config.freeze_by, config.catch_up, config.always_train_norms) == ("bytes", False, True)
+    assert (config.freeze_by, config.catch_up, config.always_train_norms) == ("bytes", "sqrt", True)
 
 
 def test_a_config_saved_by_0_1_0_keeps_the_papers_rule(tmp_path):
@@ -213,17 +219,28 @@ def test_a_config_saved_by_0_1_0_keeps_the_papers_rule(tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps(saved))
     config = PeftConfig.from_pretrained(str(tmp_path))
     assert isinstance(config, SlimFitConfig)
-    assert (config.freeze_by, config.catch_up, config.always_train_norms) == ("count", False, False)
+    assert (config.freeze_by, config.catch_up, config.always_train_norms) == ("count", "none", False)
     config.save_pretrained(str(tmp_path / "again"))  # saved now: the fields are written, and read back as they are
     again = PeftConfig.from_pretrained(str(tmp_path / "again"))
-    assert (again.freeze_by, again.catch_up) == ("count", False)
-    current = SlimFitConfig(freeze_ratio=0.8, catch_up=True)
+    assert (again.freeze_by, again.catch_up) == ("count", "none")
+    current = SlimFitConfig(freeze_ratio=0.8, catch_up="linear")
     current.save_pretrained(str(tmp_path / "current"))
     loaded = PeftConfig.from_pretrained(str(tmp_path / "current"))
-    assert (loaded.freeze_by, loaded.catch_up, loaded.always_train_norms) == ("bytes", True, True)
+    assert (loaded.freeze_by, loaded.catch_up, loaded.always_train_norms) == ("bytes", "linear", True)
 
 
-@pytest.mark.parametrize(("field", "value"), [("freeze_by", "units"), ("catch_up", "yes"), ("always_train_norms", 2)])
+@pytest.mark.parametrize(("written", "read"), [(True, "linear"), (False, "none")])
+def test_a_config_that_saved_catch_up_as_a_bool_keeps_its_update(tmp_path, written, read):
+    """Files written while catch_up was a bool (0.1.x, after 0.1.0): True was the linear update, False none."""
+    saved = SlimFitConfig(freeze_ratio=0.8).to_dict()
+    saved["catch_up"] = written
+    (tmp_path / "adapter_config.json").write_text(json.dumps(saved))
+    assert PeftConfig.from_pretrained(str(tmp_path)).catch_up == read
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("freeze_by", "units"), ("catch_up", "yes"), ("catch_up", 1), ("always_train_norms", 2)]
+)
 def test_new_fields_refuse_bad_values(field, value):
     with pytest.raises((ValueError, TypeError), match=f"SlimFitConfig.{field}"):
         SlimFitConfig(**{field: value})

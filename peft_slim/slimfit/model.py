@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from typing import Any
@@ -102,7 +103,7 @@ class SlimFitModel(MethodTuner):
             config.epsilon,
             resolve=self._resolve_params,
             guard=lambda: self._refuse_while_disabled("optimizer.step()"),
-            catch_up=self._catch_up_factor if config.catch_up else None,
+            catch_up=None if config.catch_up == "none" else self._catch_up_factor,
         )
         self._handles.append(model.register_forward_pre_hook(self._before_forward))
 
@@ -146,10 +147,11 @@ class SlimFitModel(MethodTuner):
         return self.trained_units
 
     def _catch_up_factor(self, index: int) -> float:
-        """How many steps' worth of update unit ``index`` makes now: 1 + the consecutive steps it was frozen (or,
-        before it first trained, every step so far), at most 1 / (1 - freeze_ratio)."""
+        """How many steps' worth of update unit ``index`` makes now: k = 1 + the consecutive steps it was frozen (or,
+        before it first trained, every step so far), at most 1 / (1 - freeze_ratio); sqrt(k) under 'sqrt'."""
         limit = 1.0 / (1.0 - self._config.freeze_ratio)
-        return float(min(1 + self.scheduler.frozen_for[index], limit))
+        steps = float(min(1 + self.scheduler.frozen_for[index], limit))
+        return math.sqrt(steps) if self._config.catch_up == "sqrt" else steps
 
     def slimfit_step(self, optimizer: torch.optim.Optimizer | list | tuple | None = None) -> None:
         """Close a training step: score the units that trained, re-rank, freeze for the next step.
