@@ -61,6 +61,13 @@ METHODS: dict[str, tuple[list[str], str | int]] = {
         f"slimfit-{r:g}": (["--method", "slimfit", "--freeze-ratio", str(r), "--lora-r", "0"], "all")
         for r in (0.8, 0.9, 0.95)
     },
+    **{  # without catch-up: the paper's update
+        f"slimfit-{r:g}-none": (
+            ["--method", "slimfit", "--freeze-ratio", str(r), "--lora-r", "0", "--catch-up", "none"],
+            "all",
+        )
+        for r in (0.8, 0.9, 0.95)
+    },
     f"stack: slimfit-0.9+tokentune-0.2-{SELECT}+lora+comp": (
         ["--method", "slimfit", "--freeze-ratio", "0.9", "--token-ratio", "0.2", "--selection", SELECT, *LORA],
         "all",

@@ -20,6 +20,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from peft_slim import SlimFitConfig
 from peft_slim.cli import main, sft_data
 
 CHAT_TEMPLATE = (
@@ -182,7 +183,7 @@ METHOD_FLAGS = {
     "tokentune-lora": ["--method", "tokentune", "--token-ratio", "0.5", "--bf16"],
     "tokentune-base": ["--method", "tokentune", "--lora-r", "0", "--selection", "random", "--gradient-checkpointing"],
     "slimfit-lora": ["--method", "slimfit", "--freeze-ratio", "0.5", "--token-ratio", "0.5"],
-    "slimfit-base": ["--method", "slimfit", "--lora-r", "0", "--compression-bits", "none"],
+    "slimfit-base": ["--method", "slimfit", "--lora-r", "0", "--compression-bits", "none", "--catch-up", "linear"],
     "lora": ["--method", "lora", "--lora-target-modules", "q_proj,v_proj", "--compression-bits", "4"],
     "full": ["--method", "full", "--gradient-checkpointing"],
 }
@@ -209,6 +210,18 @@ def test_each_method_reports_and_ends_with_the_saved_path(name, trained):
     assert any("steps/s" in line for line in lines)
     assert any(line.startswith("peak memory") and "MiB" in line for line in lines)
     assert any(line.startswith("saved activations") and "ratio" in line for line in lines)
+
+
+def test_slimfit_flags_reach_the_saved_config(trained):
+    """--catch-up as given, and the config's own defaults where a flag is not given (--freeze-ratio, --catch-up)."""
+    configs = {
+        name: json.loads((trained[name][0] / "adapter_config.json").read_text())
+        for name in METHOD_FLAGS
+        if "slimfit" in name
+    }
+    assert configs["slimfit-base"]["catch_up"] == "linear"
+    assert (configs["slimfit-lora"]["freeze_ratio"], configs["slimfit-lora"]["catch_up"]) == (0.5, "sqrt")
+    assert configs["slimfit-base"]["freeze_ratio"] == SlimFitConfig().freeze_ratio
 
 
 def test_saved_adapters_load_in_a_fresh_process(trained, tiny_model):
@@ -241,6 +254,7 @@ def test_other_formats_train(data_format, tiny_model, datasets_dir, tmp_path, ca
 REFUSED = [
     (["--method", "lora", "--freeze-ratio", "0.5"], "--freeze-ratio"),
     (["--method", "lora", "--token-ratio", "0.5"], "--token-ratio"),
+    (["--method", "tokentune", "--catch-up", "none"], "--catch-up"),
     (["--method", "full", "--selection", "random"], "--selection"),
     (["--method", "slimfit", "--selection", "random"], "--selection"),
     (["--method", "full", "--lora-r", "8"], "--lora-r"),
@@ -289,6 +303,8 @@ def test_help_documents_every_flag(capsys):
         main(["train", "--help"])
     text = capsys.readouterr().out
     for flag in ["--model", "--gguf-file", "--dataset", "--method", "--token-ratio", "--selection", "--freeze-ratio"]:
+        assert flag in text
+    for flag in ["--catch-up"]:
         assert flag in text
     for flag in [
         "--lora-r",

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..slimfit.config import CATCH_UP, SlimFitConfig
 from ..token_selection.config import DEFAULT_TOKEN_RATIO, SELECTION_RULES
 from . import sft_data
 
@@ -25,7 +26,8 @@ COMPRESSION_BITS = ("none", "8", "4", "2")
 # The rule that selects the labelled (answer) positions first; read from the rules the config accepts.
 LABEL_FIRST = next(rule for rule in ("answer", "supervised") if rule in SELECTION_RULES)
 DEFAULT_STEPS = 30  # on the embedded dataset: a few minutes on 2 CPU cores
-DEFAULT_LORA_R, DEFAULT_FREEZE_RATIO = 8, 0.9
+DEFAULT_LORA_R = 8
+SLIMFIT_DEFAULTS = SlimFitConfig()  # the command's SlimFit defaults are the config's own
 ADAPTER_LR, BASE_WEIGHT_LR = 2e-4, 2e-5
 MIB = 2**20
 
@@ -119,7 +121,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     method.add_argument(
         "--freeze-ratio",
         type=_fraction(low_open=False),
-        help=f"slimfit: fraction of units frozen at each step (default {DEFAULT_FREEZE_RATIO}).",
+        help=f"slimfit: fraction of units frozen at each step (default {SLIMFIT_DEFAULTS.freeze_ratio}).",
+    )
+    method.add_argument(
+        "--catch-up",
+        choices=CATCH_UP,
+        help=f"slimfit: how far a unit moves when it trains after missed steps (default "
+        f"{SLIMFIT_DEFAULTS.catch_up!r}; 'none': the paper's update).",
     )
     method.add_argument(
         "--lora-r",
@@ -179,8 +187,9 @@ def check_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--token-ratio applies to --method tokentune or slimfit, not {method}.")
     if args.selection is not None and not selects:
         raise UsageError("--selection needs token selection: --method tokentune, or slimfit with --token-ratio.")
-    if args.freeze_ratio is not None and method != "slimfit":
-        raise UsageError(f"--freeze-ratio applies to --method slimfit only, not {method}.")
+    for flag, value in (("--freeze-ratio", args.freeze_ratio), ("--catch-up", args.catch_up)):
+        if value is not None and method != "slimfit":
+            raise UsageError(f"{flag} applies to --method slimfit only, not {method}.")
     if method == "full" and args.lora_r is not None:
         raise UsageError("--lora-r does not apply to --method full (it trains every base weight); use --method lora.")
     if method == "lora" and args.lora_r == 0:
@@ -200,7 +209,9 @@ def check_flags(args: argparse.Namespace) -> None:
     if selects and args.selection is None:
         args.selection = LABEL_FIRST
     if method == "slimfit" and args.freeze_ratio is None:
-        args.freeze_ratio = DEFAULT_FREEZE_RATIO
+        args.freeze_ratio = SLIMFIT_DEFAULTS.freeze_ratio
+    if method == "slimfit" and args.catch_up is None:
+        args.catch_up = SLIMFIT_DEFAULTS.catch_up
     if args.learning_rate is None:
         args.learning_rate = ADAPTER_LR if uses_lora else BASE_WEIGHT_LR
     if args.max_steps is None:
@@ -214,7 +225,7 @@ def describe(args: argparse.Namespace) -> str:
     if args.token_ratio is not None:
         parts.append(f"token ratio {args.token_ratio:g} ({args.selection})")
     if args.freeze_ratio is not None:
-        parts.append(f"freeze ratio {args.freeze_ratio:g}")
+        parts.append(f"freeze ratio {args.freeze_ratio:g}, catch-up {args.catch_up}")
     parts.append(f"LoRA r={args.lora_r}" if args.lora_r else "base weights")
     if args.compression_bits is not None:
         parts.append(f"compression {args.compression_bits}")
@@ -317,6 +328,7 @@ def wrap(model, args: argparse.Namespace):
         config = SlimFitConfig(
             task_type="CAUSAL_LM",
             freeze_ratio=args.freeze_ratio,
+            catch_up=args.catch_up,
             seed=args.seed,
             lora=lora,
             tokentune=selection,
