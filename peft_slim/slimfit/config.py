@@ -58,7 +58,8 @@ class SlimFitConfig(MethodConfig):
     At every optimizer step only a fraction `1 - freeze_ratio` of the scheduling units train; the others are
     frozen (no gradient, no cached input, no optimizer update). Units are ranked by how much they changed the
     last time they trained (the paper's inter-layer scheduling); the first steps sweep every unit once, in a
-    seeded random order, and no unit stays frozen for more than `max_frozen_steps`. Without `lora` the base
+    seeded random order, and no unit stays frozen for more than `max_frozen_steps`. A unit that trains after
+    missing steps moves further to make up for them (`catch_up`, by default sqrt(k) times). Without `lora` the base
     model's own weights are the units (full fine-tuning); with `lora` the LoRA adapters are. Call
     `model.slimfit_step()` after each `optimizer.step()`, or use `peft_slim.SlimFitCallback` with Trainer.
     """
@@ -157,7 +158,9 @@ class SlimFitConfig(MethodConfig):
     max_frozen_steps: int = field(
         default=100,
         metadata={
-            "help": "A unit frozen for this many consecutive steps (>= 1) trains at the next re-ranking.",
+            "help": "A unit frozen for this many consecutive steps (>= 1) trains at the next re-ranking. In a run "
+            "shorter than this a low-scoring unit can stay frozen to the end (seen on a 62-step ViT run; forcing it "
+            "back did not change accuracy there).",
             "check": Integer(1),
         },
     )
