@@ -3,7 +3,8 @@
 Every flag is checked before the model loads, and a flag that does not apply to the chosen method is refused
 (never ignored). Training runs in ``transformers.Trainer`` with the method's callback; before it, one batch
 measures the bytes autograd saves for backward against plain LoRA on the same model, and the first training
-step's peak memory is measured while it runs. The saved adapter's path is the last line printed.
+step's peak memory is measured while it runs (CUDA: the allocator's peak; CPU: the profiler's memory timeline).
+The saved adapter's path is the last line printed.
 """
 
 from __future__ import annotations
@@ -375,7 +376,9 @@ def make_trainer(model, tokenizer, examples, args, context):
     from transformers import Trainer, TrainingArguments
 
     from .. import SlimFitCallback, TokenTuneCallback
-    from ..memory import peak_memory_bytes
+    from ..memory import peak_memory_bytes, timeline_peak_bytes
+
+    step_peak_bytes = peak_memory_bytes if torch.cuda.is_available() else timeline_peak_bytes
 
     class MeasuredTrainer(Trainer):
         """Trainer whose training forwards run in ``context`` and whose first step's peak memory is recorded."""
@@ -390,7 +393,7 @@ def make_trainer(model, tokenizer, examples, args, context):
             if self.step_peak is not None:
                 return super().training_step(*a, **kw)
             result = []
-            self.step_peak = peak_memory_bytes(
+            self.step_peak = step_peak_bytes(
                 lambda: result.append(super(MeasuredTrainer, self).training_step(*a, **kw))
             )
             return result[0]
