@@ -6,6 +6,7 @@ tensors and allocations that actually happen.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -119,7 +120,9 @@ def timeline_peak_bytes(step: Callable[[], object]) -> int:
         step()
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "timeline.json")
-        prof.export_memory_timeline(path, device=device)
+        with warnings.catch_warnings():  # deprecated in torch 2.13 in favour of CUDA-only snapshots: no CPU successor
+            warnings.simplefilter("ignore", FutureWarning)
+            prof.export_memory_timeline(path, device=device)
         with open(path) as handle:
             _, sizes = json.load(handle)
     totals = [sum(sample) for sample in sizes]
