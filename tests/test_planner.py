@@ -149,7 +149,8 @@ def test_plan_fits_the_budget_in_ladder_order():
     fitting = plan(config, budget, 2, 64, **options)
     assert fitting and all(c.estimate.peak <= budget for c in fitting)
     assert [c.name for c in fitting] == [c.name for c in everything if c.estimate.peak <= budget]
-    assert plan(config, 1000, 2, 64, **options, checkpointing=False) == []
+    tiny_ladder = {**options, "min_token_ratio": 1.0}  # nothing fits 1000 bytes; fewer rungs keep the test short
+    assert plan(config, 1000, 2, 64, **tiny_ladder, checkpointing=False) == []
     checkpointed = [c for c in everything if c.gradient_checkpointing]
     assert checkpointed  # kept only where checkpointing lowers the peak of the same setting
     for candidate in checkpointed:
