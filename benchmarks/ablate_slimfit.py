@@ -40,7 +40,6 @@ VARIANTS: dict[str, tuple[float, dict]] = {
     "paper-0.9+minshare": (0.9, {**PAPER, "max_frozen_steps": 10}),
     "paper-0.9+keepstate": (0.9, {**PAPER, "release_frozen_optimizer_state": False}),
     "bytes-0.9+catchup": (0.9, {**BYTES, "catch_up": True}),
-    "bytes-0.9+norms": (0.9, {**BYTES, "always_train_norms": True}),
     "bytes-0.9+norms+catchup": (0.9, {**BYTES, "always_train_norms": True, "catch_up": True}),
     "bytes-0.9+minshare": (0.9, {**BYTES, "max_frozen_steps": 10}),
     **{
@@ -48,7 +47,7 @@ VARIANTS: dict[str, tuple[float, dict]] = {
     },
     "stack-0.9+catchup": (0.9, {**BYTES, "catch_up": True, "stack": True}),  # + TokenTune 0.2 + LoRA
     # The trade-off curves: freeze ratio 0.5 -> 0.95, with the paper's update and with catch-up by sqrt(k).
-    **{f"bytes-{r:g}+norms": (r, {**BYTES, "always_train_norms": True}) for r in (0.5, 0.7, 0.8, 0.95)},
+    **{f"bytes-{r:g}+norms": (r, NORMS) for r in (0.5, 0.7, 0.8, 0.9, 0.95)},
     **{f"bytes-{r:g}+norms+sqrt": (r, {**NORMS, "catch_up": "sqrt"}) for r in (0.5, 0.7, 0.8, 0.9, 0.95)},
     "stack-0.9": (0.9, {**NORMS, "stack": True}),
     "stack-0.9+sqrt": (0.9, {**NORMS, "catch_up": "sqrt", "stack": True}),
