@@ -295,8 +295,9 @@ def kernel_bandwidth(device: torch.device, numel: int, repeats: int) -> dict:
     group = 128
     rows = {}
     kernels = quant._fused_kernels(values.device)
+    usable = kernels is not None and quant.kernels_usable(values.device, values.dtype)  # else quantize falls back
     for bits in (8, 4, 2):
-        fused = kernels is not None and kernels.applies(values, bits, group)
+        fused = usable and kernels.applies(values, bits, group)
         paths = {"kernels" if fused else "default path": lambda b=bits: quant.quantize(values, b, group)}
         paths["torch path"] = lambda b=bits: quant._quantize_packed(values, b, group)
         for path, encode in paths.items():
@@ -373,12 +374,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kernel-numel", type=int, default=1 << 28, help="values in the kernels' bf16 tensor")
     parser.add_argument("--tiny", action="store_true", help="tiny shape, batch 2 x 32, 1 step, no warm-up")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--dry-run", action="store_true", help="check the arguments, say what would run, run nothing")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    known = [method.name for method in methods()]
+    selected = [name.strip() for name in args.methods.split(",") if name.strip()]
+    if unknown := [name for name in selected if name not in known]:
+        parser.error(f"--methods: no method named {', '.join(map(repr, unknown))}; the methods: {', '.join(known)}")
+    if device.type == "cuda" and not torch.cuda.is_available() and not args.dry_run:
         parser.error("--device cuda, but torch sees no CUDA device; use --device cpu --tiny for a smoke run")
     if device.type != "cuda" and not args.tiny:
         parser.error("a CPU run of the full shapes would take hours: use --device cpu with --tiny")
+    if args.dry_run:
+        print(f"would run on {device}, shape {'tiny' if args.tiny else args.shape}: {', '.join(selected or known)}")
+        return {}
     shape = "tiny" if args.tiny else args.shape
     if args.tiny:
         args.batch, args.seq, args.warmup, args.steps, args.kernel_numel = 2, 32, 0, 1, 1 << 12
@@ -387,7 +396,6 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     input_ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device)
     batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids}
-    selected = [name.strip() for name in args.methods.split(",") if name.strip()]
     results = run_methods(config, device, batch, args.warmup, args.steps, selected)
     kernels = kernel_bandwidth(device, args.kernel_numel, repeats=1 if args.tiny else 10)
 

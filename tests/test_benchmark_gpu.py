@@ -1,12 +1,17 @@
 """``python -m benchmarks.gpu --device cpu --tiny``: the GPU benchmark's smoke mode runs every method in-process.
 
 On a CPU it measures nothing about a GPU; it checks that every method builds, trains a step and lands in the report
-(or says why not: Liger-Kernel needs CUDA), and that the kernels' bandwidth section is filled in.
+(or says why not: Liger-Kernel needs CUDA), and that the kernels' bandwidth section is filled in. And the device
+script that runs the CUDA checks in one go, dry: it parses and its commands take their arguments.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,3 +52,24 @@ def test_cuda_without_a_device_is_refused(capsys):
     with pytest.raises(SystemExit):
         gpu.main(["--tiny"])
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_unknown_method_names_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        gpu.main(["--device", "cpu", "--tiny", "--methods", "lora,lora+ckpt,lroa", "--dry-run"])
+    err = capsys.readouterr().err
+    assert "'lroa'" in err and "lora+liger+ckpt" in err
+
+
+def test_the_device_script_dry_run(tmp_path):
+    """``benchmarks/gpu_check.sh --dry-run`` (no GPU): it parses, collects the ``cuda`` tests and checks each benchmark
+    run's arguments, every step exiting 0."""
+    script = Path(__file__).parents[1] / "benchmarks" / "gpu_check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    result = subprocess.run(
+        ["bash", str(script), "--dry-run"], cwd=script.parents[1], env=env, capture_output=True, text=True, timeout=600
+    )
+    log = (tmp_path / "check.log").read_text()
+    assert result.returncode == 0 and result.stdout.count(": exit 0 after") == 3, result.stdout + log[-3000:]
+    assert "test_the_compiled_kernels_pass_their_check" in log and "would run on cuda, shape 8b: lora," in log, log

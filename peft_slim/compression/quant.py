@@ -8,12 +8,15 @@ would buy, matters less than error within a step at 8 and 4 bits). Codes narrowe
 packed 2 or 4 per byte, so the stored bytes really shrink. Scales and minima are fp32 (fp64 for fp64
 input): a bf16 scale would add as much error as 8-bit rounding itself. At 8 bits on the CPU, torch's
 fused row-wise kernel does the work in one pass over memory instead of five (same grid, see
-``_quantize_rowwise``); on CUDA, Triton kernels do (``triton_kernels``: the same codes as the torch path).
+``_quantize_rowwise``); on CUDA, Triton kernels do (``triton_kernels``: the same codes as the torch path, checked
+against it before they first serve a device and dtype: ``kernels_usable``).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -72,7 +75,7 @@ def quantize(values: torch.Tensor, bits: int, group_size: int, row: int | None =
     if bits == 8 and _rowwise_applies(values, group_size):
         return _quantize_rowwise(values, group_size)
     fused = _fused_kernels(values.device)
-    if fused is not None and fused.applies(values, bits, group_size):
+    if fused is not None and fused.applies(values, bits, group_size) and _kernels_serve(values, values.dtype):
         return fused.quantize(values, bits, group_size)  # the same codes in one pass over memory
     return _quantize_packed(values, bits, group_size)
 
@@ -90,8 +93,14 @@ def dequantize(quantized: Quantized, dtype: torch.dtype) -> torch.Tensor:
             out[start:stop].copy_(unpack(q.codes[start:stop]))
         return out.view(-1)[: q.numel]
     fused = _fused_kernels(q.codes.device)
-    if fused is not None and fused.dequantizes(q, dtype):
+    if fused is not None and fused.dequantizes(q, dtype) and _kernels_serve(q.codes, dtype):
         return fused.dequantize(q, dtype)
+    return _dequantize_packed(q, dtype)
+
+
+def _dequantize_packed(q: Quantized, dtype: torch.dtype) -> torch.Tensor:
+    """The torch path for packed codes: unpack, scale and shift a chunk at a time in the scales' dtype."""
+    groups = q.scale.numel()
     out = torch.empty(groups, q.group_size, dtype=dtype, device=q.codes.device)
     scratch = None
     for start, stop in _chunks(groups, q.group_size, q.codes):
@@ -242,6 +251,94 @@ def _triton_kernels():
     except ImportError:  # no Triton (e.g. a CPU-only or non-Linux PyTorch build)
         return None
     return triton_kernels
+
+
+# kernels_usable's verdict per (device, dtype), for the process; tests clear it.
+kernel_verdicts: dict[tuple[torch.device, torch.dtype], bool] = {}
+_verdict_lock = threading.Lock()
+CHECK_GROUP = 128  # the config's default group size
+
+
+def kernels_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton kernels serve ``dtype`` tensors on ``device``: checked the first time they would, against
+    the torch path, then remembered for the process.
+
+    A kernel that fails to compile on the installed Triton, or rounds otherwise than the torch path, would fail
+    inside a saved-tensor hook in the middle of backward, or train on wrong activations. The check runs here, once,
+    eagerly, under ``no_grad``, and nothing it raises propagates; on any failure or difference: one warning naming
+    Triton's version, the device, the dtype and what differed, and the torch path from then on.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # as a tensor's device names it
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, dtype)
+    with _verdict_lock:
+        if key not in kernel_verdicts:
+            kernels = _triton_kernels()
+            problem = "Triton does not import" if kernels is None else _kernel_difference(kernels, *key)
+            if problem is not None:
+                version = getattr(getattr(kernels, "triton", None), "__version__", "unknown")
+                warnings.warn(
+                    f"peft_slim: the Triton compression kernels (Triton {version}) failed their check on {key[0]}, "
+                    f"{dtype}: {problem}. Activation compression there uses the torch path for the rest of the "
+                    "process (the same codes, more memory traffic).",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            kernel_verdicts[key] = problem is None
+        return kernel_verdicts[key]
+
+
+def _kernels_serve(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    """``kernels_usable`` for a real tensor. A fake one (a memory estimate, or tracing under ``torch.compile``) has no
+    values to check with and must not launch the check: it follows the verdict if there is one, else the kernels."""
+    if is_fake_tensor(tensor) or torch.compiler.is_compiling():
+        return kernel_verdicts.get((tensor.device, dtype), True)
+    return kernels_usable(tensor.device, dtype)
+
+
+def _kernel_difference(kernels, device: torch.device, dtype: torch.dtype) -> str | None:
+    """What differs between the kernels and the torch path on a small tensor, both directions and every width, bit
+    for bit; an exception's type and message; None if nothing."""
+    try:
+        with real_operators(), torch.no_grad():
+            values = _check_values().to(dtype)
+            values = values.masked_fill_(values == 0, 1.0).to(device)  # (none in fp32; fp16 may flush tiny ones)
+            for bits in (8, 4, 2):
+                want, have = _quantize_packed(values, bits, CHECK_GROUP), kernels.quantize(values, bits, CHECK_GROUP)
+                if have is None:
+                    return f"{bits}-bit quantize returned None for finite values"
+                for name in ("codes", "scale", "low"):
+                    if difference := _bits_differ(f"{bits}-bit {name}", getattr(want, name), getattr(have, name)):
+                        return difference
+                decoded = (_dequantize_packed(want, dtype), kernels.dequantize(want, dtype))
+                if difference := _bits_differ(f"{bits}-bit decoded values", *decoded):
+                    return difference
+            values[len(values) // 2] = float("nan")
+            if kernels.quantize(values, 8, CHECK_GROUP) is not None:
+                return "a tensor holding a NaN was quantized instead of kept as it is"
+    except Exception as error:  # noqa: BLE001 - any failure (compile, launch, ...) means the torch path
+        return f"{type(error).__name__}: {error}"[:500]
+    return None
+
+
+def _check_values() -> torch.Tensor:
+    """4173 values in 33 groups of 128 (the last partial): groups of scales 1e-4 to 1e3, then coarse values, many
+    exactly half-way between two codes, where one rounding more or less flips a code. No zeros: the bit-for-bit
+    comparison sees a zero's sign, which a group's minimum may take from either of 0.0 and -0.0."""
+    generator = torch.Generator().manual_seed(0)
+    scales = (10.0 ** torch.arange(-4, 4)).repeat_interleave(256)
+    smooth = torch.randn(2048, generator=generator) * scales + 0.5 * scales
+    coarse = torch.randint(-40, 41, (2048 + 77,), generator=generator) / 8 + 0.1
+    return torch.cat([smooth, coarse])
+
+
+def _bits_differ(name: str, want: torch.Tensor, have: torch.Tensor) -> str | None:
+    if have.dtype != want.dtype or have.shape != want.shape:
+        return f"{name}: {have.dtype} {list(have.shape)} instead of {want.dtype} {list(want.shape)}"
+    as_bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[want.element_size()]
+    differ = int((have.view(as_bits) != want.view(as_bits)).sum())
+    return f"{name} differ at {differ} of {want.numel()} positions" if differ else None
 
 
 @functools.cache

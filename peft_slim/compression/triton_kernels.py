@@ -9,7 +9,8 @@ Triton's interpreter on the CPU, and on CUDA where there is one.
 
 Only for CUDA tensors of fp32, bf16 or fp16, whole bytes of codes per group (``group_size * bits % 8 == 0``, true for
 every group size the config allows at 8 and 4 bits) and groups of at most ``MAX_GROUP`` values; ``quant`` keeps the
-torch path for everything else, and on the CPU always.
+torch path for everything else, on the CPU always, and on a (device, dtype) where the kernels failed the check they
+are put through before they first serve it (``quant.kernels_usable``).
 """
 
 from __future__ import annotations
