@@ -140,3 +140,16 @@ def test_links_between_pages_resolve():
             if target.startswith("http"):
                 continue
             assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links to a missing {target}"
+
+
+def test_readme_is_a_front_page():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250, "move detail into docs/"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
+def test_no_development_journal(page):
+    """Users read what the code does and what was measured, not which issue or commit it came from."""
+    text = page.read_text()
+    assert not re.findall(r"\b(?:issue|PR) #?\d+", text, re.I)
+    assert not re.findall(r"\bcommit [0-9a-f]{7,40}\b", text)
+    assert not re.findall(r"\b(?:previous|this|that) session\b", text, re.I)
