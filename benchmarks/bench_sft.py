@@ -264,8 +264,9 @@ def plot(report: dict, summary: dict, path: str) -> None:
     plt.close(figure)
 
 
-def write(report: dict, out: str) -> None:
-    rows, summary = summarise(report)
+def markdown(report: dict) -> str:
+    """The results table of a report (``sft.json``), as ``sft.md`` holds it; docs/benchmarks.md is built from it."""
+    rows, _ = summarise(report)
     header = [
         "method",
         "answer ppl",
@@ -275,15 +276,19 @@ def write(report: dict, out: str) -> None:
         "step time / LoRA",
         "seeds",
     ]
-    markdown = "\n\n".join(
+    return "\n\n".join(
         [
             f"### {report['setup']['title']}",
             markdown_table(header, rows),
             f"Machine: {report['setup']['machine']}. {report['setup']['protocol']}",
         ]
     )
+
+
+def write(report: dict, out: str) -> None:
+    _, summary = summarise(report)
     report["summary"] = summary
-    write_report(out, "sft", report, markdown)
+    write_report(out, "sft", report, markdown(report))
     plot(report, summary, os.path.join(out, "sft.png"))
 
 

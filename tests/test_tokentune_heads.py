@@ -1,4 +1,4 @@
-"""Which positions a head reads: transformers' rules, kept selected; pooling heads refused; the README's list.
+"""Which positions a head reads: transformers' rules, kept selected; pooling heads refused; docs/tokentune.md's list.
 
 The head tables of ``peft_slim.token_selection.heads`` are checked against what transformers' heads really read:
 the positions of the last block's output whose gradient (of the classification logits) is non-zero. Gradients
@@ -41,7 +41,7 @@ from peft_slim.token_selection.heads import (
     head_of,
 )
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+TOKENTUNE_PAGE = Path(__file__).resolve().parents[1] / "docs" / "tokentune.md"
 PAD = 0
 EOS = 2
 TEXT = dict(
@@ -354,13 +354,12 @@ def test_wav2vec2_classifier_refused():
         get_peft_model(model, TokenTuneConfig(lora=_lora(["q_proj", "v_proj"])))
 
 
-# ---------------------------------------------------------------------------------------------- the README list
+# ---------------------------------------------------------------------------------------- the list in the docs
 
 
 def _section() -> str:
-    text = README.read_text()
-    tokentune = text.split("\n## TokenTune\n", 1)[1].split("\n## ", 1)[0]
-    return tokentune.split("\n### Supported and refused\n", 1)[1]
+    text = TOKENTUNE_PAGE.read_text()
+    return text.split("\n## Supported and refused\n", 1)[1].split("\n## ", 1)[0]
 
 
 def _ticked(text: str) -> list[str]:

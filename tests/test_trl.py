@@ -404,7 +404,7 @@ def test_answer_selection_takes_the_answer_under_sft(tmp_path, kind, overrides, 
                     assert len(answer) + 2 > num_tokens and selected <= answer and selected
 
 
-# ---------------------------------------------------------------------------------------------- GRPO, README
+# ---------------------------------------------------------------------------------------------- GRPO
 
 
 def _grpo(tmp_path, model, peft_config=None, **overrides):
@@ -444,28 +444,3 @@ def test_grpo_with_token_selection_is_refused(tmp_path):
     # A ready model with a KL term: GRPOTrainer adds a reference copy of the adapter, refused at construction.
     with pytest.raises(ValueError, match=r"single adapter per model.*GRPOTrainer"):
         _grpo(tmp_path / "b", tokentune(seed=18), beta=0.1)
-
-
-def test_readme_trl_example_runs(tmp_path, monkeypatch):
-    """The README's TRL block, with the hub model and tokenizer swapped for tiny offline ones."""
-    import pathlib
-    import re
-
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## TRL (SFTTrainer, DPO, GRPO)", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    model_line = (
-        'AutoModelForCausalLM.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct", attn_implementation="sdpa")'
-    )
-    tokenizer_line = 'AutoTokenizer.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")'
-    assert model_line in code and tokenizer_line in code
-    code = code.replace(model_line, '__import__("tiny_models").build("llama")')
-    code = code.replace(tokenizer_line, '__import__("trl_cases").sft_tokenizer()')
-    code = code.replace("report_to=[])", "report_to=[], use_cpu=True, bf16=False, disable_tqdm=True)")
-    monkeypatch.chdir(tmp_path)
-    namespace = {}
-    exec(compile(code, "README.md", "exec"), namespace)
-    trainer = namespace["trainer"]
-    assert trainer.state.global_step == 4
-    assert type(trainer.model.base_model).__name__ == "TokenTuneModel"
-    assert (tmp_path / "sft-tokentune" / "adapter_model.safetensors").is_file()
