@@ -384,9 +384,9 @@ def warn_new_weights(new: list[str], peft_modules: list[str]) -> None:
     head = f"; PEFT's modules_to_save ({', '.join(peft_modules)}) train at every step too" if peft_modules else ""
     warnings.warn(
         f"SlimFit: {len(new)} weight(s) of {len(modules)} module(s) were not in the checkpoint (transformers "
-        f"initialised them in from_pretrained): {shown}. They train at every step and are not scheduled "
-        f"(train_new_weights=True){head}. Set SlimFitConfig(train_new_weights=False) to schedule them like the "
-        "pretrained weights.",
+        f"initialised them in from_pretrained): {shown}. They train at every step, outside the schedule and "
+        f"freeze_ratio's budget (train_new_weights=True){head}. Set SlimFitConfig(train_new_weights=False) to "
+        "schedule them like the pretrained weights.",
         stacklevel=5,
     )
 

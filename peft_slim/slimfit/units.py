@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from torch import nn
@@ -46,23 +47,26 @@ def _under(name: str, modules: list[str]) -> bool:
 
 def new_weights(model: nn.Module, config: SlimFitConfig) -> list[str]:
     """With `train_new_weights` and without LoRA: the parameters ``from_pretrained`` initialised rather than loaded
-    (the checkpoint lacked them), outside PEFT's `modules_to_save`. None for a model built from a config."""
+    (the checkpoint lacked them), outside PEFT's `modules_to_save`. Empty for a model built from a config."""
     if not config.train_new_weights or config.lora is not None:
         return []
-    if loading_marks_differ_across_processes():
+    wrapped = saved_by_peft(model, config)
+    new = [name for name in newly_initialized_parameters(model) or [] if not _under(name, wrapped)]
+    if new and loading_marks_differ_across_processes():
         warnings.warn(
-            "SlimFit: under FSDP with CPU-RAM-efficient loading, transformers marks every weight as loaded on all "
-            "processes but the first, so SlimFit cannot tell which weights the checkpoint lacked: they are scheduled "
-            "like the others (train_new_weights has no effect). List them in `always_trainable` (e.g. a new pooler "
-            "or head).",
+            f"SlimFit: under FSDP with CPU-RAM-efficient loading, transformers marks every weight as loaded on the "
+            f"processes but the first, so they cannot tell which weights the checkpoint lacked ({new[:5]} here): "
+            "every process schedules them like the others (train_new_weights has no effect). List them in "
+            "`always_trainable` to train them at every step.",
             stacklevel=5,
         )
         return []
-    wrapped = saved_by_peft(model, config)
-    return [name for name in newly_initialized_parameters(model) or [] if not _under(name, wrapped)]
+    return new
 
 
-def find_units(model: nn.Module, config: SlimFitConfig, new: list[str] = ()) -> tuple[list[Unit], list[nn.Parameter]]:
+def find_units(
+    model: nn.Module, config: SlimFitConfig, new: Collection[str] = ()
+) -> tuple[list[Unit], list[nn.Parameter]]:
     """The scheduled units of ``model`` (after LoRA injection) and the parameters that train at every step.
 
     Without LoRA every parameter is a candidate except biases (they always train, as in the paper); with
