@@ -154,6 +154,16 @@ def test_under_fsdp_efficient_loading_they_are_scheduled_with_a_warning(checkpoi
     assert set(NEW) <= set(model.base_model.unit_names)
 
 
+def test_resuming_a_schedule_saved_with_other_units_names_them(checkpoint):
+    """A run started with new weights scheduled (before the field existed) resumes only with the field off."""
+    old = wrap(load(checkpoint), train_new_weights=False)[0].base_model.slimfit_state_dict()
+    with pytest.raises(
+        ValueError, match=r"(?s)only in the state: \['bert.pooler.dense.weight'.*train_new_weights=False"
+    ):
+        wrap(load(checkpoint))[0].base_model.load_slimfit_state_dict(old)
+    wrap(load(checkpoint), train_new_weights=False)[0].base_model.load_slimfit_state_dict(old)
+
+
 # ---------------------------------------------------------------------------------------------- the field
 
 

@@ -257,8 +257,18 @@ class SlimFitModel(MethodTuner):
         return {"units": self.unit_names, **self.scheduler.state_dict()}
 
     def load_slimfit_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("units") != self.unit_names:
-            raise ValueError("SlimFit: the scheduler state was saved for other units than this model's.")
+        saved = state.get("units")
+        if saved != self.unit_names:
+            saved = saved if isinstance(saved, list) else []
+            only_saved = [name for name in saved if name not in self.unit_names]
+            only_here = [name for name in self.unit_names if name not in saved]
+            raise ValueError(
+                f"SlimFit: the scheduler state was saved for other units than this model's (only in the state: "
+                f"{only_saved[:5]}; only in this model: {only_here[:5]}). Wrap the model as the run that saved it "
+                "did: same model and the same fields that decide what is scheduled (`units`, `always_trainable`, "
+                "`always_train_norms`, `train_new_weights`: a run started before that field existed scheduled the "
+                "weights the checkpoint lacked, so resume it with train_new_weights=False)."
+            )
         self.scheduler.load_state_dict(state)
         if self._applied:
             self._apply_schedule()
