@@ -28,7 +28,8 @@ from .tasks import SMALL_TASKS, TASKS
 ALL_TASKS = {**SMALL_TASKS, **TASKS}
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ablation")
-PAPER = {"freeze_by": "count", "catch_up": False, "always_train_norms": False}  # the paper's rule (0.1.0's)
+# The paper's rule (0.1.0's).
+PAPER = {"freeze_by": "count", "catch_up": False, "always_train_norms": False, "train_new_weights": False}
 BYTES = {**PAPER, "freeze_by": "bytes"}
 NORMS = {**BYTES, "always_train_norms": True}
 # name -> (freeze ratio, SlimFitConfig fields): what each variant sets apart from the current defaults.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -294,6 +295,59 @@ def set_attn_implementation(config: Any, name: str) -> None:
             )
         )
     config._attn_implementation = name
+
+
+_LOADED_MARK = "_is_hf_initialized"
+
+
+def newly_initialized_parameters(model: nn.Module) -> list[str] | None:
+    """Names of the parameters of ``model`` that ``from_pretrained`` initialised instead of loading: the checkpoint
+    lacked them (its missing keys), or held them in another shape (``ignore_mismatched_sizes``). None when the model
+    carries no record of a load: built from a config, or its parameters replaced since (``copy.deepcopy``).
+
+    Private API: the ``_is_hf_initialized`` mark transformers' loader sets on every tensor it loads (so that the
+    weight initialisation after it skips them). It is the only record a plain ``from_pretrained`` leaves on the
+    model: the missing keys themselves go to the log and, with ``output_loading_info=True``, to the caller. A
+    parameter replaced after loading has no mark (``resize_token_embeddings`` makes a new, unmarked untied LM head).
+
+    Fallback: when no parameter has the mark (e.g. transformers renamed it), None, as for a model built from a
+    config; ``tests/test_compat.py`` catches the rename.
+    """
+    named = list(model.named_parameters())
+    marked = [getattr(param, _LOADED_MARK, False) is True for _, param in named]
+    if not any(marked):
+        return None
+    return [name for (name, _), loaded in zip(named, marked) if not loaded]
+
+
+def copy_loading_marks(source: nn.Module, copy: nn.Module) -> None:
+    """Give the parameters of ``copy`` (a ``copy.deepcopy`` of ``source``, or one on the meta device) the loading
+    marks of ``source``'s (see ``newly_initialized_parameters``): a deep copy of a parameter drops them."""
+    copies = dict(copy.named_parameters())
+    for name, param in source.named_parameters():
+        if getattr(param, _LOADED_MARK, False) is True and name in copies:
+            setattr(copies[name], _LOADED_MARK, True)
+
+
+def loading_marks_differ_across_processes() -> bool:
+    """Whether transformers' loading marks differ between the processes of this run: under accelerate's FSDP with
+    CPU-RAM-efficient loading, processes other than the first receive the weights by broadcast, and transformers
+    marks every tensor of theirs as loaded (``transformers.integrations.is_fsdp_enabled()``).
+
+    Fallback: the environment variables that function reads, when it is gone.
+    """
+    try:
+        from transformers.integrations import is_fsdp_enabled
+    except ImportError:
+
+        def is_fsdp_enabled() -> bool:
+            flags = (os.environ.get(key, "false").lower() in ("1", "true", "yes") for key in _FSDP_LOADING_ENV)
+            return torch.distributed.is_available() and torch.distributed.is_initialized() and all(flags)
+
+    return bool(is_fsdp_enabled())
+
+
+_FSDP_LOADING_ENV = ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING")
 
 
 _CHECKPOINTING_ATTR = "_gradient_checkpointing_func"

@@ -8,6 +8,7 @@ checks the documented fallback or error. A last test keeps private APIs out of t
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import enum
 import os
@@ -545,6 +546,48 @@ def test_trl_fused_output_missing_falls_back_to_the_same_fields(monkeypatch):
     assert out.log_probs.shape == (1, 2) and out.entropy is None
 
 
+# ---------------------------------------------------------------------------------------------- loading marks
+
+
+def _headless_bert(path: str) -> None:
+    """A BertModel checkpoint without a pooler: loaded as BertForSequenceClassification, the pooler and the
+    classifier are initialised."""
+    config = transformers.BertConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50, num_labels=3
+    )
+    transformers.BertModel(config, add_pooling_layer=False).save_pretrained(path)
+
+
+def test_newly_initialized_parameters_are_the_missing_keys(tmp_path):
+    _headless_bert(str(tmp_path))
+    model, info = transformers.BertForSequenceClassification.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert info["missing_keys"], "the checkpoint lacks the pooler and the classifier"
+    assert set(compat.newly_initialized_parameters(model)) == set(info["missing_keys"]), moved("_is_hf_initialized")
+    assert compat.newly_initialized_parameters(transformers.BertForSequenceClassification(model.config)) is None
+    copied = copy.deepcopy(model)
+    assert compat.newly_initialized_parameters(copied) is None  # a deep copy drops the marks ...
+    compat.copy_loading_marks(model, copied)
+    assert set(compat.newly_initialized_parameters(copied)) == set(info["missing_keys"])  # ... which this copies
+
+
+def test_newly_initialized_parameters_without_marks_is_none(tmp_path, monkeypatch):
+    _headless_bert(str(tmp_path))
+    model = transformers.BertForSequenceClassification.from_pretrained(str(tmp_path))
+    monkeypatch.setattr(compat, "_LOADED_MARK", "_renamed_mark")
+    assert compat.newly_initialized_parameters(model) is None
+
+
+def test_loading_marks_differ_only_under_fsdp_efficient_loading(monkeypatch, process_group):
+    assert not compat.loading_marks_differ_across_processes()
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+    assert compat.loading_marks_differ_across_processes(), moved("transformers.integrations.is_fsdp_enabled")
+    monkeypatch.setitem(sys.modules, "transformers.integrations", types.ModuleType("transformers.integrations"))
+    assert compat.loading_marks_differ_across_processes()  # the fallback reads the same variables
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
+    assert not compat.loading_marks_differ_across_processes()
+
+
 # ---------------------------------------------------------------------------------------------- one place
 
 
@@ -568,6 +611,7 @@ PRIVATE_ATTRIBUTES = {
     "_global_optimizer_pre_hooks",
     "_global_optimizer_post_hooks",
     "_getframe",
+    "_is_hf_initialized",
 }
 PRIVATE_MODULES = {
     "peft.utils.other",

@@ -18,7 +18,7 @@ import transformers
 from peft import PeftConfig, PeftModel, get_peft_model
 from torch import nn
 
-from ..compat import storage_key
+from ..compat import copy_loading_marks, storage_key
 from ..slimfit import SlimFitModel
 
 TASKS = ("causal_lm", "sequence_classification", "image_classification")
@@ -153,14 +153,17 @@ def base_model(workload: Workload, device: str) -> nn.Module:
             "not a PeftModel: the planner applies the config itself."
         )
     if device != "meta":
-        return copy.deepcopy(model).to(dtype)
-    memo = {}
-    for tensor in [*model.parameters(), *model.buffers()]:
-        empty = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = (
-            nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
-        )
-    return copy.deepcopy(model, memo).to(dtype)
+        built = copy.deepcopy(model)
+    else:
+        memo = {}
+        for tensor in [*model.parameters(), *model.buffers()]:
+            empty = torch.empty_like(tensor, device="meta")
+            memo[id(tensor)] = (
+                nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+            )
+        built = copy.deepcopy(model, memo)
+    copy_loading_marks(model, built)  # which weights the checkpoint lacked: SlimFit trains them at every step
+    return built.to(dtype)
 
 
 def trainable_model(base: nn.Module, peft_config: PeftConfig | None, gradient_checkpointing: bool) -> nn.Module:

@@ -70,6 +70,7 @@ class SlimFitConfig(MethodConfig):
         "freeze_by": "count",
         "catch_up": "none",
         "always_train_norms": False,
+        "train_new_weights": False,
     }
 
     freeze_ratio: float = field(
@@ -110,6 +111,18 @@ class SlimFitConfig(MethodConfig):
             "e.g. LayerNorm, RMSNorm) train at every step, like biases, instead of being scheduled (a few KiB per "
             "layer). False: scheduled like other weights (the paper's rule, and the default of configs saved by "
             "0.1.0).",
+            "check": Boolean(),
+        },
+    )
+    train_new_weights: bool = field(
+        default=True,
+        metadata={
+            "help": "Without `lora`: the weights the checkpoint did not provide, which transformers' from_pretrained "
+            "initialised (its missing keys, e.g. a new pooler or classification head, and weights of another shape "
+            "with ignore_mismatched_sizes), train at every step and are never scheduled, like PEFT's "
+            "`modules_to_save`; a warning names them. They are outside `freeze_ratio`'s budget. A model built from "
+            "a config (nothing loaded) has none. False: scheduled like the pretrained weights (the default of "
+            "configs saved before this field).",
             "check": Boolean(),
         },
     )

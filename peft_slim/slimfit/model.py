@@ -21,7 +21,7 @@ from .base_weights import BaseWeights
 from .config import SlimFitConfig
 from .observer import StepObserver
 from .scheduler import FreezeScheduler
-from .units import find_units
+from .units import find_units, new_weights, saved_by_peft
 
 # Set to 1 to check, at every freeze decision, that all processes of a distributed run took the same one.
 CHECK_RANKS_ENV = "PEFT_SLIM_CHECK_RANKS"
@@ -72,7 +72,10 @@ class SlimFitModel(MethodTuner):
         self._swapped: dict[str, torch.Tensor] | None = None  # inside disable_adapter(): the tuned weights
         self._swapped_requires_grad: dict[str, bool] = {}
         self._full_checkpoints = False  # set by SlimFitCallback during trainer.train()
-        self._units, always = find_units(model, config)
+        new = new_weights(model, config)
+        self._units, always = find_units(model, config, new)
+        if new and not config.inference_mode:
+            warn_new_weights(new, saved_by_peft(model, config))
         if config.lora is None:
             tracked = {id(p) for unit in self._units for p in unit.params} | {id(p) for p in always}
             named = {name: p for name, p in model.named_parameters() if id(p) in tracked}
@@ -254,8 +257,18 @@ class SlimFitModel(MethodTuner):
         return {"units": self.unit_names, **self.scheduler.state_dict()}
 
     def load_slimfit_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("units") != self.unit_names:
-            raise ValueError("SlimFit: the scheduler state was saved for other units than this model's.")
+        saved = state.get("units")
+        if saved != self.unit_names:
+            saved = saved if isinstance(saved, list) else []
+            only_saved = [name for name in saved if name not in self.unit_names]
+            only_here = [name for name in self.unit_names if name not in saved]
+            raise ValueError(
+                f"SlimFit: the scheduler state was saved for other units than this model's (only in the state: "
+                f"{only_saved[:5]}; only in this model: {only_here[:5]}). Wrap the model as the run that saved it "
+                "did: same model and the same fields that decide what is scheduled (`units`, `always_trainable`, "
+                "`always_train_norms`, `train_new_weights`: a run started before that field existed scheduled the "
+                "weights the checkpoint lacked, so resume it with train_new_weights=False)."
+            )
         self.scheduler.load_state_dict(state)
         if self._applied:
             self._apply_schedule()
@@ -372,6 +385,20 @@ class SlimFitModel(MethodTuner):
             "Trainer(load_best_model_at_end=True), pass peft_slim.SlimFitCallback(): its checkpoints hold every "
             "tensor SlimFit trains."
         )
+
+
+def warn_new_weights(new: list[str], peft_modules: list[str]) -> None:
+    """One warning naming the weights that train at every step because the checkpoint did not provide them."""
+    modules = sorted({name.rsplit(".", 1)[0] if "." in name else name for name in new})
+    shown = ", ".join(modules[:8]) + (f" and {len(modules) - 8} more" if len(modules) > 8 else "")
+    head = f"; PEFT's modules_to_save ({', '.join(peft_modules)}) train at every step too" if peft_modules else ""
+    warnings.warn(
+        f"SlimFit: {len(new)} weight(s) of {len(modules)} module(s) were not in the checkpoint (transformers "
+        f"initialised them in from_pretrained): {shown}. They train at every step, outside the schedule and "
+        f"freeze_ratio's budget (train_new_weights=True){head}. Set SlimFitConfig(train_new_weights=False) to "
+        "schedule them like the pretrained weights.",
+        stacklevel=5,
+    )
 
 
 def check_ddp(ddp: DistributedDataParallel | None, scheduler: FreezeScheduler) -> None:

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import re
+import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from torch import nn
 
-from ..compat import auxiliary_training_wrapper_cls
+from ..compat import (
+    auxiliary_training_wrapper_cls,
+    loading_marks_differ_across_processes,
+    newly_initialized_parameters,
+)
 from ..trainable import trainable_parameter_names
 from .config import SlimFitConfig
 
@@ -24,24 +30,56 @@ class Unit:
     params: list[nn.Parameter]
 
 
-def find_units(model: nn.Module, config: SlimFitConfig) -> tuple[list[Unit], list[nn.Parameter]]:
-    """The scheduled units of ``model`` (after LoRA injection) and the parameters that train at every step.
-
-    Without LoRA every parameter is a candidate except biases (they always train, as in the paper); with
-    LoRA only the adapters are (the base model stays frozen). Candidates under `always_trainable` modules (and,
-    with `always_train_norms`, the weights of normalisation layers) train at every step; PEFT's `modules_to_save`
-    copies are PEFT's and always train.
-    """
-    # PEFT wraps `modules_to_save` (with a task type, also "classifier"/"score") after the tuner is built.
+def saved_by_peft(model: nn.Module, config: SlimFitConfig) -> list[str]:
+    """The modules PEFT trains and saves itself: `modules_to_save` (with a task type, also "classifier"/"score"),
+    which PEFT wraps after the tuner is built, and any wrapper already there."""
     to_save = config.modules_to_save or []
-    wrapped = [
+    return [
         name
         for name, module in model.named_modules()
         if isinstance(module, AuxiliaryTrainingWrapper) or any(name == t or name.endswith("." + t) for t in to_save)
     ]
-    always_names = set()
+
+
+def _under(name: str, modules: list[str]) -> bool:
+    return any(name == module or name.startswith(module + ".") for module in modules)
+
+
+def new_weights(model: nn.Module, config: SlimFitConfig) -> list[str]:
+    """With `train_new_weights` and without LoRA: the parameters ``from_pretrained`` initialised rather than loaded
+    (the checkpoint lacked them), outside PEFT's `modules_to_save`. Empty for a model built from a config."""
+    if not config.train_new_weights or config.lora is not None:
+        return []
+    wrapped = saved_by_peft(model, config)
+    new = [name for name in newly_initialized_parameters(model) or [] if not _under(name, wrapped)]
+    if new and loading_marks_differ_across_processes():
+        warnings.warn(
+            f"SlimFit: under FSDP with CPU-RAM-efficient loading, transformers marks every weight as loaded on the "
+            f"processes but the first, so they cannot tell which weights the checkpoint lacked ({new[:5]} here): "
+            "every process schedules them like the others (train_new_weights has no effect). List them in "
+            "`always_trainable` to train them at every step.",
+            stacklevel=5,
+        )
+        return []
+    return new
+
+
+def find_units(
+    model: nn.Module, config: SlimFitConfig, new: Collection[str] = ()
+) -> tuple[list[Unit], list[nn.Parameter]]:
+    """The scheduled units of ``model`` (after LoRA injection) and the parameters that train at every step.
+
+    Without LoRA every parameter is a candidate except biases (they always train, as in the paper); with
+    LoRA only the adapters are (the base model stays frozen). Candidates under `always_trainable` modules (and,
+    with `always_train_norms`, the weights of normalisation layers; and the parameters ``new`` names, see
+    ``new_weights``) train at every step; PEFT's `modules_to_save` copies are PEFT's and always train.
+    """
+    wrapped = saved_by_peft(model, config)
+    always_names = set(new) if config.lora is None else set()
     if config.always_trainable is not None:
-        always_names = set(trainable_parameter_names(model, config.always_trainable, "SlimFitConfig.always_trainable"))
+        always_names |= set(
+            trainable_parameter_names(model, config.always_trainable, "SlimFitConfig.always_trainable")
+        )
     if config.always_train_norms and config.lora is None:
         always_names |= {
             f"{module_name}.{param_name}" if module_name else param_name
@@ -51,7 +89,7 @@ def find_units(model: nn.Module, config: SlimFitConfig) -> tuple[list[Unit], lis
         }
     candidates, always = [], []
     for name, param in model.named_parameters():
-        if any(name == w or name.startswith(w + ".") for w in wrapped):
+        if _under(name, wrapped):
             continue  # PEFT trains and saves modules_to_save itself
         if config.lora is not None:
             if LORA_MARK not in name or not param.requires_grad:
@@ -65,7 +103,10 @@ def find_units(model: nn.Module, config: SlimFitConfig) -> tuple[list[Unit], lis
     if not units:
         raise ValueError(
             "SlimFit: no parameter left to schedule (every candidate is a bias, under `always_trainable` or "
-            "`modules_to_save`" + (", or LoRA matched no module" if config.lora is not None else "") + ")."
+            "`modules_to_save`"
+            + (", or LoRA matched no module" if config.lora is not None else "")
+            + (", or missing from the checkpoint: train_new_weights" if new else "")
+            + ")."
         )
     return units, [param for _, param in always]
 
