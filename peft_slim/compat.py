@@ -180,10 +180,11 @@ def tensor_version(tensor: torch.Tensor) -> Any:
     """A value that changes whenever ``tensor`` (or a view sharing its storage) is modified in place.
 
     Private API: ``Tensor._version`` (autograd's version counter). Activation compression reuses the compressed
-    copy of a tensor saved twice only while the tensor's version is unchanged.
+    copy of a tensor saved twice only while the tensor's version is unchanged, and checks at backward that no saved
+    tensor was written in place since it was saved (as autograd does for the tensors it holds itself).
 
     Fallback: a fresh object at every call (with a warning): no compressed copy is ever reused, which is correct but
-    stores a tensor saved by several operations several times.
+    stores a tensor saved by several operations several times, and in-place writes are not detected.
     """
     try:
         return getattr(tensor, _VERSION_ATTR)
@@ -193,7 +194,8 @@ def tensor_version(tensor: torch.Tensor) -> Any:
                 "torch",
                 torch.__version__,
                 f"Tensor.{_VERSION_ATTR}",
-                "activation compression no longer shares one compressed copy between the saves of a tensor.",
+                "activation compression no longer shares one compressed copy between the saves of a tensor, nor "
+                "detects saved tensors written in place.",
             ),
             RuntimeWarning,
             stacklevel=2,

@@ -10,11 +10,14 @@ the saved bytes.
 Only where nothing else sees the cast input: plain ``lora.Linear`` layers whose adapters all have no dropout
 (dropout of the cast input rounds differently) and no variant (DoRA and others use the input elsewhere), outside
 autocast (which runs the matmul in its own dtype); everything else keeps PEFT's behaviour.
+
+Both overrides are ``functools.partial`` objects of module-level functions set on the instance: unlike bound
+methods of functions the layer does not have, they deep-copy (onto the copy) and pickle.
 """
 
 from __future__ import annotations
 
-from types import MethodType
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +32,10 @@ def keep_lora_inputs_narrow(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if type(module) is LoraLinear:
-            set_lora_input_cast(module, MethodType(_cast_input, module))
+            set_lora_input_cast(module, partial(_cast_input, module))
             for lora_a in module.lora_A.values():
                 if type(lora_a) is nn.Linear:
-                    lora_a.forward = MethodType(_narrow_input_forward, lora_a)
+                    lora_a.forward = partial(_narrow_input_forward, lora_a)
             count += 1
     return count
 

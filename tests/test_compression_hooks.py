@@ -50,9 +50,9 @@ def _recording(context):
     pack = context.pack_hook
 
     def recording_pack(tensor):
-        packed = pack(tensor)
-        calls.append((tensor.detach(), packed))
-        return packed
+        saved = pack(tensor)
+        calls.append((tensor.detach(), saved.value))  # the stored form (a tensor or a CompressedTensor)
+        return saved
 
     context.pack_hook = recording_pack
     return calls
@@ -289,8 +289,9 @@ def _recording_kinds(context):
 
     def recording_pack(tensor):
         module = context._modules.innermost
-        calls.append((context._modules.kind(), module, pack(tensor)))
-        return calls[-1][2]
+        saved = pack(tensor)
+        calls.append((context._modules.kind(), module, saved.value))
+        return saved
 
     context.pack_hook = recording_pack
     return calls

@@ -242,3 +242,47 @@ def test_second_adapter_refused():
     model = tokentune_model("llama")
     with pytest.raises(ValueError, match="single adapter"):
         model.add_adapter("other", tokentune_config("llama"))
+
+
+# ---------------------------------------------------------------------------------------------- standalone unloading
+
+
+def _trained_standalone():
+    model = tokentune_model("llama", lora=False).train()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model(**make_batch("llama")).loss.backward()
+    optimizer.step()
+    return model
+
+
+def test_standalone_unload_is_refused_it_cannot_give_the_base_model_back():
+    model = _trained_standalone()
+    trained = {name: p.detach().clone() for name, p in model.get_base_model().named_parameters()}
+    with pytest.raises(ValueError, match=r"cannot return the base model.*merge_and_unload\(\).*lora=LoraConfig"):
+        model.unload()
+    assert model.base_model._selector._handles  # still TokenTune: the refusal changed nothing
+    merged = model.merge_and_unload()  # the tuned model, as documented
+    assert all(torch.equal(p, trained[name]) for name, p in merged.named_parameters())
+
+
+def test_standalone_disable_adapter_is_refused_with_our_reason():
+    model = _trained_standalone().eval()
+    batch = make_batch("llama")
+    with torch.no_grad():
+        tuned = model(**batch).logits
+    refused = r"trains \d+ base tensors in place.*no adapter to disable.*LoraConfig"
+    with pytest.raises(ValueError, match=refused), model.disable_adapter():
+        pass
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, tuned)
+    assert model.get_model_status().enabled is True
+
+
+def test_disable_adapter_and_unload_with_lora_are_peft_s():
+    model = tokentune_model("llama").eval()
+    batch = make_batch("llama")
+    base = build("llama").eval()
+    with torch.no_grad(), model.disable_adapter():
+        assert torch.equal(model(**batch).logits, base(**batch).logits)
+    unloaded = model.unload()
+    assert all(torch.equal(p, q) for p, q in zip(unloaded.parameters(), base.parameters()))

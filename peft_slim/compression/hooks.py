@@ -9,6 +9,14 @@ leaving the context, so that a checkpoint's recomputation is not compressed for 
 A context acts only in the thread and the ``contextvars`` context that entered it: torch's saved-tensor
 hooks are per thread, and the module stack (``classify.ModuleStack``) and the pack hook check the rest, so
 other threads' models and asyncio tasks created outside the context are neither compressed nor counted.
+
+In-place writes: torch checks a saved tensor's version (``Tensor._version``) when backward unpacks it, but not
+when saved-tensor hooks hold it, so the hooks check instead and raise autograd's error. A tensor kept as it is
+(``bits=None``, below ``min_numel``, weights) is checked exactly, as autograd does. A compressed tensor is a copy of
+the value saved; its tensor (the root of its views) is checked when backward needs it if still alive, else at the
+last version seen (when saved again, or when the context exits). Missed only when the tensor is written in place
+after its last save and dies before the context ends: then the gradient is that of the saved value (what the code
+computed), where autograd would have raised.
 """
 
 from __future__ import annotations
@@ -52,6 +60,51 @@ class _Storage:
     owner: weakref.ref
     kept: bool = False
     packed: dict = field(default_factory=dict)  # view key -> weakref to its CompressedTensor
+    witnesses: dict = field(default_factory=dict)  # id of a view family's root -> its _Witness
+
+    def witness(self, root: torch.Tensor) -> _Witness:
+        witness = self.witnesses.get(id(root))
+        if witness is None or witness.root() is not root:
+            witness = self.witnesses[id(root)] = _Witness(weakref.ref(root))
+        witness.last = version_of(root)
+        return witness
+
+
+@dataclass(eq=False)
+class _Witness:
+    """The version of a compressed tensor's root (shared by all its views), readable after the root has died."""
+
+    root: weakref.ref
+    last: object = None  # the root's version when last seen: when saved, or when the context exited
+
+    def version(self):
+        root = self.root()
+        return self.last if root is None else version_of(root)
+
+
+class _Saved:
+    """What the pack hook returns: the stored form, and the saved tensor's version then, checked by ``unpack``."""
+
+    __slots__ = ("value", "version", "witness")
+
+    def __init__(self, value, version, witness: _Witness | None = None):
+        self.value = value  # a detached alias of the saved tensor (same version counter), or a CompressedTensor
+        self.version = version
+        self.witness = witness  # for a CompressedTensor: its root's version
+
+    def unpack(self) -> torch.Tensor:
+        value = self.value
+        now = version_of(value) if self.witness is None else self.witness.version()
+        if now != self.version and type(now) is int:  # not int: compat's fallback, no version counter to check
+            form = "as it was" if self.witness is None else "compressed"
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{value.dtype} {list(value.shape)}] is at version {now}; expected version {self.version} instead "
+                f"(detected by peft_slim's activation compression, which holds this saved tensor {form}; plain "
+                "autograd raises the same error). Hint: replace the in-place operation that writes it after it is "
+                "used (e.g. nn.ReLU(inplace=True), x.mul_()) by its out-of-place form, or clone the tensor first."
+            )
+        return value.decompress() if self.witness is not None else value
 
 
 class ActivationCompression(saved_tensors_hooks):
@@ -64,7 +117,7 @@ class ActivationCompression(saved_tensors_hooks):
         self._storages: dict[int, _Storage] = {}
         self._frozen: dict[torch.nn.Module, bool] = {}
         self._active = False
-        super().__init__(self._pack, _unpack)
+        super().__init__(self._pack, _Saved.unpack)
 
     def __enter__(self) -> ActivationCompression:
         if self._active:
@@ -80,11 +133,24 @@ class ActivationCompression(saved_tensors_hooks):
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
         self._modules.stop()
+        for entry in self._storages.values():  # compressed tensors still alive: their version from now on
+            for witness in entry.witnesses.values():
+                root = witness.root()
+                if root is not None:
+                    witness.last = version_of(root)
         self._storages.clear()  # addresses are meaningless once the forward is over
         self._frozen.clear()
         self._active = False
 
-    def _pack(self, tensor: torch.Tensor):
+    def _pack(self, tensor: torch.Tensor) -> _Saved:
+        packed = self._store(tensor)
+        if isinstance(packed, CompressedTensor):
+            root = storage_base(tensor)
+            return _Saved(packed, version_of(root), self._entry(tensor).witness(root))
+        return _Saved(packed, version_of(packed))  # an alias shares the tensor's version counter: checked exactly
+
+    def _store(self, tensor: torch.Tensor):
+        """What to keep for ``tensor``: a detached alias (as it is) or a CompressedTensor."""
         # torch keeps these hooks per thread, not per context: an asyncio task created outside this one runs here too
         if not self._modules.here():
             return tensor.detach()  # not saved in this context: as if there were no hook
@@ -139,10 +205,6 @@ class ActivationCompression(saved_tensors_hooks):
             self.stats.kept += 1
             self.stats.stored_bytes += tensor.untyped_storage().nbytes()
         return tensor.detach()  # a detached alias: the graph must not hold the tensor itself (a cycle)
-
-
-def _unpack(packed):
-    return packed.decompress() if isinstance(packed, CompressedTensor) else packed
 
 
 def compress_activations(config: ActivationCompressionConfig | dict | None = None, **fields) -> ActivationCompression:

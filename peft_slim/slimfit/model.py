@@ -6,17 +6,18 @@ import json
 import math
 import os
 import warnings
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..compat import active_ddp_module
 from ..token_selection import TokenSelectionConfig
 from ..tuner import MethodTuner
+from ..tuner.model import BaseWeightsSwitch
 from .base_weights import BaseWeights
 from .config import SlimFitConfig
 from .observer import StepObserver
@@ -29,20 +30,6 @@ BASE_WEIGHTS_FIX = (
     "Set SlimFitConfig(keep_base_weights=True) (a CPU copy of the original weights), or train a LoRA with SlimFit "
     "(SlimFitConfig(lora=LoraConfig(...)): the base weights then never change)."
 )
-
-
-class BaseWeightsSwitch(nn.Module, BaseTunerLayer):
-    """Standalone SlimFit's adapter, as PEFT's adapter-layer status sees it: the base weights trained in place.
-
-    PEFT's ``disable_adapter()`` looks for adapter layers before it calls the tuner, and standalone SlimFit has
-    none; this one (no parameters, outside the transformers model) says whether the adapter is enabled, while
-    ``SlimFitModel`` swaps the weights.
-    """
-
-    def __init__(self, adapter_name: str):
-        super().__init__()
-        self.set_adapter(adapter_name)
-        self.merged_adapters = []
 
 
 class SlimFitModel(MethodTuner):
@@ -101,14 +88,17 @@ class SlimFitModel(MethodTuner):
         # built before it holds them all; freezing starts there.
         self._observer = StepObserver(
             self._units,
-            lambda index: self.scheduler.trained[index],
+            self._unit_trains,
             config.metric,
             config.epsilon,
             resolve=self._resolve_params,
-            guard=lambda: self._refuse_while_disabled("optimizer.step()"),
+            guard=partial(self._refuse_while_disabled, "optimizer.step()"),
             catch_up=None if config.catch_up == "none" else self._catch_up_factor,
         )
         self._handles.append(model.register_forward_pre_hook(self._before_forward))
+
+    def _unit_trains(self, index: int) -> bool:
+        return self.scheduler.trained[index]
 
     def _remove_method_hooks(self) -> None:
         for handle in self._handles:

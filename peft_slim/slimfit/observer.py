@@ -8,7 +8,7 @@ activation peak.
 A model's parameters may be split over several optimizers (one for the head, one for the body): each step
 scores the tensors that optimizer holds, and a unit's score sums over every optimizer step between two
 training forwards, so it is the same as if one optimizer had stepped the whole unit. The hooks go when the
-observer does: on unload, or when the model is garbage-collected.
+observer does: on unload, or when the model is garbage-collected. A copy of the model (deepcopy, pickle) gets its own.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -130,16 +131,41 @@ class StepObserver:
         self._warned_twice = False
         self._warned_missing = False
         self._unit_of = {id(p): index for index, unit in enumerate(units) for p in unit.params}
+        self._register()
+
+    def _register(self) -> None:
         ref = weakref.ref(self)  # the global hooks must not keep a discarded tuner alive...
         handles = [
-            register_optimizer_step_pre_hook(lambda opt, args, kwargs: _call(ref, "_before_step", opt)),
-            register_optimizer_step_post_hook(lambda opt, args, kwargs: _call(ref, "_after_step", opt)),
+            register_optimizer_step_pre_hook(partial(_call, ref, "_before_step")),
+            register_optimizer_step_post_hook(partial(_call, ref, "_after_step")),
         ]
         # ...and must not outlive it: removed when the observer is collected, or by remove().
         self._finalizer = weakref.finalize(self, _remove_handles, handles)
 
     def remove(self) -> None:
         self._finalizer()
+
+    def __getstate__(self) -> dict:
+        """A copy (deepcopy, pickle) watches the copy's parameters with hooks of its own; the optimizers seen are the
+        original's, not the copy's; parameter ids become (unit, position) pairs."""
+        state = {key: value for key, value in self.__dict__.items() if key != "_finalizer"}
+        state["_optimizers"], state["_last_optimizers"] = [], []
+        positions = {id(p): (i, j) for i, unit in enumerate(self.units) for j, p in enumerate(unit.params)}
+        state["_stepped"] = sorted(positions[key] for key in self._stepped if key in positions)
+        state["_unit_of"] = None
+        state["_watching"] = self._finalizer.alive
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        watching = state.pop("_watching")
+        self.__dict__.update(state)
+        self._unit_of = {id(p): index for index, unit in enumerate(self.units) for p in unit.params}
+        self._stepped = {id(self.units[i].params[j]) for i, j in state["_stepped"]}
+        if watching:
+            self._register()
+        else:
+            self._finalizer = weakref.finalize(self, _remove_handles, [])
+            self._finalizer()
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers that stepped over these units in the latest training step in which any did."""
@@ -222,7 +248,7 @@ class StepObserver:
                 "SlimFit: an optimizer stepped twice over the same units without model.slimfit_step(); the frozen "
                 "set does not change until it is called (after each optimizer.step(), or use "
                 "peft_slim.SlimFitCallback with Trainer).",
-                stacklevel=5,  # the optimizer.step() call: _call, the hook lambda, torch's step wrapper
+                stacklevel=4,  # the optimizer.step() call: _call, torch's step wrapper
             )
         self._depth = 1
         self._stepped |= mine
@@ -283,7 +309,7 @@ class StepObserver:
             )
 
 
-def _call(ref: weakref.ref, method: str, optimizer: torch.optim.Optimizer) -> None:
+def _call(ref: weakref.ref, method: str, optimizer: torch.optim.Optimizer, args=None, kwargs=None) -> None:
     observer = ref()
     if observer is not None:
         getattr(observer, method)(optimizer)

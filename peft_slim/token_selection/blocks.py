@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -82,12 +83,22 @@ class BlockRunner:
         self.current = current
         self.config = config  # the model config whose `_attn_implementation` routes attention to TokenTune
         self.blocks = blocks
-        # One signature per block, taken once: inspecting it on every call is a hot-path cost.
-        self.signatures = {id(block): inspect.signature(block.forward) for block in blocks}
+        # One signature per block, taken once: inspecting it on every call is a hot-path cost. Keyed by id(), so a
+        # copy (deepcopy, pickle) starts with none: its blocks are other objects (see __getstate__).
+        self.signatures: dict[int, inspect.Signature] = {}
         self.handles = []
         for block in blocks:
             self.handles.append(block.register_forward_pre_hook(self._before, with_kwargs=True))
             self.handles.append(block.register_forward_hook(self._after, with_kwargs=True))
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "signatures": {}}
+
+    def _signature(self, block: nn.Module) -> inspect.Signature:
+        signature = self.signatures.get(id(block))
+        if signature is None:
+            signature = self.signatures[id(block)] = inspect.signature(block.forward)
+        return signature
 
     def remove(self) -> None:
         """Remove the hooks and undo ``_route_checkpoint_replay``: the blocks are as they were."""
@@ -102,7 +113,7 @@ class BlockRunner:
     def _before(self, block: nn.Module, args: tuple, kwargs: dict):
         if PASS_KWARG in kwargs:  # already prepared (e.g. a wrapper that calls the block again)
             return None
-        signature = self.signatures[id(block)]
+        signature = self._signature(block)
         params = list(signature.parameters.values())
         hidden_name = params[0].name
         hidden = args[0] if args else kwargs.get(hidden_name)
@@ -169,7 +180,7 @@ class BlockRunner:
         checkpoint_func = checkpointing_function(block)
         if self.config is None or checkpoint_func is None or getattr(checkpoint_func, "_tokentune_replay", False):
             return
-        set_checkpointing_function(block, _replaying_under_same_attention(checkpoint_func, self.config))
+        set_checkpointing_function(block, _ReplayUnderSameAttention(checkpoint_func, self.config))
 
     def _after(self, block: nn.Module, args: tuple, kwargs: dict, output: Any):
         block_pass: BlockPass | None = kwargs.get(PASS_KWARG)
@@ -183,25 +194,31 @@ class BlockRunner:
         return block_pass.selection.scatter(full, output, dim=1)
 
 
-def _replaying_under_same_attention(checkpoint_func: Callable, config: Any) -> Callable:
-    """``checkpoint_func`` whose function (first run and backward replay) sees today's attention name."""
+class _ReplayUnderSameAttention:
+    """``checkpoint_func`` whose function (first run and backward replay) sees today's attention name.
 
-    def checkpoint_with_attention(function, *args, **kwargs):
-        name = get_attn_implementation(config)
+    An object rather than a closure, so that a block deep-copies (the copy's refers to the copy's config) and pickles.
+    """
 
-        def run(*run_args, **run_kwargs):
-            saved = get_attn_implementation(config)
-            set_attn_implementation(config, name)
-            try:
-                return function(*run_args, **run_kwargs)
-            finally:
-                set_attn_implementation(config, saved)
+    _tokentune_replay = True
 
-        return checkpoint_func(run, *args, **kwargs)
+    def __init__(self, checkpoint_func: Callable, config: Any):
+        self.__wrapped__ = checkpoint_func
+        self.config = config
 
-    checkpoint_with_attention._tokentune_replay = True
-    checkpoint_with_attention.__wrapped__ = checkpoint_func
-    return checkpoint_with_attention
+    def __call__(self, function, *args, **kwargs):
+        return self.__wrapped__(
+            partial(_run_under_attention, get_attn_implementation(self.config), self.config, function), *args, **kwargs
+        )
+
+
+def _run_under_attention(name: str, config: Any, function: Callable, *args, **kwargs):
+    saved = get_attn_implementation(config)
+    set_attn_implementation(config, name)
+    try:
+        return function(*args, **kwargs)
+    finally:
+        set_attn_implementation(config, saved)
 
 
 def _has_tensor(value: Any) -> bool:

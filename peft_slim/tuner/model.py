@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from peft.tuners.lora import LoraLayer
-from peft.tuners.tuners_utils import BaseTuner
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
 
 from ..compat import lora_adapter_state_dict, lora_state_dict_for_load
@@ -30,6 +30,20 @@ from ..token_selection import TokenSelectionConfig, TokenSelector
 from . import saving
 from .config import MethodConfig
 from .saving import MISMATCH_FLAG, base_parameter_names, identity, tensor_digest
+
+
+class BaseWeightsSwitch(nn.Module, BaseTunerLayer):
+    """A standalone method's adapter, as PEFT's adapter-layer status sees it: the base weights trained in place.
+
+    PEFT's ``disable_adapter()`` looks for adapter layers before it calls the tuner, and a method without LoRA has
+    none; this one (no parameters, outside the transformers model) says whether the adapter is enabled, while the
+    tuner's ``disable_adapter_layers`` swaps the weights (SlimFit) or refuses (TokenTune).
+    """
+
+    def __init__(self, adapter_name: str):
+        super().__init__()
+        self.set_adapter(adapter_name)
+        self.merged_adapters = []
 
 
 class TrainingCompression:
