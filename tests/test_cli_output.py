@@ -65,8 +65,8 @@ def tiny_model(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("method", ["tokentune", "lora"])
-def test_first_run_prints_no_fault_like_lines(method, tiny_model, tmp_path):
+def test_first_run_prints_no_fault_like_lines(tiny_model, tmp_path):
+    """The default method (TokenTune + LoRA; its plain-LoRA baseline goes through the LoRA path too)."""
     data = tmp_path / "qa.jsonl"
     row = {"messages": [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."}]}
     data.write_text((json.dumps(row) + "\n") * 4)
@@ -96,7 +96,7 @@ def test_first_run_prints_no_fault_like_lines(method, tiny_model, tmp_path):
             "--dataset",
             str(data),
             "--method",
-            method,
+            "tokentune",
             "--max-steps",
             "2",
             "--batch-size",
