@@ -116,3 +116,23 @@ def test_first_run_prints_no_fault_like_lines(tiny_model, tmp_path):
     lines = re.split(r"[\r\n]+", output)
     faults = [line for line in lines if FAULT_LINE.search(line) and not any(w.search(line) for w in WHITELIST)]
     assert not faults, "\n".join(faults)
+
+
+def test_only_the_profilers_own_lines_are_dropped(capfd):
+    """What C++ writes to descriptor 2 inside the measurement comes back, less the profiler's start/stop lines."""
+    import os
+
+    from peft_slim.quiet import native_stderr_without
+
+    with native_stderr_without():
+        os.write(2, b"USDT:2026-12-02 01:45:03 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(
+            2,
+            b"[W1202 01:45:03.037614454 CPUAllocator.cpp:245] Memory block of unknown size was allocated "
+            b"before the profiling started, profiler results will not include the deallocation event\n",
+        )
+        os.write(2, b"a real error from C++\n")
+        print("python's stderr", file=sys.stderr)
+    err = capfd.readouterr().err
+    assert "a real error from C++" in err and "python's stderr" in err
+    assert "profiler_start" not in err and "CPUAllocator" not in err
