@@ -38,6 +38,24 @@ def _moved(library: str, version: str, what: str, consequence: str) -> str:
 # ---------------------------------------------------------------------------------------------- torch
 
 
+def is_deepspeed_zero3_enabled() -> bool:
+    """Whether transformers' DeepSpeed integration has a ZeRO-3 config active (accelerate / Trainer set it)."""
+    try:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled as enabled
+    except ImportError:  # moved: the parameters' own ds_* attributes are still checked (tuner/model_kinds.py)
+        return False
+    return bool(enabled())
+
+
+def active_saved_tensors_pack() -> Callable | None:
+    """The pack function of the innermost saved-tensor hooks active in this thread, or None.
+
+    Private API: ``torch._C._autograd._top_saved_tensors_default_hooks``, what ``saved_tensors_hooks`` pushes.
+    """
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return None if top is None else top[0]
+
+
 def active_ddp_module() -> nn.Module | None:
     """The ``DistributedDataParallel`` wrapper whose forward is running right now, or None.
 

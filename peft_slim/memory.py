@@ -13,6 +13,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from .compat import storage_key
+from .quiet import native_stderr_without
 
 
 class SavedActivationBytes(saved_tensors_hooks):
@@ -62,7 +63,7 @@ def peak_memory_bytes(step: Callable[[], object]) -> int:
         step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with native_stderr_without(), _cpu_profile() as prof:
         step()
     running = peak = 0
     for _, change in sorted(_allocation_changes(prof)):  # replayed in time order
@@ -80,9 +81,14 @@ def held_memory_bytes(step: Callable[[], object]) -> tuple[int, object]:
         result = step()
         torch.cuda.synchronize()
         return torch.cuda.memory_allocated() - before, result
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with native_stderr_without(), _cpu_profile() as prof:
         result = step()
     return sum(change for _, change in _allocation_changes(prof)), result
+
+
+def _cpu_profile() -> torch.profiler.profile:
+    """The CPU profiler with memory events; its start/stop lines on stderr are dropped by the caller."""
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
 
 
 def _allocation_changes(prof: torch.profiler.profile) -> list[tuple[int, int]]:
@@ -114,9 +120,12 @@ def timeline_peak_bytes(step: Callable[[], object]) -> int:
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
         device = f"cuda:{torch.cuda.current_device()}"
-    with torch.profiler.profile(
-        activities=activities, profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
+    with (
+        native_stderr_without(),  # the profiler's start/stop lines, not faults
+        torch.profiler.profile(
+            activities=activities, profile_memory=True, record_shapes=True, with_stack=True
+        ) as prof,
+    ):
         step()
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "timeline.json")

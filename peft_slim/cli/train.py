@@ -238,6 +238,17 @@ def describe(args: argparse.Namespace) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ model and method
+def _get_peft_model(model, config):
+    """``peft.get_peft_model`` without the FutureWarning of PEFT's own call to transformers' deprecated
+    ``is_gradient_checkpointing`` (PEFT's code, not the user's; fixed when PEFT moves to the new name)."""
+    from peft import get_peft_model
+
+    from ..quiet import warning_silenced
+
+    with warning_silenced(FutureWarning, "`is_gradient_checkpointing` is deprecated"):
+        return get_peft_model(model, config)
+
+
 def resolve_model(args: argparse.Namespace) -> tuple[str, str | None, str]:
     """(path or hub id, GGUF file, description) of the model to load."""
     import importlib.util
@@ -299,15 +310,13 @@ def wrap(model, args: argparse.Namespace):
     """The model ready to train, and the context every training forward runs in (compression for lora/full)."""
     from contextlib import nullcontext
 
-    from peft import get_peft_model
-
     from .. import SlimFitConfig, TokenSelectionConfig, TokenTuneConfig, compress_activations
 
     lora = lora_config(args) if args.lora_r else None
     compression = compression_config(args)
     if args.method in ("lora", "full"):
         if args.method == "lora":
-            model = get_peft_model(model, lora)
+            model = _get_peft_model(model, lora)
         else:
             model.requires_grad_(True)
         context = (lambda: compress_activations(compression)) if compression is not None else nullcontext
@@ -335,7 +344,7 @@ def wrap(model, args: argparse.Namespace):
             tokentune=selection,
             **extra,
         )
-    return get_peft_model(model, config), nullcontext
+    return _get_peft_model(model, config), nullcontext
 
 
 def saved_activation_bytes(model, batch: dict, context) -> int:
@@ -361,9 +370,7 @@ def plain_lora_saved_bytes(model, args: argparse.Namespace, batch: dict) -> int:
     ``batch``; the model is given back unchanged (LoRA unloaded)."""
     from contextlib import nullcontext
 
-    from peft import get_peft_model
-
-    plain = get_peft_model(model, lora_config(args))
+    plain = _get_peft_model(model, lora_config(args))
     try:
         return saved_activation_bytes(plain, batch, nullcontext)
     finally:
@@ -442,6 +449,8 @@ def _run(args: argparse.Namespace) -> int:
     import torch
     from transformers import set_seed
 
+    from ..quiet import warning_silenced
+
     rows = sft_data.read_rows(args.dataset, args.dataset_split)
     columns = sft_data.find_columns(
         rows, args.text_column, args.prompt_column, args.completion_column, args.messages_column
@@ -470,7 +479,10 @@ def _run(args: argparse.Namespace) -> int:
     result = trainer.train()
     seconds = time.perf_counter() - start
     output = Path(args.output).resolve()
-    model.save_pretrained(output)
+    # PEFT warns that a base model folder without config.json (the GGUF default) cannot tell whether the vocabulary
+    # changed; the command never resizes embeddings, so the answer ("not modified") is right.
+    with warning_silenced(UserWarning, "Could not find a config file in"):
+        model.save_pretrained(output)
     tokenizer.save_pretrained(output)
 
     steps = result.global_step

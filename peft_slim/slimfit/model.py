@@ -6,7 +6,6 @@ import json
 import math
 import os
 import warnings
-from functools import partial
 from typing import Any
 
 import torch
@@ -21,6 +20,7 @@ from ..tuner.model import BaseWeightsSwitch
 from .base_weights import BaseWeights
 from .config import SlimFitConfig
 from .observer import StepObserver
+from .optimizers import check_releasable
 from .scheduler import FreezeScheduler
 from .units import find_units, new_weights, saved_by_peft
 
@@ -92,7 +92,7 @@ class SlimFitModel(MethodTuner):
             config.metric,
             config.epsilon,
             resolve=self._resolve_params,
-            guard=partial(self._refuse_while_disabled, "optimizer.step()"),
+            guard=self._before_optimizer_step,
             catch_up=None if config.catch_up == "none" else self._catch_up_factor,
         )
         self._handles.append(model.register_forward_pre_hook(self._before_forward))
@@ -309,6 +309,11 @@ class SlimFitModel(MethodTuner):
         for name, requires_grad in self._swapped_requires_grad.items():
             self.model.get_parameter(name).requires_grad_(requires_grad)
         self._swapped_requires_grad = {}
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._refuse_while_disabled("optimizer.step()")
+        if self._config.release_frozen_optimizer_state:
+            check_releasable(optimizer)
 
     def _refuse_while_disabled(self, what: str) -> None:
         if self._swapped is not None:

@@ -108,13 +108,13 @@ class StepObserver:
         metric: str,
         epsilon: float,
         resolve: Callable[[], None] | None = None,
-        guard: Callable[[], None] | None = None,
+        guard: Callable[[torch.optim.Optimizer], None] | None = None,
         catch_up: Callable[[int], float] | None = None,
     ):
         self.units = units
         self.catch_up = catch_up  # unit index -> factor of its update (SlimFitConfig.catch_up), None: 1
         self.resolve = resolve  # re-points units at the model's current parameters (FSDP2 replaces them)
-        self.guard = guard  # called before an optimizer steps over the units; raises if it must not
+        self.guard = guard  # called with an optimizer before it steps over the units; raises if it must not
         self.is_training = is_training
         self.metric = metric
         self.epsilon = epsilon
@@ -234,7 +234,7 @@ class StepObserver:
         if not mine:
             return  # another model's optimizer
         if self.guard is not None:
-            self.guard()
+            self.guard(optimizer)
         if self._closed:
             raise RuntimeError(
                 "SlimFit: optimizer.step() was called after model.slimfit_step() with no training forward in "

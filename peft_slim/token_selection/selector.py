@@ -29,6 +29,7 @@ from .config import TokenSelectionConfig
 from .fused_head import FUSED_METRICS_NOTE, check_fused_call, fused_output
 from .heads import head_of, is_decoder
 from .loss import IGNORE_INDEX, labelled_mean, selected_targets, selected_token_loss
+from .outputs import check_output_flags
 from .selection import TokenSelection, check_token_mask, draw_selection, forced_positions, selection_generator
 
 
@@ -160,6 +161,7 @@ class TokenSelector:
         # Name every argument, so that a positional attention mask or labels are found (and labels removed).
         kwargs = named_arguments(model, self._forward_signature, args, kwargs)
         args = ()
+        check_output_flags(model.config, kwargs)
         # TRL's fused LM head would score every position; the model's own forward runs instead, the head on the
         # selected positions, and the end of the forward answers in the fused head's format (fused_head.py).
         fused = bool(kwargs.pop(TRL_FUSED_HEAD_ARGUMENT, False))

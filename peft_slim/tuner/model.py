@@ -22,13 +22,15 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
 
-from ..compat import lora_adapter_state_dict, lora_state_dict_for_load
+from ..compat import active_saved_tensors_pack, lora_adapter_state_dict, lora_state_dict_for_load
 from ..compression import ActivationCompression, ActivationCompressionConfig, CompressionStats, compress_activations
 from ..lora_inputs import keep_lora_inputs_narrow
+from ..memory import SavedActivationBytes
 from ..nested_lora import inject_lora
 from ..token_selection import TokenSelectionConfig, TokenSelector
 from . import saving
 from .config import MethodConfig
+from .model_kinds import check_model_kind
 from .saving import MISMATCH_FLAG, base_parameter_names, identity, tensor_digest
 
 
@@ -64,6 +66,7 @@ class TrainingCompression:
 
     def _enter(self, model: nn.Module, args: tuple) -> None:
         if model.training and torch.is_grad_enabled():
+            refuse_outer_saved_tensor_hooks()
             self._context = compress_activations(self.config).__enter__()
             self.last_stats = self._context.stats
 
@@ -76,6 +79,25 @@ class TrainingCompression:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def refuse_outer_saved_tensor_hooks() -> None:
+    """Raise when another saved-tensor hook (TRL's ``activation_offloading=True``, ``save_on_cpu``, ...) is active
+    around a training forward with ``activation_compression``: hooks nest and only the innermost acts, so the
+    compression would take every tensor and the outer hook would silently keep none. peft_slim's own counter
+    (``memory.SavedActivationBytes``, documented to see nothing inside) is allowed."""
+    pack = active_saved_tensors_pack()
+    owner = getattr(pack, "__self__", None)
+    if pack is None or isinstance(owner, SavedActivationBytes):
+        return
+    name = type(owner).__name__ if owner is not None else getattr(pack, "__qualname__", repr(pack))
+    raise ValueError(
+        f"activation_compression cannot run inside another saved-tensor hook ({name}; e.g. TRL's "
+        "SFTConfig(activation_offloading=True) or torch.autograd.graph.save_on_cpu): saved-tensor hooks nest and only "
+        "the innermost acts, so the compression would keep every saved tensor and the outer hook none. Use one of "
+        "them: set activation_compression=None in the method's config (SlimFit compresses by default), or turn the "
+        "offloading off. Gradient checkpointing (also transformers' offload=True) composes with compression."
+    )
 
 
 class MethodTuner(BaseTuner):
@@ -135,6 +157,7 @@ class MethodTuner(BaseTuner):
             )
         config: MethodConfig = self.peft_config[adapter_name]
         selection = self._token_selection(config)
+        check_model_kind(model, self.method_name, selects_tokens=selection is not None)
         if selection is not None:
             TokenSelector.check(model)
         self._check_model(model, config)

@@ -1,0 +1,91 @@
+"""Third-party messages that are not faults, silenced one message at a time around the code that prints them.
+
+A newcomer's first ``peft-slim train`` should show the progress bar and the results. Each silencer here names the
+exact message it drops and is active only around the call that prints it; everything else still reaches the user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterator
+
+# bitsandbytes probes for an optional faster CPU 4-bit kernel (the `kernels` package) when it is imported, which
+# peft does on its own import; without it bitsandbytes falls back to its built-in kernel, so nothing is wrong.
+BNB_CPU_PROBE_LOGGER = "bitsandbytes.backends.cpu.ops"
+BNB_CPU_PROBE_MESSAGE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+
+# What torch's profiler writes straight to the process's stderr (C++, not Python) when it starts and stops, and
+# its allocator's note that a block allocated before profiling was freed during it: the measurement is still
+# right (``memory.timeline_peak_bytes`` counts from the first sample).
+PROFILER_LINES = (
+    re.compile(r"^USDT:.*SyncActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)\s*$"),
+    re.compile(r"^\[W\S* \S+ CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before the profiling"),
+)
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+@contextlib.contextmanager
+def bitsandbytes_cpu_probe_silenced() -> Iterator[None]:
+    """Drop bitsandbytes' "Failed to load CPU gemm_4bit_forward" warning while the block (an import) runs."""
+    logger = logging.getLogger(BNB_CPU_PROBE_LOGGER)
+    drop = _DropMessage(BNB_CPU_PROBE_MESSAGE)
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+@contextlib.contextmanager
+def native_stderr_without(patterns: tuple[re.Pattern, ...] = PROFILER_LINES) -> Iterator[None]:
+    """Run the block with file descriptor 2 sent to a temporary file, then write back every line that matches none
+    of ``patterns`` (C++ code writes to the descriptor, not to ``sys.stderr``, so only this can catch it)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real descriptor 2 (embedded interpreters): leave the output alone
+        yield
+        return
+    with tempfile.TemporaryFile(mode="w+b") as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            text = capture.read().decode(errors="replace")
+            kept = [line for line in text.splitlines(keepends=True) if not any(p.search(line) for p in patterns)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def warning_silenced(category: type[Warning], message: str) -> Iterator[None]:
+    """Ignore warnings of ``category`` whose text starts with ``message`` (a literal) inside the block."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=re.escape(message), category=category)
+        yield
+
+
+# peft imports bitsandbytes (when installed) on its own import; everything in peft_slim imports peft, so this module
+# is imported first (peft_slim/__init__.py) and does it here with the probe's warning silenced.
+with bitsandbytes_cpu_probe_silenced():
+    import peft  # noqa: F401, E402

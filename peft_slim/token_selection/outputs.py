@@ -1,0 +1,29 @@
+"""Which outputs a training forward under token selection can return, and the refusal of those it cannot.
+
+The selected positions run through each block a second time (with gradients) and the others are constants, so a
+block's output exists for the selected positions only: per-layer hidden states and attention maps of the whole
+sequence are not computed, and partial ones would not have the shape transformers documents. Refused by name;
+eval mode or ``torch.no_grad()`` forwards return every output of the plain model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PER_LAYER_OUTPUTS = ("output_hidden_states", "output_attentions")
+
+
+def check_output_flags(config: Any, kwargs: dict) -> None:
+    """Raise ``ValueError`` when the call (or the model's config) asks a training forward for per-layer outputs."""
+    for flag in PER_LAYER_OUTPUTS:
+        given = kwargs.get(flag)
+        source = f"{flag}=True"
+        if given is None and getattr(config, flag, False) is True:
+            given, source = True, f"model.config.{flag}=True"
+        if given:
+            raise ValueError(
+                f"Token selection (TokenTune, SlimFit's tokentune) does not return {flag.removeprefix('output_')} "
+                f"in a training forward ({source}): each block runs with gradients on the selected positions only, "
+                "so whole-sequence per-layer outputs are never computed. Run that forward in eval mode or under "
+                "torch.no_grad() (every position, the plain model's values), or leave the flag unset in training."
+            )

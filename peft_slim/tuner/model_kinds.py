@@ -1,0 +1,53 @@
+"""Which models a peft_slim method can be handed, refused before anything changes with what is needed instead.
+
+* DeepSpeed ZeRO-3 shards every parameter to an empty tensor before PEFT sees the model, so the methods' units,
+  hashes, LoRA shapes and selection hooks would be built on empty stand-ins: refused; FSDP2 (the tested sharded
+  path), DDP and ZeRO-1/2 keep whole parameters on each rank.
+* Token selection (TokenTune, SlimFit's ``tokentune``) reads a transformers model's config (attention
+  implementation, head kind) and its decoder blocks: any other ``nn.Module`` (a plain module, a timm model) is
+  refused. SlimFit without token selection, activation compression and the nested LoRA work on any module.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..compat import is_deepspeed_zero3_enabled
+
+ZERO3_ALTERNATIVES = (
+    "use FSDP2 (fully_shard; peft_slim's tested sharded path), DDP, or DeepSpeed ZeRO-1/2, which keep whole "
+    "parameters on each rank"
+)
+
+
+def zero3_parameters(model: nn.Module) -> list[str]:
+    """Names of parameters DeepSpeed ZeRO-3 has partitioned (its ``ds_id`` / ``ds_status`` / ``ds_shape``)."""
+    return [
+        name
+        for name, param in model.named_parameters()
+        if any(hasattr(param, attribute) for attribute in ("ds_id", "ds_status", "ds_shape"))
+    ]
+
+
+def check_model_kind(model: nn.Module, method: str, selects_tokens: bool) -> None:
+    """Raise ``ValueError`` for a model ``method`` cannot train exactly, naming what is needed instead."""
+    sharded = zero3_parameters(model)
+    if sharded or is_deepspeed_zero3_enabled():
+        found = f"{len(sharded)} parameters partitioned, e.g. {sharded[0]!r}" if sharded else "ZeRO-3 is enabled"
+        raise ValueError(
+            f"{method} does not support DeepSpeed ZeRO-3 ({found}): ZeRO-3 shards parameters to empty tensors "
+            f"before the adapter is injected. Instead {ZERO3_ALTERNATIVES}."
+        )
+    if selects_tokens and not _is_transformers_model(model):
+        raise ValueError(
+            f"{method}'s token selection needs a transformers model (a PreTrainedModel with a `config` and decoder "
+            f"or encoder blocks, e.g. AutoModelForCausalLM), got {type(model).__name__}"
+            f"{'' if hasattr(model, 'config') else ' (no `config` attribute)'}. For another nn.Module use SlimFit "
+            "without `tokentune`, or LoRA with `compress_activations`."
+        )
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    return isinstance(model, PreTrainedModel) and isinstance(getattr(model, "config", None), PretrainedConfig)
