@@ -470,7 +470,9 @@ def _run(args: argparse.Namespace) -> int:
     result = trainer.train()
     seconds = time.perf_counter() - start
     output = Path(args.output).resolve()
-    model.save_pretrained(output)
+    from ..tuner.saving import save_pretrained
+
+    save_pretrained(model, output)  # atomic: the old adapter or the new one, never a mix
     tokenizer.save_pretrained(output)
 
     steps = result.global_step
