@@ -32,6 +32,9 @@ from ..atomic_folder import recover, replaced_folder, sibling
 CARD_NAME = "README.md"
 RECORD_NAME = "peft_slim_config.json"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", RECORD_NAME)
+MODEL_FILES = re.compile(
+    r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?|(generation_)?config\.json"
+)
 CARD_START = "<!-- peft_slim: loading (written by peft_slim.save_pretrained; kept up to date on every save) -->"
 CARD_END = "<!-- /peft_slim -->"
 MISMATCH_FLAG = "ignore_base_mismatch"
@@ -47,30 +50,37 @@ def is_peft_slim_model(peft_model: Any) -> bool:
 
 
 def save_pretrained(model: Any, save_directory: str, **kwargs) -> None:
-    """``model.save_pretrained(save_directory, **kwargs)`` (PEFT's own), atomic, with peft_slim's card section.
+    """``model.save_pretrained(save_directory, **kwargs)`` made atomic, with peft_slim's card section for a
+    peft_slim adapter. ``model``: a PeftModel (any PEFT type) or a transformers model.
 
-    The adapter is written into a new folder beside ``save_directory`` that holds the folder's other files too
+    The files are written into a new folder beside ``save_directory`` that holds the folder's other files too
     (a tokenizer, checkpoints: hard links), then swapped in whole: a reader, or a process killed at any point, finds
-    the old adapter or the new one, never a mix; leftovers of a killed save are cleaned up by the next one.
+    the old files or the new ones, never a mix; leftovers of a killed save are cleaned up by the next one.
     """
-    if not is_peft_slim_model(model):
+    if not callable(getattr(model, "save_pretrained", None)):
         raise ValueError(
-            f"peft_slim.save_pretrained expects a PeftModel of a peft_slim method, got {type(model).__name__}"
-            f"{'' if not hasattr(model, 'peft_config') else ' of another PEFT type'}: use its own save_pretrained."
+            f"peft_slim.save_pretrained expects a PeftModel or a transformers model, got {type(model).__name__}."
         )
-    if not kwargs.get("is_main_process", True):  # PEFT writes nothing then
+    if not kwargs.get("is_main_process", True):  # PEFT and transformers write nothing then
         model.save_pretrained(save_directory, **kwargs)
         return
-    selected = kwargs.get("selected_adapters") or list(model.peft_config)
-    folders = {"" if name == "default" else name for name in selected}
+    if hasattr(model, "peft_config"):
+        selected = kwargs.get("selected_adapters") or list(model.peft_config)
+        folders = {"" if name == "default" else name for name in selected}
 
-    def rewritten(relative: str) -> bool:  # the files PEFT writes for these adapters: not kept from the old folder
-        folder, file = os.path.split(relative)
-        return folder in folders and file in ADAPTER_FILES
+        def rewritten(relative: str) -> bool:  # the files PEFT writes for these adapters: not kept from the old folder
+            folder, file = os.path.split(relative)
+            return folder in folders and file in ADAPTER_FILES
+
+    else:
+
+        def rewritten(relative: str) -> bool:  # a transformers model's weights (all shards) and configs
+            return os.path.dirname(relative) == "" and bool(MODEL_FILES.fullmatch(relative))
 
     with replaced_folder(save_directory, rewritten) as staging:
         model.save_pretrained(staging, **kwargs)
-        add_card_section(os.path.join(staging, CARD_NAME), model)
+        if is_peft_slim_model(model):
+            add_card_section(os.path.join(staging, CARD_NAME), model)
 
 
 def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> Any:
