@@ -1,8 +1,9 @@
 """What a LoRA-stacked run leaves behind is a standard LoRA adapter, and `import peft_slim` replaces nothing of PEFT.
 
 * In a process that never imports peft_slim, vanilla PEFT loads what `save_pretrained` and `push_to_hub` write for
-  TokenTune + LoRA, SlimFit + LoRA and the full stack (SlimFit + token selection + LoRA + compression), without a
-  warning, to the trained model's eval logits. (`peft-slim train`: tests/test_cli_train.py.)
+  TokenTune + LoRA, SlimFit + LoRA and the full stack (SlimFit + token selection + LoRA + compression), and a
+  Trainer checkpoint, without a warning, to the trained model's eval logits. (`peft-slim train`:
+  tests/test_cli_train.py; resuming from such checkpoints: tests/test_tokentune_resume.py.)
 * The method and its settings come back from `peft_slim_config.json`; adapters in the format of peft_slim 0.1.0 (a
   TOKENTUNE / SLIMFIT `adapter_config.json` beside LoRA weights) still load.
 * Every attribute of PEFT's model and config classes is the same object before and after `import peft_slim`.
@@ -24,7 +25,13 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from tiny_models import build, make_batch
 
 import peft_slim
-from peft_slim import ActivationCompressionConfig, SlimFitConfig, TokenSelectionConfig, TokenTuneConfig
+from peft_slim import (
+    ActivationCompressionConfig,
+    SlimFitConfig,
+    TokenSelectionConfig,
+    TokenTuneCallback,
+    TokenTuneConfig,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "data", "v0.1.0")
@@ -155,6 +162,18 @@ def test_vanilla_peft_loads_what_push_to_hub_uploaded_without_peft_slim_or_a_war
         # ...and peft_slim continues from the pushed files with the method.
         loaded = peft_slim.from_pretrained(build("llama"), folder)
         assert type(loaded.base_model) is type(saved["models"][name].base_model)
+
+
+def test_a_trainer_checkpoint_is_a_plain_lora_adapter_with_the_record(tmp_path):
+    from test_tokentune_resume import _model, _trainer
+
+    model = _model()
+    _trainer(tmp_path / "run", model, [TokenTuneCallback()], max_steps=2, save_strategy="steps", save_steps=2).train()
+    checkpoint = str(tmp_path / "run" / "checkpoint-2")
+    report = _vanilla_loads({"checkpoint": checkpoint}, tmp_path)
+    assert report["imported"] is False
+    _assert_vanilla_load(report["checkpoint"], checkpoint, model)
+    assert type(peft_slim.load_config(checkpoint)) is TokenTuneConfig
 
 
 @pytest.mark.parametrize("name", METHODS)
