@@ -1,7 +1,9 @@
 """peft_slim: memory-lean fine-tuning methods as first-class PEFT tuner types.
 
 Importing this package registers ``PeftType.TOKENTUNE`` and ``PeftType.SLIMFIT`` with PEFT, so ``get_peft_model``,
-``PeftConfig.from_pretrained``, ``PeftModel.from_pretrained`` and ``AutoPeftModel*`` know it.
+``PeftConfig.from_pretrained``, ``PeftModel.from_pretrained`` and ``AutoPeftModel*`` know it; nothing of PEFT is
+replaced. A LoRA-stacked adapter saves as a plain LoRA adapter (with the method's settings beside it, read by
+``peft_slim.from_pretrained``).
 """
 
 from . import quiet  # noqa: F401  (first: imports peft with bitsandbytes' CPU probe warning silenced)
@@ -11,6 +13,7 @@ from .planner import MemoryEstimate, estimate_memory, plan
 from .slimfit import SlimFitCallback, SlimFitConfig, SlimFitModel
 from .token_selection import TokenSelectionConfig
 from .tokentune import TokenTuneCallback, TokenTuneConfig, TokenTuneModel
+from .tuner.saving import from_pretrained, load_config, save_pretrained
 
 __version__ = "0.1.0"
 
@@ -27,6 +30,9 @@ __all__ = [
     "compress_activations",
     "estimate_memory",
     "export_lora",
+    "from_pretrained",
+    "load_config",
     "plan",
+    "save_pretrained",
     "__version__",
 ]

@@ -551,43 +551,6 @@ def lora_state_dict_for_load(model: nn.Module, lora: Any, adapter_name: str, sta
     return hook(model, lora, adapter_name, state_dict)
 
 
-_WRAPPED_ATTR = "__peft_slim_wraps__"
-
-
-def wrap_peft_model_method(name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
-    """Replace ``peft.PeftModel.<name>`` by ``make_wrapper(original)``, once per process (idempotent).
-
-    Not a private API but a change to another library's class, so it lives here, in the open. peft_slim wraps
-    ``save_pretrained``, ``push_to_hub`` and ``load_adapter`` (see ``peft_slim.tuner.saving``): PEFT has no per-method
-    hook for any of them and PeftModel's class is chosen by the task type, not by the method. Each wrapper must call
-    ``original`` unchanged, with the same arguments, for every adapter that is not peft_slim's.
-
-    No fallback: a RuntimeError when PeftModel no longer has the method.
-    """
-    from peft import PeftModel
-
-    current = getattr(PeftModel, name, None)  # push_to_hub is inherited (transformers' PushToHubMixin)
-    if not callable(current):
-        raise RuntimeError(
-            f"peft_slim.compat: peft {peft.__version__} has no PeftModel.{name}, which peft_slim wraps to save and "
-            "load its adapters safely. Install a peft version from peft_slim's requirements (pyproject.toml), or "
-            "report this to peft_slim with the versions of torch, transformers and peft."
-        )
-    if getattr(current, _WRAPPED_ATTR, None) is not None:
-        return
-    wrapper = functools.wraps(current)(make_wrapper(current))
-    setattr(wrapper, _WRAPPED_ATTR, current)
-    setattr(PeftModel, name, wrapper)
-
-
-def unwrapped_peft_model_method(name: str) -> Callable:
-    """PEFT's own ``PeftModel.<name>``, whether or not :func:`wrap_peft_model_method` wrapped it."""
-    from peft import PeftModel
-
-    method = getattr(PeftModel, name)
-    return getattr(method, _WRAPPED_ATTR, None) or method
-
-
 # ---------------------------------------------------------------------------------------------- Python
 
 

@@ -120,8 +120,8 @@ def new_model(config) -> PeftModel:
 
 
 def load_model(directory: str) -> PeftModel:
-    """A checkpoint written by ``save_pretrained`` on a fresh copy of the same tiny base model."""
-    return PeftModel.from_pretrained(build(ARCH, seed=0), directory, is_trainable=True)
+    """A checkpoint written by ``save_pretrained`` on a fresh copy of the same tiny base model, with its method."""
+    return peft_slim.from_pretrained(build(ARCH, seed=0), directory, is_trainable=True)
 
 
 def global_batches(case: Case) -> list[dict]:

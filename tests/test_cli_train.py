@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -91,8 +92,9 @@ def train(model: Path, dataset: Path, output: Path, *extra: str) -> int:
 
 
 def logits_in_fresh_process(model: Path, saved: dict[str, Path]) -> dict[str, float]:
-    """Load each saved folder in a new interpreter (an adapter with PeftModel.from_pretrained on the base, a full
-    model with AutoModelForCausalLM) and return the sum of its logits on a fixed input, with the config type."""
+    """Load each saved folder in a new interpreter (a peft_slim adapter with peft_slim.from_pretrained, another
+    adapter with PeftModel.from_pretrained on the base, a full model with AutoModelForCausalLM) and return the sum of
+    its logits on a fixed input, with the config type."""
     script = textwrap.dedent(
         f"""
         import json, pathlib, torch, peft_slim
@@ -101,8 +103,10 @@ def logits_in_fresh_process(model: Path, saved: dict[str, Path]) -> dict[str, fl
         ids = torch.tensor([[5, 6, 7, 8]])
         out = {{}}
         for name, folder in { ({k: str(v) for k, v in saved.items()})!r}.items():
+            slim = (pathlib.Path(folder) / "peft_slim_config.json").is_file()
             if (pathlib.Path(folder) / "adapter_config.json").is_file():
-                loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({str(model)!r}), folder)
+                load = peft_slim.from_pretrained if slim else PeftModel.from_pretrained
+                loaded = load(AutoModelForCausalLM.from_pretrained({str(model)!r}), folder)
                 kind = type(loaded.peft_config["default"]).__name__
             else:
                 loaded, kind = AutoModelForCausalLM.from_pretrained(folder), "full"
@@ -214,21 +218,20 @@ def test_each_method_reports_and_ends_with_the_saved_path(name, trained):
 
 def test_slimfit_flags_reach_the_saved_config(trained):
     """--catch-up as given, and the config's own defaults where a flag is not given (--freeze-ratio, --catch-up)."""
-    configs = {
-        name: json.loads((trained[name][0] / "adapter_config.json").read_text())
-        for name in METHOD_FLAGS
-        if "slimfit" in name
-    }
+    records = {"slimfit-lora": "peft_slim_config.json", "slimfit-base": "adapter_config.json"}  # LoRA: beside it
+    configs = {name: json.loads((trained[name][0] / record).read_text()) for name, record in records.items()}
     assert configs["slimfit-base"]["catch_up"] == "linear"
     assert (configs["slimfit-lora"]["freeze_ratio"], configs["slimfit-lora"]["catch_up"]) == (0.5, "sqrt")
     assert configs["slimfit-base"]["freeze_ratio"] == SlimFitConfig().freeze_ratio
 
 
 def test_saved_adapters_load_in_a_fresh_process(trained, tiny_model):
-    """Each adapter loads with PeftModel.from_pretrained in a new interpreter, as the config type of its method, and
-    gives the logits of the same adapter loaded here; training changed them from the base model's."""
+    """Each adapter loads in a new interpreter, as the config type of its method, and gives the logits of the same
+    adapter loaded here; training changed them from the base model's."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
+    import peft_slim
 
     loaded = logits_in_fresh_process(tiny_model, {name: output for name, (output, _) in trained.items()})
     ids = torch.tensor([[5, 6, 7, 8]])
@@ -238,10 +241,60 @@ def test_saved_adapters_load_in_a_fresh_process(trained, tiny_model):
         assert kind == CONFIG_TYPE[name.split("-")[0]], name
         if kind == "full":
             here = AutoModelForCausalLM.from_pretrained(output)
-        else:
+        elif kind == "LoraConfig":
             here = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), output)
+        else:
+            here = peft_slim.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), output)
         assert logits == pytest.approx(here(input_ids=ids).logits.sum().item(), rel=1e-5), name
         assert logits != pytest.approx(base_logits, rel=1e-5), name
+
+
+_VANILLA_CHILD = """
+import json, sys, warnings, torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+ids = torch.tensor([[5, 6, 7, 8]])
+out = {}
+for name, folder in json.loads(sys.argv[1]).items():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sys.argv[2]), folder).eval()
+    with torch.no_grad():
+        torch.save(model(input_ids=ids).logits, folder + ".vanilla.pt")
+    # PeftModel.__init__ reads transformers' deprecated `is_gradient_checkpointing` for every adapter type.
+    messages = [str(w.message) for w in caught if "is_gradient_checkpointing" not in str(w.message)]
+    out[name] = [type(model.peft_config["default"]).__name__, messages]
+out["imported"] = any(m.startswith("peft_slim") for m in sys.modules)
+print(json.dumps(out))
+"""
+
+
+def test_lora_stacked_adapters_load_in_vanilla_peft_without_peft_slim_or_a_warning(trained, tiny_model):
+    """What `peft-slim train` writes for TokenTune + LoRA and SlimFit + TokenTune + LoRA (+ compression, the
+    default) is a plain LoRA adapter: a process that never imports peft_slim loads it, without a warning, to the
+    logits of the same adapter loaded with its method here."""
+    from transformers import AutoModelForCausalLM
+
+    import peft_slim
+
+    folders = {name: str(trained[name][0]) for name in ("tokentune-lora", "slimfit-lora")}
+    done = subprocess.run(
+        [sys.executable, "-c", _VANILLA_CHILD, json.dumps(folders), str(tiny_model)],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        env={key: value for key, value in os.environ.items() if key != "PYTHONPATH"},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out.pop("imported") is False
+    ids = torch.tensor([[5, 6, 7, 8]])
+    for name, folder in folders.items():
+        assert out[name] == ["LoraConfig", []], name
+        here = peft_slim.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), folder).eval()
+        with torch.no_grad():
+            assert torch.equal(torch.load(folder + ".vanilla.pt"), here(input_ids=ids).logits), name
 
 
 @pytest.mark.parametrize("data_format", ["prompt-completion", "text"])

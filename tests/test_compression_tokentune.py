@@ -7,9 +7,10 @@ import json
 
 import pytest
 import torch
-from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
+from peft import LoraConfig, get_peft_model
 from tiny_models import LORA_TARGETS, build, make_batch
 
+import peft_slim
 from peft_slim import ActivationCompressionConfig, TokenTuneConfig
 from peft_slim.memory import SavedActivationBytes
 
@@ -42,13 +43,15 @@ def test_the_field_round_trips_through_adapter_config_json(tmp_path):
     )
     model = get_peft_model(build("llama"), config)
     model.save_pretrained(tmp_path)
-    with open(tmp_path / "adapter_config.json") as handle:
+    # The method's settings are saved beside the adapter (its adapter_config.json is plain LoRA's when it has LoRA).
+    record = "peft_slim_config.json" if config.lora is not None else "adapter_config.json"
+    with open(tmp_path / record) as handle:
         saved = json.load(handle)
     assert saved["activation_compression"] == config.activation_compression.to_dict()
-    loaded = PeftConfig.from_pretrained(tmp_path)
+    loaded = peft_slim.load_config(str(tmp_path))
     assert isinstance(loaded.activation_compression, ActivationCompressionConfig)
     assert loaded.activation_compression == config.activation_compression
-    reloaded = PeftModel.from_pretrained(build("llama"), tmp_path, is_trainable=True).train()
+    reloaded = peft_slim.from_pretrained(build("llama"), tmp_path, is_trainable=True).train()
     reloaded(**make_batch("llama")).loss.backward()
     assert reloaded.base_model.last_compression_stats.compressed > 0
 

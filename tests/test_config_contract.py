@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from peft import LoraConfig, PeftConfig
 
+import peft_slim
 from peft_slim import ActivationCompressionConfig, SlimFitConfig, TokenSelectionConfig, TokenTuneConfig
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "v0.1.0")
@@ -168,9 +169,11 @@ def test_every_valid_config_round_trips_through_json(tmp_path_factory, ratio, co
         config.save_pretrained(folder)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a config this version saved loads without a word
-            loaded = PeftConfig.from_pretrained(folder)
+            loaded = peft_slim.load_config(folder)  # with LoRA: from peft_slim_config.json beside the LoRA config
+            plain = PeftConfig.from_pretrained(folder)
         assert type(loaded) is type(config)
         assert loaded.to_dict() == config.to_dict()
+        assert type(plain) is (type(config) if config.lora is None else LoraConfig)
 
 
 # ---------------------------------------------------------------------------------------------- atomic saves

@@ -176,12 +176,8 @@ _LATE_IMPORT_CHILD = textwrap.dedent(
 
 def test_import_after_peft_loaded_configs_in_fresh_process(tmp_path):
     adapter_dir = tmp_path / "tokentune_adapter"
-    config = TokenTuneConfig(
-        num_tokens=3,
-        seed=7,
-        task_type="CAUSAL_LM",
-        lora=LoraConfig(r=2, target_modules={"q_proj", "v_proj"}),
-    )
+    # A standalone adapter (its own PEFT type; a LoRA-stacked one saves as plain LoRA, which PEFT always knows).
+    config = TokenTuneConfig(num_tokens=3, seed=7, task_type="CAUSAL_LM", trainable_modules=["q_proj"])
     model = get_peft_model(build("llama"), copy.deepcopy(config))
     model.save_pretrained(adapter_dir)
     expected = PeftConfig.from_pretrained(adapter_dir).to_dict()
@@ -259,7 +255,9 @@ def _sets_to_sorted_lists(value):
 def test_config_round_trip(tmp_path, name):
     config = _CONFIGS[name]()
     config.save_pretrained(tmp_path)
-    with open(tmp_path / "adapter_config.json") as handle:
+    # With LoRA, adapter_config.json is the plain LoraConfig and the whole config is in peft_slim_config.json.
+    record_name = "adapter_config.json" if config.lora is None else "peft_slim_config.json"
+    with open(tmp_path / record_name) as handle:
         raw = json.load(handle)  # valid JSON
     assert raw["peft_type"] == "TOKENTUNE"
     assert raw["token_ratio"] == config.token_ratio and raw["num_tokens"] == config.num_tokens
@@ -274,7 +272,13 @@ def test_config_round_trip(tmp_path, name):
 
     via_peft = PeftConfig.from_pretrained(tmp_path)
     direct = TokenTuneConfig.from_pretrained(tmp_path)
-    for loaded in (via_peft, direct):
+    explicit = peft_slim.load_config(str(tmp_path))
+    if config.lora is not None:
+        assert type(via_peft) is LoraConfig  # what vanilla PEFT reads: the nested LoRA, with the owner's fields
+        assert via_peft.r == config.lora.r and via_peft.task_type == config.task_type
+        assert set(via_peft.target_modules) == set(config.lora.target_modules)
+        via_peft = explicit
+    for loaded in (via_peft, direct, explicit):
         assert type(loaded) is TokenTuneConfig
         assert loaded.peft_type is PeftType.TOKENTUNE
         assert loaded.to_dict() == config.to_dict()
@@ -289,17 +293,23 @@ def test_config_round_trip(tmp_path, name):
             )
     # Saving the loaded config again writes the same file.
     direct.save_pretrained(tmp_path / "again")
-    with open(tmp_path / "again" / "adapter_config.json") as handle:
+    with open(tmp_path / "again" / record_name) as handle:
         assert json.load(handle) == raw
 
 
 def test_peft_model_from_pretrained_dispatches_to_tokentune(tmp_path):
-    """`PeftModel.from_pretrained` and `get_peft_model` route TOKENTUNE to our tuner via PEFT's mappings."""
+    """`get_peft_model` routes TOKENTUNE to our tuner via PEFT's mappings; `PeftModel.from_pretrained` loads the
+    saved LoRA-stacked adapter as plain LoRA, `peft_slim.from_pretrained` (PEFT's loader with the saved record) as
+    TokenTune, and `PeftModel.from_pretrained` a standalone one as TokenTune."""
     config = TokenTuneConfig(token_ratio=0.5, seed=0, lora=LoraConfig(r=2, target_modules=["q_proj"]))
     model = get_peft_model(build("llama"), config)
     assert isinstance(model.base_model, TokenTuneModel)
     model.save_pretrained(tmp_path)
-    loaded = PeftModel.from_pretrained(build("llama"), tmp_path)
+    assert type(PeftModel.from_pretrained(build("llama"), tmp_path).base_model).__name__ == "LoraModel"
+    standalone = get_peft_model(build("llama"), TokenTuneConfig(trainable_modules=["q_proj"]))
+    standalone.save_pretrained(tmp_path / "standalone")
+    assert isinstance(PeftModel.from_pretrained(build("llama"), tmp_path / "standalone").base_model, TokenTuneModel)
+    loaded = peft_slim.from_pretrained(build("llama"), tmp_path)
     assert isinstance(loaded.base_model, TokenTuneModel)
     assert isinstance(loaded.peft_config["default"], TokenTuneConfig)
     assert loaded.peft_config["default"].lora.target_modules == {"q_proj"}

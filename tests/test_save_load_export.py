@@ -1,8 +1,9 @@
 """save_pretrained / from_pretrained (fresh processes), export_lora, merge/unload, push_to_hub, is_trainable.
 
 One module-scoped fixture trains and saves every case once and runs two child processes over all of
-them: one that imports peft_slim and loads the adapters, one that never imports peft_slim and loads the
-exported plain LoRA adapters with vanilla PEFT. The tests then compare what came back.
+them: one that imports peft_slim and loads the adapters (with the method, through peft_slim.from_pretrained,
+and with PEFT's own loaders), one that never imports peft_slim and loads what save_pretrained and export_lora
+wrote for the LoRA cases with vanilla PEFT, recording every warning. The tests then compare what came back.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from safetensors.torch import load_file
 from tiny_models import LORA_TARGETS, build, make_batch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
 
+import peft_slim
 from peft_slim import TokenTuneConfig, TokenTuneModel, export_lora
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -126,10 +128,15 @@ _SLIM_CHILD = textwrap.dedent(
         causal = job["kind"] == "causal"
         base_cls = AutoModelForCausalLM if causal else AutoModelForSequenceClassification
         base = base_cls.from_pretrained(job["base_dir"], attn_implementation="sdpa")
-        model = PeftModel.from_pretrained(base, job["adapter_dir"])
+        model = peft_slim.from_pretrained(base, job["adapter_dir"])
         model.eval()
         with torch.no_grad():
             torch.save(model(**inputs).logits, job["out"] + ".peft.pt")
+        plain = PeftModel.from_pretrained(base_cls.from_pretrained(job["base_dir"], attn_implementation="sdpa"),
+                                          job["adapter_dir"])
+        plain.eval()
+        with torch.no_grad():
+            torch.save(plain(**inputs).logits, job["out"] + ".plain.pt")
         auto_cls = AutoPeftModelForCausalLM if causal else AutoPeftModelForSequenceClassification
         auto = auto_cls.from_pretrained(job["adapter_dir"], attn_implementation="sdpa")
         auto.eval()
@@ -138,6 +145,7 @@ _SLIM_CHILD = textwrap.dedent(
         report[job["name"]] = {{
             "peft_cls": type(model).__name__,
             "tuner_cls": type(model.base_model).__name__,
+            "plain_tuner_cls": type(plain.base_model).__name__,
             "auto_cls": type(auto).__name__,
             "auto_tuner_cls": type(auto.base_model).__name__,
             "auto_base_cls": type(auto.get_base_model()).__name__,
@@ -149,7 +157,7 @@ _SLIM_CHILD = textwrap.dedent(
 
 _VANILLA_CHILD = textwrap.dedent(
     """
-    import json, sys
+    import json, sys, warnings
     import torch
     from peft import AutoPeftModelForCausalLM, PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -161,22 +169,30 @@ _VANILLA_CHILD = textwrap.dedent(
         inputs = {{k: v for k, v in batch.items() if k != "labels"}}
         causal = job["kind"] == "causal"
         base_cls = AutoModelForCausalLM if causal else AutoModelForSequenceClassification
-        base = base_cls.from_pretrained(job["base_dir"], attn_implementation="sdpa")
-        model = PeftModel.from_pretrained(base, job["export_dir"])
-        model.eval()
-        with torch.no_grad():
-            torch.save(model(**inputs).logits, job["out"] + ".vanilla.pt")
-        entry = {{
-            "config_cls": type(PeftConfig.from_pretrained(job["export_dir"])).__name__,
-            "peft_type": model.peft_config["default"].peft_type.value,
-            "tuner_cls": type(model.base_model).__name__,
-        }}
-        if causal:
-            auto = AutoPeftModelForCausalLM.from_pretrained(job["export_dir"], attn_implementation="sdpa")
-            auto.eval()
+        for kind in ("adapter", "export"):  # what save_pretrained wrote, what export_lora wrote
+            folder = job[kind + "_dir"]
+            base = base_cls.from_pretrained(job["base_dir"], attn_implementation="sdpa")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                config_cls = type(PeftConfig.from_pretrained(folder)).__name__
+                model = PeftModel.from_pretrained(base, folder)
+            model.eval()
             with torch.no_grad():
-                torch.save(auto(**inputs).logits, job["out"] + ".vanilla_auto.pt")
-        report[job["name"]] = entry
+                torch.save(model(**inputs).logits, job["out"] + f".vanilla_{{kind}}.pt")
+            entry = {{
+                "config_cls": config_cls,
+                "peft_type": model.peft_config["default"].peft_type.value,
+                "tuner_cls": type(model.base_model).__name__,
+                # Not ours: PeftModel.__init__ reads transformers' deprecated `is_gradient_checkpointing` for every
+                # adapter, a LoRA adapter PEFT saved itself included.
+                "warnings": [str(w.message) for w in caught if "is_gradient_checkpointing" not in str(w.message)],
+            }}
+            if causal:
+                auto = AutoPeftModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa")
+                auto.eval()
+                with torch.no_grad():
+                    torch.save(auto(**inputs).logits, job["out"] + f".vanilla_auto_{{kind}}.pt")
+            report[job["name"] + ":" + kind] = entry
     report["__slim_imported__"] = "peft_slim" in sys.modules or any(m.startswith("peft_slim") for m in sys.modules)
     print("RESULT=" + json.dumps(report))
     """
@@ -276,10 +292,17 @@ def test_save_pretrained_writes_config_and_safetensors(run, name):
     files, config, tensors = _saved(case)
     assert {"adapter_config.json", "adapter_model.safetensors"} <= files
     assert "adapter_model.bin" not in files
-    assert config["peft_type"] == "TOKENTUNE"
     assert config["base_model_name_or_path"] == case.base_dir
     assert config["inference_mode"] is True
-    assert (config["lora"] is not None) == case.has_lora
+    if case.has_lora:  # a plain LoRA adapter, the method's settings beside it
+        assert config["peft_type"] == "LORA"
+        with open(os.path.join(case.adapter_dir, "peft_slim_config.json")) as handle:
+            record = json.load(handle)
+        assert record["peft_type"] == "TOKENTUNE" and record["token_ratio"] == 0.5
+        assert record["lora"]["r"] == 4 and record["base_model_name_or_path"] == case.base_dir
+    else:  # a standalone adapter stays a format of its own
+        assert config["peft_type"] == "TOKENTUNE" and config["lora"] is None
+        assert "peft_slim_config.json" not in files
     assert tensors, "saved an empty adapter"
     # The in-memory config is not left in inference mode by saving.
     assert case.model.peft_config["default"].inference_mode is False
@@ -293,6 +316,18 @@ def test_lora_state_dict_keys_match_plain_lora(run, name, tmp_path):
     vanilla.save_pretrained(tmp_path)
     vanilla_keys = set(load_file(os.path.join(tmp_path, "adapter_model.safetensors")))
     assert set(tensors) == vanilla_keys
+    # adapter_config.json is the one vanilla PEFT writes for the same LoraConfig.
+    with open(tmp_path / "adapter_config.json") as handle:
+        vanilla_config = json.load(handle)
+    _, config, _ = _saved(case)
+    as_sets = {
+        "target_modules": set(config["target_modules"]),
+        "modules_to_save": set(config["modules_to_save"] or []),
+    }
+    assert config | as_sets == vanilla_config | {
+        "target_modules": set(vanilla_config["target_modules"]),
+        "modules_to_save": set(vanilla_config["modules_to_save"] or []),
+    }
     lora_keys = {k for k in tensors if ".lora_A." in k or ".lora_B." in k}
     extra = set(tensors) - lora_keys
     n_targets = sum(
@@ -369,10 +404,12 @@ def test_trainable_before_training_matches_saved_set(run):
 def test_fresh_process_from_pretrained_gives_identical_logits(run, name):
     case = run["cases"][name]
     report = run["slim"][name]
-    assert report["tuner_cls"] == "TokenTuneModel"
+    assert report["tuner_cls"] == "TokenTuneModel"  # peft_slim.from_pretrained: the method
+    assert report["plain_tuner_cls"] == ("LoraModel" if case.has_lora else "TokenTuneModel")  # PEFT's own loader
     assert report["trainable"] == 0
     loaded = torch.load(case.out + ".peft.pt")
     assert torch.equal(loaded, case.logits)
+    assert torch.equal(torch.load(case.out + ".plain.pt"), case.logits)
     # Training changed the outputs, so the comparison above is not trivially satisfied by the base.
     assert not torch.allclose(case.logits, case.base_logits, atol=1e-4)
 
@@ -383,7 +420,7 @@ def test_fresh_process_auto_peft_model(run, name):
     report = run["slim"][name]
     causal = case.arch in ("llama", "gpt2")
     assert report["auto_cls"] == ("PeftModelForCausalLM" if causal else "PeftModelForSequenceClassification")
-    assert report["auto_tuner_cls"] == "TokenTuneModel"
+    assert report["auto_tuner_cls"] == ("LoraModel" if case.has_lora else "TokenTuneModel")
     assert report["auto_base_cls"] == type(case.vanilla_base).__name__
     assert torch.equal(torch.load(case.out + ".auto.pt"), case.logits)
 
@@ -403,7 +440,9 @@ def test_export_lora_is_a_plain_lora_adapter(run, name, tmp_path):
     assert set(config["target_modules"]) == set(LORA_TARGETS[case.arch])
     assert config["r"] == 4 and config["lora_alpha"] == 8
     exported = load_file(os.path.join(case.export_dir, "adapter_model.safetensors"))
-    _, _, saved = _saved(case)
+    _, saved_config, saved = _saved(case)
+    assert config == saved_config  # save_pretrained already writes the plain LoRA adapter
+    assert not os.path.exists(os.path.join(case.export_dir, "peft_slim_config.json"))
     assert exported.keys() == saved.keys()
     for key in saved:
         assert torch.equal(exported[key], saved[key]), key
@@ -412,17 +451,19 @@ def test_export_lora_is_a_plain_lora_adapter(run, name, tmp_path):
 
 
 @pytest.mark.parametrize("name", LORA_CASES)
-def test_export_lora_loads_in_vanilla_peft_without_peft_slim(run, vanilla, name):
+@pytest.mark.parametrize("kind", ["adapter", "export"])
+def test_saved_and_exported_lora_load_in_vanilla_peft_without_peft_slim_or_a_warning(run, vanilla, name, kind):
     case = run["cases"][name]
     report = vanilla
     assert report["__slim_imported__"] is False
-    entry = report[name]
+    entry = report[f"{name}:{kind}"]
     assert entry["config_cls"] == "LoraConfig"
     assert entry["peft_type"] == "LORA"
     assert entry["tuner_cls"] == "LoraModel"
-    assert torch.equal(torch.load(case.out + ".vanilla.pt"), case.logits)
+    assert entry["warnings"] == []
+    assert torch.equal(torch.load(case.out + f".vanilla_{kind}.pt"), case.logits)
     if case.arch != "bert":
-        assert torch.equal(torch.load(case.out + ".vanilla_auto.pt"), case.logits)
+        assert torch.equal(torch.load(case.out + f".vanilla_auto_{kind}.pt"), case.logits)
 
 
 @pytest.mark.parametrize("name", STANDALONE_CASES)
@@ -463,7 +504,7 @@ def _assert_plain_transformers(model, reference, attn_implementation="sdpa"):
 @pytest.mark.parametrize("name", ["llama_lora", "bert_lora", "gpt2_full", "bert_subset"])
 def test_merge_and_unload_returns_plain_transformers_model(run, name):
     case = run["cases"][name]
-    model = PeftModel.from_pretrained(case.load_base(), case.adapter_dir, is_trainable=True)
+    model = peft_slim.from_pretrained(case.load_base(), case.adapter_dir, is_trainable=True)
     model.train()
     model(**make_batch(case.arch, seed=3)).loss.backward()  # a training forward first: hooks and attn swap ran
     peft_logits = _eval_logits(model, case.batch)
@@ -503,7 +544,7 @@ def test_merge_and_unload_restores_eager_attention_after_training_and_errors(lor
 @pytest.mark.parametrize("name", ["llama_lora", "bert_lora"])
 def test_unload_gives_the_base_without_lora(run, name):
     case = run["cases"][name]
-    model = PeftModel.from_pretrained(case.load_base(), case.adapter_dir)
+    model = peft_slim.from_pretrained(case.load_base(), case.adapter_dir)
     assert not torch.equal(_eval_logits(model, case.batch), case.base_logits)
     _, _, saved = _saved(case)
     base = model.unload()
@@ -541,7 +582,8 @@ def test_push_to_hub_uploads_the_saved_files(run, name, offline_hub, tmp_path):
         assert uploaded["adapter_model.safetensors"] == handle.read()
     with open(tmp_path / "adapter_config.json") as handle:
         assert json.loads(uploaded["adapter_config.json"]) == json.load(handle)
-    assert json.loads(uploaded["adapter_config.json"])["peft_type"] == "TOKENTUNE"
+    assert json.loads(uploaded["adapter_config.json"])["peft_type"] == ("LORA" if case.has_lora else "TOKENTUNE")
+    assert ("peft_slim_config.json" in uploaded) == case.has_lora
     # ...and they are the files the first save wrote.
     with open(os.path.join(case.adapter_dir, "adapter_model.safetensors"), "rb") as handle:
         assert uploaded["adapter_model.safetensors"] == handle.read()
@@ -557,12 +599,12 @@ def _expected_trainable(case):
 @pytest.mark.parametrize("name", list(CASES))
 def test_is_trainable_flag(run, name):
     case = run["cases"][name]
-    frozen = PeftModel.from_pretrained(case.load_base(), case.adapter_dir, is_trainable=False)
+    frozen = peft_slim.from_pretrained(case.load_base(), case.adapter_dir, is_trainable=False)
     assert isinstance(frozen.base_model, TokenTuneModel)
     assert _trainable_names(frozen) == set()
     assert frozen.peft_config["default"].inference_mode is True
 
-    trainable = PeftModel.from_pretrained(case.load_base(), case.adapter_dir, is_trainable=True)
+    trainable = peft_slim.from_pretrained(case.load_base(), case.adapter_dir, is_trainable=True)
     assert trainable.peft_config["default"].inference_mode is False
     names = _trainable_names(trainable)
     assert names == _expected_trainable(case)

@@ -15,6 +15,7 @@ from peft import PeftConfig
 from slimfit_cases import loss_of, slimfit_model
 from tiny_models import make_batch
 
+import peft_slim
 from peft_slim import SlimFitConfig
 from peft_slim.slimfit.scheduler import FreezeScheduler
 
@@ -221,11 +222,11 @@ def test_a_config_saved_by_0_1_0_keeps_the_papers_rule(tmp_path):
     assert isinstance(config, SlimFitConfig)
     assert (config.freeze_by, config.catch_up, config.always_train_norms) == ("count", "none", False)
     config.save_pretrained(str(tmp_path / "again"))  # saved now: the fields are written, and read back as they are
-    again = PeftConfig.from_pretrained(str(tmp_path / "again"))
+    again = peft_slim.load_config(str(tmp_path / "again"))  # LoRA-stacked: its settings beside the LoRA config
     assert (again.freeze_by, again.catch_up) == ("count", "none")
     current = SlimFitConfig(freeze_ratio=0.8, catch_up="linear")
     current.save_pretrained(str(tmp_path / "current"))
-    loaded = PeftConfig.from_pretrained(str(tmp_path / "current"))
+    loaded = peft_slim.load_config(str(tmp_path / "current"))
     assert (loaded.freeze_by, loaded.catch_up, loaded.always_train_norms) == ("bytes", "linear", True)
 
 

@@ -59,7 +59,7 @@ _SLIM_CHILD = """
     from tiny_models import build, make_batch
     report = {{}}
     for name, arch in (("standalone", "bert"), ("adapter", "llama")):
-        model = PeftModel.from_pretrained(build(arch), {root!r} + "/" + name).eval()
+        model = peft_slim.from_pretrained(build(arch), {root!r} + "/" + name).eval()
         batch = {{k: v for k, v in make_batch(arch).items() if k != "labels"}}
         with torch.no_grad():
             torch.save(model(**batch).logits, {root!r} + "/" + name + ".reloaded.pt")
@@ -74,12 +74,14 @@ _VANILLA_CHILD = """
     import json, sys, torch
     from peft import PeftModel
     from tiny_models import build, make_batch
-    model = PeftModel.from_pretrained(build("llama"), {root!r} + "/lora").eval()
-    batch = {{k: v for k, v in make_batch("llama").items() if k != "labels"}}
-    with torch.no_grad():
-        torch.save(model(**batch).logits, {root!r} + "/lora.reloaded.pt")
-    slim_imported = any(m.startswith("peft_slim") for m in sys.modules)
-    report = {{"tuner": type(model.base_model).__name__, "slim_imported": slim_imported}}
+    report = {{}}
+    for name in ("adapter", "lora"):  # what save_pretrained wrote, what export_lora wrote
+        model = PeftModel.from_pretrained(build("llama"), {root!r} + "/" + name).eval()
+        batch = {{k: v for k, v in make_batch("llama").items() if k != "labels"}}
+        with torch.no_grad():
+            torch.save(model(**batch).logits, {root!r} + "/" + name + ".vanilla.pt")
+        report[name] = type(model.base_model).__name__
+    report["slim_imported"] = any(m.startswith("peft_slim") for m in sys.modules)
     print("RESULT=" + json.dumps(report))
 """
 
@@ -135,15 +137,18 @@ def test_standalone_saves_only_changed_tensors_and_reloads_exactly(saved):
 def test_lora_stack_saves_reloads_and_exports_for_vanilla_peft(saved):
     model, root = saved["stack"], saved["root"]
     config = json.loads((root / "adapter" / "adapter_config.json").read_text())
-    assert config["peft_type"] == "SLIMFIT" and config["tokentune"]["token_ratio"] == 0.5
-    assert config["activation_compression"]["bits"] == 4 and config["lora"]["r"] == 4
+    assert config["peft_type"] == "LORA" and config["r"] == 4  # a plain LoRA adapter...
+    record = json.loads((root / "adapter" / "peft_slim_config.json").read_text())  # ...the method beside it
+    assert record["peft_type"] == "SLIMFIT" and record["tokentune"]["token_ratio"] == 0.5
+    assert record["activation_compression"]["bits"] == 4 and record["lora"]["r"] == 4
     expected = _eval_logits(model, "llama")
     assert not torch.equal(expected, _eval_logits(build("llama"), "llama"))  # training changed the outputs
     assert saved["slim"]["adapter"] == {"tuner": "SlimFitModel", "token_ratio": 0.5}
     assert torch.equal(torch.load(root / "adapter.reloaded.pt"), expected)
-    # the exported plain LoRA adapter, in a process that never imports peft_slim
-    assert saved["vanilla"] == {"tuner": "LoraModel", "slim_imported": False}
-    assert torch.allclose(torch.load(root / "lora.reloaded.pt"), expected, atol=1e-6)
+    # the saved and the exported plain LoRA adapter, in a process that never imports peft_slim
+    assert saved["vanilla"] == {"adapter": "LoraModel", "lora": "LoraModel", "slim_imported": False}
+    assert torch.equal(torch.load(root / "adapter.vanilla.pt"), expected)
+    assert torch.equal(torch.load(root / "lora.vanilla.pt"), expected)
 
 
 def test_merge_and_unload_returns_a_plain_tuned_model():

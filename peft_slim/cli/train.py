@@ -479,10 +479,12 @@ def _run(args: argparse.Namespace) -> int:
     result = trainer.train()
     seconds = time.perf_counter() - start
     output = Path(args.output).resolve()
+    from ..tuner.saving import save_pretrained
+
     # PEFT warns that a base model folder without config.json (the GGUF default) cannot tell whether the vocabulary
     # changed; the command never resizes embeddings, so the answer ("not modified") is right.
     with warning_silenced(UserWarning, "Could not find a config file in"):
-        model.save_pretrained(output)
+        save_pretrained(model, output)  # atomic: the old adapter or the new one, never a mix
     tokenizer.save_pretrained(output)
 
     steps = result.global_step

@@ -340,7 +340,8 @@ class SlimFitModel(MethodTuner):
         return super()._unload_and_optionally_merge(merge=merge, **kwargs)
 
     def _kept_base_entry(self, name: str) -> tuple[str, tuple, bytes] | None:
-        return None if self._base_weights is None else self._base_weights.entry(name)
+        kept = getattr(self, "_base_weights", None)  # before _setup (a loaded adapter's base check): none yet
+        return None if kept is None else kept.entry(name)
 
     def _saves_base_tensor(self, name: str, tensor: torch.Tensor) -> bool:
         # Standalone SlimFit trains base tensors in place: save those that changed (modules_to_save are PEFT's);

@@ -26,6 +26,14 @@ from ..configuration import (
 from ..nested_lora import check_lora_fields, lora_export_config, merged_modules_to_save
 from ..registry import add_peft_type
 
+_HUB_KEYWORDS = ("revision", "cache_dir", "token", "local_files_only", "force_download")
+
+
+def _has_record(model_id: str, subfolder: str | None, hub_kwargs: dict) -> bool:
+    from .saving import RECORD_NAME, _adapter_file
+
+    return _adapter_file(model_id, RECORD_NAME, subfolder, **hub_kwargs) is not None
+
 
 @dataclasses.dataclass
 class BaseWeightsRecord(Check):
@@ -144,15 +152,48 @@ class MethodConfig(PeftConfig, ValidatedConfig):
         return values
 
     def save_pretrained(self, save_directory: str, **kwargs) -> None:
-        """Write ``adapter_config.json`` atomically: a failure leaves the file that was there untouched."""
+        """Write the adapter's config files, each atomically (a failure leaves the file that was there untouched).
+
+        With `lora`: ``adapter_config.json`` is the plain LoraConfig of the adapter (what vanilla PEFT reads, so the
+        folder is a standard LoRA adapter) and ``peft_slim_config.json`` this whole config (what
+        ``peft_slim.from_pretrained`` reads to continue with the method); the record is written first, so the file
+        PEFT writes last stays last. Without `lora`: ``adapter_config.json`` is this config.
+        """
+        from .saving import RECORD_NAME
+
         if os.path.isfile(save_directory):
             raise ValueError(f"save_pretrained: {save_directory!r} is a file; give a directory.")
-        values = self.to_dict()
         auto_mapping = kwargs.pop("auto_mapping_dict", None)
+        record = self.to_dict()
         if auto_mapping is not None:
-            values["auto_mapping"] = auto_mapping
-        text = dump_json(values)  # fails here, before the disk is touched
-        atomic_write_text(os.path.join(save_directory, CONFIG_NAME), text)
+            record["auto_mapping"] = auto_mapping
+        record_text = dump_json(record)  # fails here, before the disk is touched
+        if self.lora is None:
+            atomic_write_text(os.path.join(save_directory, CONFIG_NAME), record_text)
+            return
+        lora = to_json_value(self.lora_export_config())
+        if auto_mapping is not None:
+            lora["auto_mapping"] = auto_mapping
+        lora_text = dump_json(lora)
+        atomic_write_text(os.path.join(save_directory, RECORD_NAME), record_text)
+        atomic_write_text(os.path.join(save_directory, CONFIG_NAME), lora_text)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None, **kwargs):
+        """The saved config: ``peft_slim_config.json`` where the folder has one (a LoRA-stacked adapter), else
+        ``adapter_config.json``. ``ignore_base_mismatch`` (from ``PeftModel.from_pretrained``'s keywords) is kept
+        for the base-model check of a standalone adapter."""
+        from .saving import MISMATCH_FLAG, load_config
+
+        ignore_mismatch = bool(kwargs.pop(MISMATCH_FLAG, False))
+        hub_kwargs = {key: value for key, value in kwargs.items() if key in _HUB_KEYWORDS}
+        if _has_record(pretrained_model_name_or_path, subfolder, hub_kwargs):
+            config = load_config(pretrained_model_name_or_path, subfolder=subfolder, **hub_kwargs)
+        else:
+            config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
+        config._ignore_base_mismatch = ignore_mismatch
+        config._loaded_from = str(pretrained_model_name_or_path)
+        return config
 
     def lora_export_config(self) -> LoraConfig:
         """The plain LoraConfig equivalent of this adapter, as vanilla PEFT would save it."""

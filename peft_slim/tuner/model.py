@@ -28,10 +28,9 @@ from ..lora_inputs import keep_lora_inputs_narrow
 from ..memory import SavedActivationBytes
 from ..nested_lora import inject_lora
 from ..token_selection import TokenSelectionConfig, TokenSelector
-from . import saving
 from .config import MethodConfig
 from .model_kinds import check_model_kind
-from .saving import MISMATCH_FLAG, base_parameter_names, identity, tensor_digest
+from .saving import MISMATCH_FLAG, _under, base_parameter_names, identity, tensor_digest, wrapper_module_names
 
 
 class BaseWeightsSwitch(nn.Module, BaseTunerLayer):
@@ -249,9 +248,20 @@ class MethodTuner(BaseTuner):
         else:
             remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
         tuner = getattr(model, "base_model", None)
-        if isinstance(tuner, MethodTuner):  # for load_adapter's report of missing keys (tuner.saving)
-            tuner._loaded_keys = set(remapped)
+        if isinstance(tuner, MethodTuner):
+            loaded_from = getattr(config, "_loaded_from", None)  # set by the config's from_pretrained
+            if config.lora is None and loaded_from is not None:  # a saved standalone adapter, before its weights load
+                tuner._check_base_model(config, loaded_from, getattr(config, "_ignore_base_mismatch", False))
+            tuner._report_keys(model, config, adapter_name, set(remapped))
         return remapped
+
+    @classmethod
+    def _convert_state_dict_for_initial_model(cls, model, peft_config, *args, **kwargs):
+        raise ValueError(
+            "save_pretrained: path_initial_model_for_weight_conversion converts PiSSA/CorDA/OLoRA LoRA adapters; it "
+            f"does not apply to a {peft_config.peft_type} adapter. Save it (a plain LoRA adapter where it has "
+            "`lora`), load that with peft.PeftModel.from_pretrained and convert it with PEFT."
+        )
 
     def _saves_base_tensor(self, name: str, tensor: torch.Tensor) -> bool:
         """Without LoRA: whether base parameter ``name`` (relative to the base model), now ``tensor``, is saved."""
@@ -283,14 +293,14 @@ class MethodTuner(BaseTuner):
         return identity(entries)
 
     def _check_base_model(self, saved: MethodConfig, where: str, ignore_mismatch: bool) -> None:
-        """Refuse to load the standalone adapter whose saved config is ``saved`` onto a base model whose parameters
-        (those the adapter file does not hold) differ from the ones it was trained with."""
-        if saved.lora is not None:
-            return  # a LoRA adapter applies to any base model of the right shapes, as with PEFT
+        """Refuse to load the standalone adapter whose saved config is ``saved`` (from ``where``) onto a base model
+        whose parameters (those the adapter file does not hold) differ from the ones it was trained with. Run before
+        its weights load; a LoRA adapter applies to any base model of the right shapes, as with PEFT."""
+        where = f" {where!r}"
         record = saved.base_weights
         if record is None:
             warnings.warn(
-                f"{self.method_name} adapter {where!r} was saved without a record of its base model (by an older "
+                f"{self.method_name} adapter{where} was saved without a record of its base model (by an older "
                 "peft_slim): neither a tensor missing from its file nor a base model other than the one it was "
                 "trained on can be detected. Save it again to add the record.",
                 stacklevel=3,
@@ -304,7 +314,7 @@ class MethodTuner(BaseTuner):
             return
         dtypes = "" if here["dtypes"] == then["dtypes"] else f"; dtypes here {here['dtypes']}, then {then['dtypes']}"
         message = (
-            f"{self.method_name} adapter {where!r}: this base model is not the one the adapter was trained on "
+            f"{self.method_name} adapter{where}: this base model is not the one the adapter was trained on "
             f"({saved.base_model_name_or_path or 'name not recorded'}). The adapter file holds only the "
             f"{len(record['saved'])} base tensors training changed; the other {then['count']} come from the model it "
             f"is loaded onto, and this model's differ (blake2b {here['blake2b'][:16]}... over {here['count']} "
@@ -313,26 +323,38 @@ class MethodTuner(BaseTuner):
         )
         if not ignore_mismatch:
             raise ValueError(
-                f"{message}, or pass {MISMATCH_FLAG}=True to PeftModel.from_pretrained / load_adapter to load it "
-                "anyway (the result is then this model with the saved tensors replaced, not the tuned model)."
+                f"{message}, or pass {MISMATCH_FLAG}=True to PeftModel.from_pretrained or peft_slim.from_pretrained "
+                "to load it anyway (the result is then this model with the saved tensors replaced, not the tuned "
+                "model)."
             )
         warnings.warn(f"{message}. Loaded anyway ({MISMATCH_FLAG}=True).", stacklevel=3)
 
-    def _missing_keys(self, peft_model: nn.Module, saved: MethodConfig, adapter_name: str, loaded: set) -> list[str]:
-        """The keys of ``peft_model`` that the adapter file should have set but did not (as PEFT lists them)."""
-        config = self.peft_config[adapter_name]
+    def _report_keys(self, peft_model: nn.Module, config: MethodConfig, adapter_name: str, loaded: set) -> None:
+        """Warn about the keys an adapter file should have set but did not (PEFT's own report keeps only keys with
+        the tuner's prefix, which none of ours have), and about tensors it holds that this model has no place for."""
+        state_dict = peft_model.state_dict()
         if config.lora is not None:
             # PEFT's rule for LoRA (tuner prefix and adapter name in the key), plus the biases `lora.bias` saves.
-            state_dict = peft_model.state_dict()
             expected = {key for key in state_dict if "lora_" in key and adapter_name in key}
             saved_by_lora = lora_adapter_state_dict(peft_model, config.lora, adapter_name, state_dict, [])
             expected |= {key for key in saved_by_lora if "lora_" not in key and key in state_dict}
-        elif saved.base_weights is not None:
+        elif config.base_weights is not None and getattr(config, "_loaded_from", None) is not None:
+            # Only a record read with this file names what it holds (a Trainer reloads an earlier checkpoint into a
+            # model whose live record is the latest save's).
             prefix = self._state_dict_prefix(peft_model)
-            expected = {prefix + name for name in saved.base_weights["saved"]}
+            expected = {prefix + name for name in config.base_weights["saved"]}
         else:
-            return []
-        return sorted(expected - loaded)
-
-
-saving.install()
+            expected = set()
+        missing = sorted(expected - loaded)
+        if missing:  # PEFT's wording
+            warnings.warn(f"Found missing adapter keys while loading the checkpoint: {missing}.", stacklevel=2)
+        # Not warned about: the copies PEFT itself saves of a modules_to_save head's bias with bias="all" (loaded
+        # through the head's own key).
+        wrapped = wrapper_module_names(peft_model)
+        unexpected = sorted(key for key in loaded - set(state_dict) if not _under(key, wrapped))
+        if unexpected:
+            warnings.warn(
+                f"{self.method_name} adapter: found unexpected keys (tensors this model has no place for; they were "
+                f"not loaded) in the adapter file: {unexpected}.",
+                stacklevel=2,
+            )
