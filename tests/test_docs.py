@@ -6,6 +6,7 @@ A block whose info string says ``python no-run: <why>`` is skipped with that rea
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import shlex
@@ -48,7 +49,9 @@ def test_readme_quickstart_runs_as_a_script(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "selected tokens per row: [13, 13, 13, 13]" in result.stdout
     assert (tmp_path / "tokentune-adapter" / "adapter_model.safetensors").is_file()
-    assert (tmp_path / "plain-lora-adapter" / "adapter_config.json").is_file()
+    config = json.loads((tmp_path / "tokentune-adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA"  # what the README says it writes
+    assert (tmp_path / "tokentune-adapter" / "peft_slim_config.json").is_file()
 
 
 # What some blocks must leave behind, beyond running without an error (keyed by the block's first line of code).
