@@ -4,6 +4,7 @@ Importing this package registers ``PeftType.TOKENTUNE`` and ``PeftType.SLIMFIT``
 ``PeftConfig.from_pretrained``, ``PeftModel.from_pretrained`` and ``AutoPeftModel*`` know it.
 """
 
+from . import versions  # noqa: F401  (first: refuses unsupported torch / transformers / peft with a clear message)
 from .compression import ActivationCompressionConfig, compress_activations
 from .export import export_lora
 from .planner import MemoryEstimate, estimate_memory, plan
