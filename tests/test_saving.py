@@ -594,18 +594,6 @@ def test_lora_state_dict_hooks_are_loras_own():
     assert any(key.endswith("lora_magnitude_vector.default") for key in ours)  # DoRA's saved name
 
 
-def test_lora_state_dict_hooks_missing_raise_a_clear_error(monkeypatch):
-    from peft.tuners.tuners_utils import BaseTuner
-
-    for cls in (peft.LoraModel, BaseTuner):
-        monkeypatch.delattr(cls, "_get_adapter_state_dict")
-        monkeypatch.delattr(cls, "_remap_adapter_state_dict_for_load")
-    with pytest.raises(RuntimeError, match=r"LoraModel\._get_adapter_state_dict"):
-        compat.lora_adapter_state_dict(None, None, "default", {}, [])
-    with pytest.raises(RuntimeError, match=r"LoraModel\._remap_adapter_state_dict_for_load"):
-        compat.lora_state_dict_for_load(None, None, "default", {})
-
-
 def test_peft_model_methods_are_wrapped_once_and_keep_their_signature(monkeypatch):
     import inspect
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..compat import is_fake_tensor, real_operators, rowwise_byte_kernels, storage_key
+from ..compat import is_fake_tensor, outside_fake_mode, rowwise_byte_kernels, storage_key
 from .packing import pack_bits, unpack_bits
 
 
@@ -248,7 +248,7 @@ def _triton_kernels():
 def _rowwise_kernels():
     """torch's fused row-wise 8-bit (prepack, unpack) ops, if present and coding as expected here; else None.
     Checked on real tensors even when first asked inside a memory estimate's fake-tensor mode."""
-    with real_operators():
+    with outside_fake_mode():
         return _checked_rowwise_kernels()
 
 
