@@ -15,13 +15,14 @@ from importlib import metadata
 from packaging.version import Version
 
 # Refused below: PEFT 0.21 added the tuner hooks through which a stacked LoRA saves and loads
-# (``BaseTuner._get_adapter_state_dict`` / ``_remap_adapter_state_dict_for_load``). transformers before 5.4 passes
-# ``cache_position`` to every decoder layer (TokenTune's two-pass blocks refuse it) and before 5.9 names ViT's
-# attention projections query/key/value; 5.9 is the oldest the suite passes on. torch 2.11 is the oldest run (the
+# (``BaseTuner._get_adapter_state_dict`` / ``_remap_adapter_state_dict_for_load``). transformers 5.23 checkpoints a
+# layer's ``forward`` instead of its ``__call__``, so TokenTune's block hooks stay outside the checkpoint (before it,
+# a gradient-checkpointing replay saves other tensors than the forward and torch refuses it); older releases also
+# pass ``cache_position`` to decoder layers (before 5.4), which TokenTune refuses. torch 2.11 is the oldest run (the
 # GPU reference setup); the registry has no CPU build of it for CI, which tests 2.13.
-MINIMUM = {"torch": "2.11", "transformers": "5.9", "peft": "0.21"}
+MINIMUM = {"torch": "2.11", "transformers": "5.23", "peft": "0.21"}
 # The oldest and newest releases CI runs the suite on (torch: the registry's only CPU build, see README).
-TESTED = {"torch": ("2.13.0", "2.13.0"), "transformers": ("5.9.0", "5.24.0"), "peft": ("0.21.0", "0.21.2")}
+TESTED = {"torch": ("2.13.0", "2.13.0"), "transformers": ("5.23.0", "5.24.0"), "peft": ("0.21.0", "0.21.2")}
 
 
 def installed_version(package: str) -> str:

@@ -30,7 +30,7 @@ def _check(monkeypatch, **found) -> list[str]:
     return [str(w.message) for w in caught]
 
 
-@pytest.mark.parametrize("package, found", [("peft", "0.20.0"), ("transformers", "5.8.0"), ("torch", "2.10.0+cpu")])
+@pytest.mark.parametrize("package, found", [("peft", "0.20.0"), ("transformers", "5.22.2"), ("torch", "2.10.0+cpu")])
 def test_below_the_minimum_is_refused_naming_package_version_and_range(monkeypatch, package, found):
     _with(monkeypatch, **{package: found})
     minimum = versions.MINIMUM[package]
