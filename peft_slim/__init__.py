@@ -6,7 +6,10 @@ replaced. A LoRA-stacked adapter saves as a plain LoRA adapter (with the method'
 ``peft_slim.from_pretrained``).
 """
 
-from . import quiet  # noqa: F401  (first: imports peft with bitsandbytes' CPU probe warning silenced)
+from . import (
+    quiet,  # noqa: F401  (then: imports peft with bitsandbytes' CPU probe warning silenced)
+    versions,  # noqa: F401  (first: refuses unsupported torch / transformers / peft with a clear message)
+)
 from .compression import ActivationCompressionConfig, compress_activations
 from .export import export_lora
 from .planner import MemoryEstimate, estimate_memory, plan

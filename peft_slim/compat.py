@@ -1,30 +1,33 @@
-"""Every private (underscore or internal-module) API of torch, transformers, PEFT and Python that peft_slim uses.
+"""Every private (underscore or internal-module) API of torch, transformers, PEFT, TRL and Python that peft_slim uses.
 
-Each entry below names the private API, why peft_slim needs it, and what happens when a release moves it:
-it either keeps working through a documented fallback (slower, or with a feature switched off and a
-warning), or raises a ``RuntimeError``/``ImportError`` that names the library, its version, the missing
-attribute and what to do. ``tests/test_compat.py`` exercises each one against the installed versions and
-fails with the name of the private API that moved, so an upgrade that breaks one is caught in CI rather
-than as a silent change of behaviour.
+Each entry names the private API and why peft_slim needs it. ``tests/test_compat.py`` has one test per entry that
+runs it on the installed versions and fails with the name of the API that moved; CI runs them on the oldest and
+the newest supported versions (``peft_slim.versions``), so no fallback is kept for releases outside that range. The
+two exceptions guard against a silently wrong result rather than an old release: the autograd graph check of
+``autocast_copy_source`` and the enum internals check of ``add_enum_member``. The memory planner's own private
+torch APIs (fake-tensor mode, dispatch mode, pytree) live in ``peft_slim.planner.fake``.
 
-Nothing else in peft_slim touches a private API; add new ones here, with a test.
+Nothing else in peft_slim touches a private API; add new ones here (or in the planner's), with a test.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
-import os
 import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
-import peft.utils
+import peft
 import torch
-import transformers
+from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+# Internal module: ``transformers.trainer_callback.ExportableState`` (not exported from ``transformers``). The
+# Trainer writes ``state()`` of every callback that is an instance of it into ``trainer_state.json``; SlimFit's and
+# TokenTune's callbacks derive from it so that the freeze schedule and the selection generator survive a resume.
+from transformers.trainer_callback import ExportableState as ExportableState
 
 
 def _moved(library: str, version: str, what: str, consequence: str) -> str:
@@ -62,29 +65,8 @@ def active_ddp_module() -> nn.Module | None:
     Private API: ``DistributedDataParallel._get_active_ddp_module()`` (a classmethod TorchDynamo uses; DDP sets
     it for the duration of its forward). SlimFit's forward pre-hook runs on the inner model and cannot see the
     wrapper otherwise; it uses it to refuse ``find_unused_parameters=False`` before DDP's reducer fails.
-
-    Fallback: None, with a warning. SlimFit's early check is then skipped; a misconfigured DDP still fails, later,
-    with DDP's own "Expected to have finished reduction in the prior iteration" error.
     """
-    from torch.nn.parallel import DistributedDataParallel
-
-    getter = getattr(DistributedDataParallel, "_get_active_ddp_module", None)
-    if getter is None:
-        warnings.warn(
-            _moved(
-                "torch",
-                torch.__version__,
-                "DistributedDataParallel._get_active_ddp_module",
-                "SlimFit cannot check that DDP was built with find_unused_parameters=True; the check is skipped.",
-            ),
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
-    return getter()
-
-
-_OPTIMIZER_HOOK_DICTS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+    return DistributedDataParallel._get_active_ddp_module()
 
 
 def optimizer_step_hook_counts() -> tuple[int, int]:
@@ -93,22 +75,10 @@ def optimizer_step_hook_counts() -> tuple[int, int]:
     Private API: ``torch.optim.optimizer._global_optimizer_pre_hooks`` / ``_global_optimizer_post_hooks``, the dicts
     that the public ``register_optimizer_step_pre_hook`` / ``..._post_hook`` fill. Only the tests read them, to check
     that SlimFit's step hooks go with the model (on unload, and when it is garbage-collected).
-
-    No fallback: a RuntimeError that names the attribute.
     """
     import torch.optim.optimizer as optimizer_module
 
-    hooks = [getattr(optimizer_module, name, None) for name in _OPTIMIZER_HOOK_DICTS]
-    if not all(isinstance(found, dict) for found in hooks):
-        raise RuntimeError(
-            _moved(
-                "torch",
-                torch.__version__,
-                "torch.optim.optimizer._global_optimizer_pre_hooks / _global_optimizer_post_hooks",
-                "the tests cannot count global optimizer step hooks.",
-            )
-        )
-    return len(hooks[0]), len(hooks[1])
+    return len(optimizer_module._global_optimizer_pre_hooks), len(optimizer_module._global_optimizer_post_hooks)
 
 
 def rowwise_byte_kernels() -> tuple[Callable, Callable] | None:
@@ -120,7 +90,8 @@ def rowwise_byte_kernels() -> tuple[Callable, Callable] | None:
     Activation compression uses them on the CPU to quantize at 8 bits in one pass over memory instead of five.
     (``peft_slim.compression.quant`` also checks, once, that they code exactly as its own grid.)
 
-    Fallback: None; quantization then takes its own packed path (same grid, slower on the CPU).
+    None (a torch build without the quantized CPU kernels): quantization takes its own packed path (same grid,
+    slower on the CPU), the one it takes on other devices.
     """
     try:
         namespace = torch.ops.quantized
@@ -129,43 +100,18 @@ def rowwise_byte_kernels() -> tuple[Callable, Callable] | None:
         return None
 
 
-def _norm_base_classes() -> tuple[type, ...]:
-    base = getattr(nn.modules.batchnorm, "_NormBase", None)
-    if isinstance(base, type):
-        return (base,)
-    # Every public class derived from _NormBase.
-    batch = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-    instance = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
-    lazy = (nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)
-    lazy += (nn.LazyInstanceNorm1d, nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d)
-    return batch + instance + lazy
-
-
 # Private API: ``torch.nn.modules.batchnorm._NormBase``, the common base of BatchNorm*, SyncBatchNorm and
 # InstanceNorm* (and their lazy forms). Activation compression classifies a module as a "norm" by it.
-# Fallback: the public classes derived from it (a third-party subclass of _NormBase alone is then classified by its
-# name, as "norm" when it ends in "Norm").
-NORM_BASE_CLASSES: tuple[type, ...] = _norm_base_classes()
-
-
-def _conv_base_classes() -> tuple[type, ...]:
-    base = getattr(nn.modules.conv, "_ConvNd", None)
-    if isinstance(base, type):
-        return (base,)
-    # Every public class derived from _ConvNd (the lazy ones derive from these).
-    return (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-
+NORM_BASE_CLASSES: tuple[type, ...] = (nn.modules.batchnorm._NormBase,)
 
 # Private API: ``torch.nn.modules.conv._ConvNd``, the common base of Conv*d and ConvTranspose*d (and lazy forms).
-# Activation compression classifies a module as "linear" by it. Fallback: the public classes derived from it.
-CONV_BASE_CLASSES: tuple[type, ...] = _conv_base_classes()
+# Activation compression classifies a module as "linear" by it.
+CONV_BASE_CLASSES: tuple[type, ...] = (nn.modules.conv._ConvNd,)
 
 # Internal module paths: ``torch.nn.modules.activation`` (where nn.ReLU, nn.GELU, nn.SiLU, ... are defined) and
 # ``transformers.activations`` (GELUActivation, ACT2FN's classes). Activation compression gives a module the kind
-# "activation" when its class is defined in one of them. No fallback: a class that moves is classified "other".
+# "activation" when its class is defined in one of them; a class that moves is classified "other".
 ACTIVATION_MODULES: tuple[str, ...] = ("torch.nn.modules.activation", "transformers.activations")
-
-_BASE_ATTR = "_base"
 
 
 def storage_base(tensor: torch.Tensor) -> torch.Tensor:
@@ -174,51 +120,48 @@ def storage_base(tensor: torch.Tensor) -> torch.Tensor:
     Private API: ``Tensor._base`` (None for a non-view, else the root tensor of the view chain). A saved tensor is
     recognised as a weight when its root is a Parameter (a frozen layer saves ``weight.t()``), and the stats of a
     storage are kept alive exactly as long as its root tensor.
-
-    No fallback (there is no public equivalent): a clear RuntimeError.
     """
-    try:
-        base = getattr(tensor, _BASE_ATTR)
-    except AttributeError:
-        raise RuntimeError(
-            _moved(
-                "torch",
-                torch.__version__,
-                f"Tensor.{_BASE_ATTR}",
-                "activation compression cannot tell a view of a weight from an activation.",
-            )
-        ) from None
+    base = tensor._base
     return tensor if base is None else base
 
 
-_VERSION_ATTR = "_version"
-
-
-def tensor_version(tensor: torch.Tensor) -> Any:
+def tensor_version(tensor: torch.Tensor) -> int:
     """A value that changes whenever ``tensor`` (or a view sharing its storage) is modified in place.
 
     Private API: ``Tensor._version`` (autograd's version counter). Activation compression reuses the compressed
     copy of a tensor saved twice only while the tensor's version is unchanged, and checks at backward that no saved
     tensor was written in place since it was saved (as autograd does for the tensors it holds itself).
-
-    Fallback: a fresh object at every call (with a warning): no compressed copy is ever reused, which is correct but
-    stores a tensor saved by several operations several times, and in-place writes are not detected.
     """
-    try:
-        return getattr(tensor, _VERSION_ATTR)
-    except AttributeError:
-        warnings.warn(
-            _moved(
-                "torch",
-                torch.__version__,
-                f"Tensor.{_VERSION_ATTR}",
-                "activation compression no longer shares one compressed copy between the saves of a tensor, nor "
-                "detects saved tensors written in place.",
-            ),
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return object()
+    return tensor._version
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """An identity of ``tensor``'s storage, the same for every view of it: its data pointer, or for a storage without
+    data (meta device, fake tensors: every data pointer is 0) the address of the storage itself.
+
+    Private API: ``UntypedStorage._cdata`` (the address of its StorageImpl, shared by every view and Python wrapper).
+    """
+    storage = tensor.untyped_storage()
+    if storage.device.type != "meta":
+        return storage.data_ptr()
+    return storage._cdata
+
+
+def is_fake_tensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a fake tensor (shapes, no data): the training code runs on them inside a memory
+    estimate (``peft_slim.planner``). Private API: ``torch._subclasses.fake_tensor.FakeTensor``."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+def outside_fake_mode() -> Any:
+    """A context in which operators run for real again, inside a memory estimate's fake-tensor mode (a no-op
+    outside one). Private API: ``torch._subclasses.fake_tensor.unset_fake_temporarily``. The token selection draws
+    its mask from the real inputs there; the package's one-time self-checks (cached for the process) run there."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
 
 
 _TO_COPY_NODE = "ToCopyBackward0"  # the generated name of the autograd node of Tensor.to(dtype)
@@ -229,7 +172,7 @@ _LEAF_ATTR = "variable"  # AccumulateGrad's attribute holding its leaf tensor
 def _copy_graph_problem() -> str | None:
     """Why ``autocast_copy_source`` cannot work on this torch (checked once), or None when it can. Checked on real
     tensors even when first asked inside a memory estimate's fake-tensor mode."""
-    with real_operators(), torch.inference_mode(False), torch.enable_grad():
+    with outside_fake_mode(), torch.inference_mode(False), torch.enable_grad():
         leaf = nn.Parameter(torch.ones(2))
         node = leaf.to(torch.float16).grad_fn
     if type(node).__name__ != _TO_COPY_NODE:
@@ -269,31 +212,14 @@ def autocast_copy_source(grad_fn: Any) -> torch.Tensor | None:
 # ---------------------------------------------------------------------------------------------- transformers
 
 
-def _is_transformers_config(config: Any) -> bool:
-    return isinstance(config, transformers.PretrainedConfig)
-
-
 def get_attn_implementation(config: Any) -> str | None:
     """The attention implementation a transformers model dispatches to at each forward (e.g. "sdpa"), or None.
 
     Private API: ``PretrainedConfig._attn_implementation``, the config attribute every attention layer (through
     ``ALL_ATTENTION_FUNCTIONS``) and the mask builders (``AttentionMaskInterface``) read at each forward. None for
     an object that is not a transformers config (the caller refuses the model).
-
-    No fallback: a clear RuntimeError when a transformers config no longer has it.
     """
-    if not hasattr(config, "_attn_implementation"):
-        if _is_transformers_config(config):
-            raise RuntimeError(
-                _moved(
-                    "transformers",
-                    transformers.__version__,
-                    "PretrainedConfig._attn_implementation",
-                    "TokenTune cannot read or switch the model's attention function.",
-                )
-            )
-        return None
-    return config._attn_implementation
+    return getattr(config, "_attn_implementation", None)
 
 
 def set_attn_implementation(config: Any, name: str) -> None:
@@ -302,18 +228,7 @@ def set_attn_implementation(config: Any, name: str) -> None:
     Private API: the ``PretrainedConfig._attn_implementation`` setter (it also sets every sub-config). TokenTune
     switches it at the start of each training forward and back at its end, to its own registered functions; the
     public ``PreTrainedModel.set_attn_implementation`` validates and reloads kernels, too heavy for every forward.
-
-    No fallback: a clear RuntimeError when the attribute is gone (setting a new attribute would change nothing).
     """
-    if not hasattr(config, "_attn_implementation"):
-        raise RuntimeError(
-            _moved(
-                "transformers",
-                transformers.__version__,
-                f"{type(config).__name__}._attn_implementation",
-                "TokenTune cannot switch the model's attention function.",
-            )
-        )
     config._attn_implementation = name
 
 
@@ -353,65 +268,25 @@ def loading_marks_differ_across_processes() -> bool:
     """Whether transformers' loading marks differ between the processes of this run: under accelerate's FSDP with
     CPU-RAM-efficient loading, processes other than the first receive the weights by broadcast, and transformers
     marks every tensor of theirs as loaded (``transformers.integrations.is_fsdp_enabled()``).
-
-    Fallback: the environment variables that function reads, when it is gone.
     """
-    try:
-        from transformers.integrations import is_fsdp_enabled
-    except ImportError:
-
-        def is_fsdp_enabled() -> bool:
-            flags = (os.environ.get(key, "false").lower() in ("1", "true", "yes") for key in _FSDP_LOADING_ENV)
-            return torch.distributed.is_available() and torch.distributed.is_initialized() and all(flags)
+    from transformers.integrations import is_fsdp_enabled
 
     return bool(is_fsdp_enabled())
 
 
-_FSDP_LOADING_ENV = ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING")
-
-
-_CHECKPOINTING_ATTR = "_gradient_checkpointing_func"
-
-
-def checkpointing_function(block: nn.Module, strict: bool = True) -> Callable | None:
+def checkpointing_function(block: nn.Module) -> Callable | None:
     """The function through which transformers checkpoints ``block``'s forward, or None when it has none.
 
     Private API: ``GradientCheckpointingLayer._gradient_checkpointing_func``, set on every block by
     ``gradient_checkpointing_enable()`` and called by the block's forward as ``func(partial(forward, ...), *args)``.
     TokenTune wraps it so that the backward replay of a block runs under TokenTune's attention functions.
-
-    No fallback: with ``strict``, a clear RuntimeError when the block has gradient checkpointing on but no such
-    attribute (the replay would silently attend without TokenTune's recorded keys and values). ``strict=False``
-    (for clean-up) returns None instead.
     """
-    function = getattr(block, _CHECKPOINTING_ATTR, None)
-    if function is None and strict and getattr(block, "gradient_checkpointing", False) is True:
-        raise RuntimeError(
-            _moved(
-                "transformers",
-                transformers.__version__,
-                f"{type(block).__name__}.{_CHECKPOINTING_ATTR} on a block with gradient_checkpointing=True",
-                "TokenTune cannot route the checkpoint replay through its attention; disable gradient checkpointing.",
-            )
-        )
-    return function
+    return getattr(block, "_gradient_checkpointing_func", None)
 
 
 def set_checkpointing_function(block: nn.Module, function: Callable) -> None:
-    """Make ``block``'s forward checkpoint through ``function`` (see :func:`checkpointing_function`).
-
-    No fallback: a clear RuntimeError when the block has no checkpointing function to replace.
-    """
-    if getattr(block, _CHECKPOINTING_ATTR, None) is None:
-        raise RuntimeError(
-            _moved(
-                "transformers",
-                transformers.__version__,
-                f"{type(block).__name__}.{_CHECKPOINTING_ATTR}",
-                "TokenTune cannot route the checkpoint replay through its attention; disable gradient checkpointing.",
-            )
-        )
-    setattr(block, _CHECKPOINTING_ATTR, function)
+    """Make ``block``'s forward checkpoint through ``function`` (see :func:`checkpointing_function`)."""
+    block._gradient_checkpointing_func = function
 
 
 def eager_attention_function(module: nn.Module) -> Callable | None:
@@ -421,44 +296,10 @@ def eager_attention_function(module: nn.Module) -> Callable | None:
     module-level ``eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout, ...)``;
     it is not in the attention registry. TokenTune's "eager" entry calls it.
 
-    No fallback: None, and the caller raises a ValueError that asks for attn_implementation="sdpa".
+    None (a modeling file without one, such as remote code): the caller raises a ValueError that asks for
+    attn_implementation="sdpa".
     """
     return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-
-
-def exportable_state_cls() -> type:
-    """The base class through which transformers.Trainer saves a callback's state in its checkpoints.
-
-    Internal module: ``transformers.trainer_callback.ExportableState`` (not exported from ``transformers``). The
-    Trainer writes ``state()`` of every callback that is an instance of it into ``trainer_state.json``; SlimFit's
-    callback derives from it so that the freeze schedule survives a resume.
-
-    Fallback: a stand-in base class, with a warning: training works, the schedule is not saved in checkpoints
-    (a resumed run restarts it).
-    """
-    import transformers.trainer_callback as trainer_callback
-
-    cls = getattr(trainer_callback, "ExportableState", None)
-    if isinstance(cls, type):
-        return cls
-    warnings.warn(
-        _moved(
-            "transformers",
-            transformers.__version__,
-            "transformers.trainer_callback.ExportableState",
-            "SlimFitCallback cannot save the freeze schedule in Trainer checkpoints; a resumed run restarts it.",
-        ),
-        RuntimeWarning,
-        stacklevel=2,
-    )
-    return _ExportableStateFallback
-
-
-class _ExportableStateFallback:
-    """Stands in for ``transformers.trainer_callback.ExportableState`` where it is missing (see above)."""
-
-    def state(self) -> dict:
-        return {"args": {}, "attributes": {}}
 
 
 # ---------------------------------------------------------------------------------------------- PEFT
@@ -469,13 +310,8 @@ def base_model_class(peft_model: Any) -> type:
 
     Private API: ``PeftModel._get_base_model_class()``. ``export_lora`` writes the same ``auto_mapping`` as PEFT so
     that ``AutoPeftModel*`` can load the export.
-
-    Fallback: ``type(peft_model.get_base_model())``, the same class for every non-prompt-learning method (LoRA).
     """
-    getter = getattr(type(peft_model), "_get_base_model_class", None)
-    if getter is None:
-        return type(peft_model.get_base_model())
-    return getter(peft_model)
+    return peft_model._get_base_model_class()
 
 
 def auxiliary_training_wrapper_cls() -> type:
@@ -483,27 +319,8 @@ def auxiliary_training_wrapper_cls() -> type:
 
     Internal module: ``peft.utils.other.AuxiliaryTrainingWrapper`` (not in PEFT's documented API). Parameters under
     such a wrapper are PEFT's to train and save; TokenTune and SlimFit leave them alone.
-
-    Fallback: ``peft.utils.ModulesToSaveWrapper`` (its public subclass for ``modules_to_save``, the only one
-    peft_slim configures). ImportError when neither exists.
     """
-    try:
-        from peft.utils.other import AuxiliaryTrainingWrapper as cls
-    except ImportError:
-        cls = None
-    if isinstance(cls, type):
-        return cls
-    cls = getattr(peft.utils, "ModulesToSaveWrapper", None)
-    if isinstance(cls, type):
-        return cls
-    raise ImportError(
-        _moved(
-            "peft",
-            peft.__version__,
-            "peft.utils.other.AuxiliaryTrainingWrapper (nor peft.utils.ModulesToSaveWrapper)",
-            "peft_slim cannot tell which parameters PEFT's modules_to_save wrappers own.",
-        )
-    )
+    return AuxiliaryTrainingWrapper
 
 
 def lora_adapter_state_dict(
@@ -512,43 +329,28 @@ def lora_adapter_state_dict(
     """The entries of ``state_dict`` that vanilla PEFT saves for LoRA adapter ``adapter_name`` configured by ``lora``.
 
     Private API: ``LoraModel._get_adapter_state_dict`` (the classmethod hook through which
-    ``get_peft_model_state_dict`` asks a tuner what to save). A stacked peft_slim adapter is a LoRA adapter, so it
-    saves exactly what LoRA saves for the same ``LoraConfig``: the LoRA tensors (DoRA magnitudes under their saved
-    names), the biases ``lora.bias`` trains, anything a later PEFT adds. Keys keep the adapter name, as PEFT expects.
-
-    No fallback: a RuntimeError naming it (any other selection would save other keys than vanilla LoRA).
+    ``get_peft_model_state_dict`` asks a tuner what to save, PEFT >= 0.21). A stacked peft_slim adapter is a LoRA
+    adapter, so it saves exactly what LoRA saves for the same ``LoraConfig``: the LoRA tensors (DoRA magnitudes under
+    their saved names), the biases ``lora.bias`` trains, anything a later PEFT adds. Keys keep the adapter name.
     """
-    from peft import LoraModel
-
-    hook = getattr(LoraModel, "_get_adapter_state_dict", None)
-    if hook is None:
-        raise RuntimeError(
-            _moved("peft", peft.__version__, "LoraModel._get_adapter_state_dict", "peft_slim cannot save LoRA.")
-        )
-    return hook(model, lora, adapter_name, state_dict, unwanted_adapter_names)
+    return peft.LoraModel._get_adapter_state_dict(model, lora, adapter_name, state_dict, unwanted_adapter_names)
 
 
 def lora_state_dict_for_load(model: nn.Module, lora: Any, adapter_name: str, state_dict: dict) -> dict:
     """``state_dict`` (as saved: no adapter name) with the keys of ``model``'s LoRA adapter ``adapter_name``.
 
-    Private API: ``LoraModel._remap_adapter_state_dict_for_load``, the inverse of
+    Private API: ``LoraModel._remap_adapter_state_dict_for_load`` (PEFT >= 0.21), the inverse of
     :func:`lora_adapter_state_dict` (DoRA's saved names included).
-
-    No fallback: a RuntimeError naming it.
     """
-    from peft import LoraModel
+    return peft.LoraModel._remap_adapter_state_dict_for_load(model, lora, adapter_name, state_dict)
 
-    hook = getattr(LoraModel, "_remap_adapter_state_dict_for_load", None)
-    if hook is None:
-        raise RuntimeError(
-            _moved(
-                "peft",
-                peft.__version__,
-                "LoraModel._remap_adapter_state_dict_for_load",
-                "peft_slim cannot load LoRA weights.",
-            )
-        )
-    return hook(model, lora, adapter_name, state_dict)
+
+def set_lora_input_cast(layer: nn.Module, cast: Callable) -> None:
+    """Replace how PEFT's LoRA ``layer`` casts its input to the adapter's dtype (its ``_cast_input_dtype``, private).
+
+    ``cast(x, dtype)`` is called where PEFT calls ``layer._cast_input_dtype(x, dtype)``; set on the instance.
+    """
+    layer._cast_input_dtype = cast
 
 
 # ---------------------------------------------------------------------------------------------- Python
@@ -596,196 +398,18 @@ def add_enum_member(enum_cls: type[enum.Enum], name: str) -> enum.Enum:
     return member
 
 
-def set_lora_input_cast(layer: nn.Module, cast: Callable) -> None:
-    """Replace how PEFT's LoRA ``layer`` casts its input to the adapter's dtype (its ``_cast_input_dtype``, private).
-
-    ``cast(x, dtype)`` is called where PEFT calls ``layer._cast_input_dtype(x, dtype)``; set on the instance.
-    """
-    if not callable(getattr(layer, "_cast_input_dtype", None)):
-        raise RuntimeError(
-            _moved(
-                "peft",
-                peft.__version__,
-                "LoraLayer._cast_input_dtype",
-                "LoRA inputs cannot be kept at the base model's width.",
-            )
-        )
-    layer._cast_input_dtype = cast
-
-
 # ---------------------------------------------------------------------------------------------- TRL
 
 
 TRL_FUSED_HEAD_ARGUMENT = "fused_lm_head"
-TRL_FUSED_OUTPUT_FIELDS = ("loss", "log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
-
-
-def calling_trainer(max_depth: int = 64) -> Any | None:
-    """The ``transformers.Trainer`` (TRL's trainers derive from it) whose method is on the call stack, or None.
-
-    Private API: ``sys._getframe`` and frame locals (CPython). TRL's fused LM head (``model(..., labels=labels,
-    fused_lm_head=True)``, which TRL >= 1.0 installs on the model's forward, see ``trl.trainer.utils.
-    add_fused_lm_head``) carries no sign of the objective the per-token log-probabilities feed: the SFT loss sums
-    them, DPO sums them per sequence, GRPO exponentiates them. Only the trainer that calls the model knows, so a
-    token-selection forward, which can be exact for SFT only, asks which trainer is calling.
-
-    Fallback: None where frames cannot be read (another Python implementation); the caller then refuses the
-    fused call with an error.
-    """
-    getframe = getattr(sys, "_getframe", None)
-    if getframe is None:
-        return None
-    frame = getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, transformers.Trainer):
-            return owner
-        frame = frame.f_back
-    return None
 
 
 def trl_fused_output_cls() -> type:
-    """The output class of TRL's fused LM head (``trl.trainer.utils.FusedCausalLMOutput``), or a stand-in.
+    """The output class of TRL's fused LM head, ``trl.trainer.utils.FusedCausalLMOutput`` (TRL >= 1.15).
 
     Internal module: ``trl.trainer.utils`` (TRL exports ``add_fused_lm_head`` from ``trl.trainer`` but not its
-    output class). TRL reads the output by attribute (``log_probs``, ``entropy``, ``is_top1``, ``label_mask``,
-    ``aux_loss``), so the stand-in, a ``ModelOutput`` with the same fields, behaves the same.
-
-    Fallback: the stand-in, silently: attribute access is all TRL relies on.
+    output class). Only asked for when TRL's fused head calls the model, so TRL is installed.
     """
-    try:
-        from trl.trainer.utils import FusedCausalLMOutput
-    except ImportError:
-        return _FusedOutputFallback
+    from trl.trainer.utils import FusedCausalLMOutput
+
     return FusedCausalLMOutput
-
-
-@dataclasses.dataclass
-class _FusedOutputFallback(transformers.utils.ModelOutput):
-    """Stands in for ``trl.trainer.utils.FusedCausalLMOutput`` where it is missing (see above)."""
-
-    loss: torch.Tensor | None = None
-    log_probs: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-    log_sum_sq_probs: torch.Tensor | None = None
-    mean_logits: torch.Tensor | None = None
-    is_top1: torch.Tensor | None = None
-    label_mask: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None
-
-
-# ---------------------------------------------------------------------------------------------- fake tensors
-# The memory planner (peft_slim.planner) runs one training step on tensors that have shapes but no data.
-
-_CDATA_ATTR = "_cdata"  # a storage's address (of its StorageImpl); the same for every view and Python wrapper
-
-
-def storage_key(tensor: torch.Tensor) -> int:
-    """An identity of ``tensor``'s storage, the same for every view of it: its data pointer, or for a storage without
-    data (meta device, fake tensors: every data pointer is 0) the address of the storage itself.
-
-    Private API: ``UntypedStorage._cdata``. No fallback: a clear RuntimeError (only data-less tensors need it).
-    """
-    storage = tensor.untyped_storage()
-    if storage.device.type != "meta":
-        return storage.data_ptr()
-    try:
-        return getattr(storage, _CDATA_ATTR)
-    except AttributeError:
-        raise RuntimeError(
-            _moved("torch", torch.__version__, f"UntypedStorage.{_CDATA_ATTR}", "memory estimates cannot run.")
-        ) from None
-
-
-def _fake_tensor_module():
-    try:
-        from torch._subclasses import fake_tensor
-    except ImportError:
-        raise RuntimeError(
-            _moved("torch", torch.__version__, "torch._subclasses.fake_tensor", "memory estimates cannot run.")
-        ) from None
-    return fake_tensor
-
-
-def fake_tensor_mode() -> Any:
-    """A ``FakeTensorMode`` (private API ``torch._subclasses.fake_tensor``): inside it, operators compute shapes,
-    dtypes and strides only. Real tensors given to an operator are converted (``allow_non_fake_inputs``): the
-    planner passes real token ids and labels, which the token selection reads.
-
-    No fallback: a clear RuntimeError.
-    """
-    return _fake_tensor_module().FakeTensorMode(allow_non_fake_inputs=True)
-
-
-def is_fake_tensor(tensor: Any) -> bool:
-    """Whether ``tensor`` is a fake tensor (shapes, no data). False on a torch without fake tensors."""
-    try:
-        from torch._subclasses.fake_tensor import FakeTensor
-    except ImportError:
-        return False
-    return isinstance(tensor, FakeTensor)
-
-
-def outside_fake_mode() -> Any:
-    """A context in which operators run for real again, inside a ``fake_tensor_mode()`` (a no-op outside one).
-
-    Private API: ``torch._subclasses.fake_tensor.unset_fake_temporarily``. The token selection draws its mask from
-    the real inputs there. No fallback: a clear RuntimeError.
-    """
-    module = _fake_tensor_module()
-    if not hasattr(module, "unset_fake_temporarily"):
-        raise RuntimeError(
-            _moved(
-                "torch",
-                torch.__version__,
-                "torch._subclasses.fake_tensor.unset_fake_temporarily",
-                "memory estimates of token selection cannot run.",
-            )
-        )
-    return module.unset_fake_temporarily()
-
-
-def real_operators() -> Any:
-    """``outside_fake_mode()`` where torch has it, else a no-op: for the package's one-time self-checks (cached for
-    the process), which must see real tensors even when first run inside a memory estimate."""
-    try:
-        return outside_fake_mode()
-    except RuntimeError:
-        import contextlib
-
-        return contextlib.nullcontext()
-
-
-def torch_dispatch_mode_class() -> type:
-    """``TorchDispatchMode`` (private module ``torch.utils._python_dispatch``): a Python hook on every operator call,
-    which the planner uses to follow the bytes of every tensor an operator creates. No fallback: RuntimeError."""
-    try:
-        from torch.utils._python_dispatch import TorchDispatchMode
-    except ImportError:
-        raise RuntimeError(
-            _moved(
-                "torch",
-                torch.__version__,
-                "torch.utils._python_dispatch.TorchDispatchMode",
-                "memory estimates cannot run.",
-            )
-        ) from None
-    return TorchDispatchMode
-
-
-def tree_leaves(tree: Any) -> list:
-    """The leaves of nested tuples, lists and dicts (private module ``torch.utils._pytree``): an operator's outputs.
-    Fallback: a plain recursive walk."""
-    try:
-        from torch.utils._pytree import tree_leaves as leaves
-    except ImportError:
-        leaves = None
-    if leaves is not None:
-        return leaves(tree)
-    if isinstance(tree, (tuple, list)):
-        return [leaf for item in tree for leaf in tree_leaves(item)]
-    if isinstance(tree, dict):
-        return [leaf for item in tree.values() for leaf in tree_leaves(item)]
-    return [tree]

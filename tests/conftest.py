@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 
-import httpx2
 import huggingface_hub
 import pytest
 from huggingface_hub import HfApi
 from huggingface_hub.errors import EntryNotFoundError
+
+# The HTTP client huggingface_hub sends through: httpx2 from huggingface_hub 2, httpx before (older transformers 5
+# releases require huggingface_hub 1.x).
+http_client = importlib.import_module("httpx2" if int(huggingface_hub.__version__.split(".")[0]) >= 2 else "httpx")
 
 
 @pytest.fixture
@@ -20,8 +24,8 @@ def offline_hub(monkeypatch):
         calls["http"].append(str(getattr(request, "url", request)))
         raise RuntimeError(f"network access attempted: {request!r}")
 
-    monkeypatch.setattr(httpx2.Client, "send", refuse)
-    monkeypatch.setattr(httpx2.AsyncClient, "send", refuse)
+    monkeypatch.setattr(http_client.Client, "send", refuse)
+    monkeypatch.setattr(http_client.AsyncClient, "send", refuse)
 
     def create_repo(self, repo_id, **kwargs):
         calls["create_repo"].append((repo_id, kwargs))

@@ -285,11 +285,12 @@ def test_cached_self_checks_first_run_inside_an_estimate_still_see_real_tensors(
     """The package's one-time checks (cached for the process) must not be decided on fake tensors."""
     from peft_slim import compat
     from peft_slim.compression import quant
+    from peft_slim.planner.fake import fake_tensor_mode
 
     quant._rowwise_kernels.cache_clear()
     compat._copy_graph_problem.cache_clear()
     try:
-        with compat.fake_tensor_mode():
+        with fake_tensor_mode():
             kernels, problem = quant._rowwise_kernels(), compat._copy_graph_problem()
     finally:
         quant._rowwise_kernels.cache_clear()
@@ -302,10 +303,10 @@ def test_cached_self_checks_first_run_inside_an_estimate_still_see_real_tensors(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("prune_ratio", [None, 0.1])
 def test_a_fake_activation_compresses_to_the_bytes_a_real_one_does(bits, dtype, prune_ratio):
-    from peft_slim import compat
     from peft_slim.compression.tensor import compress
+    from peft_slim.planner.fake import fake_tensor_mode
 
     real = compress(torch.randn(3, 40, 96).to(dtype), bits, 128, prune_ratio, False)
-    with compat.fake_tensor_mode():
+    with fake_tensor_mode():
         fake = compress(torch.empty(3, 40, 96, dtype=dtype), bits, 128, prune_ratio, False)
     assert fake.nbytes == real.nbytes

@@ -576,15 +576,3 @@ def test_lora_state_dict_hooks_are_loras_own():
     state_dict = vanilla.state_dict()
     ours = compat.lora_adapter_state_dict(vanilla, vanilla.peft_config["default"], "default", state_dict, [])
     assert any(key.endswith("lora_magnitude_vector.default") for key in ours)  # DoRA's saved name
-
-
-def test_lora_state_dict_hooks_missing_raise_a_clear_error(monkeypatch):
-    from peft.tuners.tuners_utils import BaseTuner
-
-    for cls in (peft.LoraModel, BaseTuner):
-        monkeypatch.delattr(cls, "_get_adapter_state_dict")
-        monkeypatch.delattr(cls, "_remap_adapter_state_dict_for_load")
-    with pytest.raises(RuntimeError, match=r"LoraModel\._get_adapter_state_dict"):
-        compat.lora_adapter_state_dict(None, None, "default", {}, [])
-    with pytest.raises(RuntimeError, match=r"LoraModel\._remap_adapter_state_dict_for_load"):
-        compat.lora_state_dict_for_load(None, None, "default", {})

@@ -25,7 +25,7 @@ from trl_cases import (
     trainable,
 )
 
-from peft_slim import SlimFitConfig, TokenSelectionConfig, TokenTuneConfig
+from peft_slim import SlimFitConfig, TokenSelectionConfig, TokenTuneCallback, TokenTuneConfig
 
 trl = pytest.importorskip("trl")
 
@@ -202,6 +202,7 @@ def test_sft_leaves_the_callers_batch_unchanged(tmp_path):
         args=sft_args(tmp_path),
         train_dataset=sft_dataset("completion", seed=11),
         processing_class=sft_tokenizer(),
+        callbacks=[TokenTuneCallback()],
     )
     trainer.train()
     assert seen == [True, True]
@@ -309,6 +310,7 @@ def test_dpo_with_token_selection_is_refused_before_any_update(tmp_path):
         train_dataset=preference_dataset(seed=15),
         processing_class=sft_tokenizer(),
         peft_config=config,
+        callbacks=[TokenTuneCallback()],  # tells the model which trainer trains it
     )
     before = trainable(trainer.model)
     with pytest.raises(ValueError, match=r"DPOTrainer is not supported with token selection.*plain LoRA adapter"):
@@ -335,13 +337,33 @@ def test_dpo_with_slimfit_and_a_ref_model_runs_trls_own_objective(tmp_path):
     assert logged[0]["loss"] == pytest.approx(math.log(2), rel=1e-5)
 
 
+def test_sft_with_token_selection_without_the_callback_is_refused_before_any_update(tmp_path):
+    """Only TokenTuneCallback tells the model which trainer calls its fused head: without it SFTTrainer's first
+    training forward is refused, naming the callback; with it (run_sft_step) the step is exact; after training the
+    model forgets the trainer again."""
+    model = tokentune(seed=19)
+    before = trainable(model)
+    trainer = trl.SFTTrainer(
+        model=model,
+        args=sft_args(tmp_path),
+        train_dataset=sft_dataset("completion", seed=19),
+        processing_class=sft_tokenizer(),
+    )
+    with pytest.raises(ValueError, match=r"trl.SFTTrainer given `callbacks=\[peft_slim.TokenTuneCallback\(\)\]`"):
+        trainer.train()
+    assert all(torch.equal(before[n], value) for n, value in trainable(model).items())
+    with pytest.warns(UserWarning, match="selected labelled positions"):
+        run_sft_step(tmp_path / "with", sft_dataset("completion", seed=19), model=model)
+    assert model.base_model._selector.trainer_args is None
+
+
 def test_fused_head_outside_sft_trainer_is_refused():
     """Any other caller of TRL's fused head (a custom loop, another Trainer) gets the same clear error."""
     model = tokentune(seed=15)
     trl.trainer.utils.add_fused_lm_head(model.get_base_model())
     ids = torch.randint(4, 90, (2, 6))
     model.train()
-    with pytest.raises(ValueError, match=r"no trainer is calling it"):
+    with pytest.raises(ValueError, match=r"callbacks=\[peft_slim.TokenTuneCallback\(\)\].*no TokenTuneCallback has"):
         model(input_ids=ids, labels=ids, fused_lm_head=True)
     # Eval mode: token selection is inactive and TRL's own fused head answers, every position scored.
     model.eval()
@@ -428,6 +450,7 @@ def _grpo(tmp_path, model, peft_config=None, **overrides):
         train_dataset=trl_cases_datasets().Dataset.from_dict({"prompt": ["w6 w7 w8", "w9 w10 w11"] * 2}),
         processing_class=sft_tokenizer(),
         peft_config=peft_config,
+        callbacks=[TokenTuneCallback()] if peft_config is not None else None,
     )
 
 

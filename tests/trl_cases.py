@@ -15,6 +15,8 @@ from tiny_models import VOCAB
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 
+from peft_slim import TokenTuneCallback
+
 datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
 
@@ -205,7 +207,8 @@ def reference_step(peft_model, calls: list[dict], autocast: bool = False):
 
 
 def run_sft_step(tmp_path, dataset, model=None, peft_config=None, selects: bool = True, **overrides):
-    """One optimizer step of trl.SFTTrainer; returns the trainer, its logs, the recorded calls and gradient."""
+    """One optimizer step of trl.SFTTrainer (with TokenTuneCallback when the model selects tokens, as token
+    selection under SFTTrainer needs); returns the trainer, its logs, the recorded calls and gradient."""
     tokenizer = sft_tokenizer()
     trainer = trl.SFTTrainer(
         model=model,
@@ -213,6 +216,7 @@ def run_sft_step(tmp_path, dataset, model=None, peft_config=None, selects: bool 
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=peft_config,
+        callbacks=[TokenTuneCallback()] if selects else None,
     )
     peft_model = trainer.model
     recorder = ForwardRecorder(peft_model, selects=selects)

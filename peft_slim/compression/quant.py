@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..compat import is_fake_tensor, real_operators, rowwise_byte_kernels, storage_key
+from ..compat import is_fake_tensor, outside_fake_mode, rowwise_byte_kernels, storage_key
 from .packing import pack_bits, unpack_bits
 
 
@@ -301,7 +301,7 @@ def _kernel_difference(kernels, device: torch.device, dtype: torch.dtype) -> str
     """What differs between the kernels and the torch path on a small tensor, both directions and every width, bit
     for bit; an exception's type and message; None if nothing."""
     try:
-        with real_operators(), torch.no_grad():
+        with outside_fake_mode(), torch.no_grad():
             values = _check_values().to(dtype)
             values = values.masked_fill_(values == 0, 1.0).to(device)  # (none in fp32; fp16 may flush tiny ones)
             for bits in (8, 4, 2):
@@ -345,7 +345,7 @@ def _bits_differ(name: str, want: torch.Tensor, have: torch.Tensor) -> str | Non
 def _rowwise_kernels():
     """torch's fused row-wise 8-bit (prepack, unpack) ops, if present and coding as expected here; else None.
     Checked on real tensors even when first asked inside a memory estimate's fake-tensor mode."""
-    with real_operators():
+    with outside_fake_mode():
         return _checked_rowwise_kernels()
 
 

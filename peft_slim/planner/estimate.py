@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 from peft import PeftConfig
 
-from ..compat import fake_tensor_mode
+from .fake import fake_tensor_mode
 from .setup import (
     base_model,
     gradient_bytes,

@@ -12,10 +12,11 @@ import weakref
 
 import torch
 
-from ..compat import storage_key, torch_dispatch_mode_class, tree_leaves
+from ..compat import storage_key
+from .fake import TorchDispatchMode, tree_leaves
 
 
-class LiveBytes(torch_dispatch_mode_class()):
+class LiveBytes(TorchDispatchMode):
     """``total``: bytes of the storages created inside the mode and still alive; ``peak``: the highest ``total``
     since the last ``reset_peak()``."""
 

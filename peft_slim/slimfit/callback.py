@@ -5,10 +5,8 @@ from __future__ import annotations
 from torch import nn
 from transformers import TrainerCallback
 
-from ..compat import exportable_state_cls
+from ..compat import ExportableState
 from ..trainer_state import stored_callback_attribute
-
-ExportableState = exportable_state_cls()
 
 
 def find_slimfit(model: nn.Module):

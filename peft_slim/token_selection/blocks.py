@@ -106,7 +106,7 @@ class BlockRunner:
             handle.remove()
         self.handles.clear()
         for block in self.blocks:
-            checkpoint_func = checkpointing_function(block, strict=False)
+            checkpoint_func = checkpointing_function(block)
             if getattr(checkpoint_func, "_tokentune_replay", False):
                 set_checkpointing_function(block, checkpoint_func.__wrapped__)
 

@@ -16,7 +16,9 @@ selected labelled positions. The gradient flows through the selected positions o
 
 Other trainers use the log-probabilities per sequence (DPO, KTO) or per token (GRPO, RLOO); a token-selection
 forward cannot give them every completion token's value with gradient, so they are refused, as is SFTTrainer's
-``loss_type="dft"`` (which weights each token by its probability).
+``loss_type="dft"`` (which weights each token by its probability). The fused call does not say which trainer
+makes it; ``TokenTuneCallback`` tells the selector, at ``on_train_begin``, the trainer's arguments (an SFTConfig,
+a DPOConfig, ...), and a fused training call without them is refused.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..compat import TRL_FUSED_HEAD_ARGUMENT, calling_trainer, trl_fused_output_cls
+from ..compat import TRL_FUSED_HEAD_ARGUMENT, trl_fused_output_cls
 from .loss import IGNORE_INDEX, selected_targets
 from .selection import TokenSelection
 
@@ -42,38 +44,49 @@ _ALTERNATIVES = (
 )
 
 
-def _is_sft_trainer(trainer: Any) -> bool:
+def _trainer_name(args: Any) -> str:
+    """The trainer a TrainingArguments class belongs to: TRL names them alike (DPOConfig for DPOTrainer)."""
+    name = type(args).__name__
+    return name[: -len("Config")] + "Trainer" if name.endswith("Config") else f"the Trainer of {name}"
+
+
+def _is_sft_config(args: Any) -> bool:
     try:
-        from trl import SFTTrainer
+        from trl import SFTConfig
     except ImportError:
         return False
-    return isinstance(trainer, SFTTrainer)
+    return isinstance(args, SFTConfig)
 
 
-def check_fused_call(head_kind: str, kwargs: dict) -> None:
-    """Refuse a ``fused_lm_head=True`` training forward that token selection cannot make exact."""
+def check_fused_call(head_kind: str, kwargs: dict, trainer_args: Any) -> None:
+    """Refuse a ``fused_lm_head=True`` training forward that token selection cannot make exact.
+
+    ``trainer_args`` are the training arguments of the Trainer now training the model, as ``TokenTuneCallback``
+    recorded them at ``on_train_begin`` (None without it): the fused call itself does not say which objective its
+    log-probabilities feed, the trainer's arguments do (SFTConfig: SFTTrainer's summed loss).
+    """
     if head_kind != "causal_lm":
         raise ValueError(
             f"TokenTune: `{TRL_FUSED_HEAD_ARGUMENT}=True` (TRL's fused LM head) needs a causal LM; this model's head "
             f"is {head_kind!r}."
         )
-    trainer = calling_trainer()
-    if trainer is None:
+    if trainer_args is None:
         raise ValueError(
             f"TokenTune: `{TRL_FUSED_HEAD_ARGUMENT}=True` (TRL's fused LM head) in a training forward is supported "
-            "when trl.SFTTrainer calls the model, and no trainer is calling it. Call the model in eval mode or under "
-            "torch.no_grad() for every position's log-probabilities, or without it for the selected-token loss. "
-            + _ALTERNATIVES
+            "under trl.SFTTrainer given `callbacks=[peft_slim.TokenTuneCallback()]`, which tells the model which "
+            "trainer is training it; no TokenTuneCallback has. Under SFTTrainer add that callback. Elsewhere call the "
+            "model in eval mode or under torch.no_grad() for every position's log-probabilities, or without it for "
+            "the selected-token loss. " + _ALTERNATIVES
         )
-    name = type(trainer).__name__
-    if not _is_sft_trainer(trainer):
+    name = _trainer_name(trainer_args)
+    if not _is_sft_config(trainer_args):
         raise ValueError(
             f"TokenTune: {name} is not supported with token selection. It asks the model for the log-probability "
             "of every completion token (TRL's fused LM head) and uses them per sequence or per token, while a "
             "token-selection training forward computes only its selected positions', so its loss and gradient would "
             f"not be the ones {name} defines. " + _ALTERNATIVES
         )
-    loss_type = getattr(trainer.args, "loss_type", "nll")
+    loss_type = getattr(trainer_args, "loss_type", "nll")
     if loss_type != "nll":
         raise ValueError(
             f"TokenTune: {name} with loss_type={loss_type!r} is not supported with token selection: it weights each "

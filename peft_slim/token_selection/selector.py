@@ -82,6 +82,9 @@ class TokenSelector:
         self._decoder = is_decoder(model)
         self._warned_cache = False
         self._warned_fused = False
+        # The TrainingArguments of the Trainer training the model, from TokenTuneCallback.on_train_begin (None
+        # outside one): TRL's fused-head call is exact for SFTTrainer only, and only the trainer's arguments say which.
+        self.trainer_args: Any = None
         self._state: _TrainingForward | None = None
         # Computed once: inspecting the signature on every forward cost ~19% of a tiny model's generate().
         self._forward_signature = inspect.signature(model.forward)
@@ -166,7 +169,7 @@ class TokenSelector:
         # selected positions, and the end of the forward answers in the fused head's format (fused_head.py).
         fused = bool(kwargs.pop(TRL_FUSED_HEAD_ARGUMENT, False))
         if fused:
-            check_fused_call(self._head.kind, kwargs)
+            check_fused_call(self._head.kind, kwargs, self.trainer_args)
             if not self._warned_fused:
                 self._warned_fused = True
                 warnings.warn(FUSED_METRICS_NOTE, UserWarning, stacklevel=2)

@@ -10,13 +10,11 @@ import torch.distributed as dist
 from torch import nn
 from transformers import TrainerCallback
 
-from ..compat import exportable_state_cls
+from ..compat import ExportableState
 from ..distributed import rank
 from ..token_selection import TokenSelector
 from ..trainer_state import stored_callback_attribute
 from ..tuner import MethodTuner
-
-ExportableState = exportable_state_cls()
 
 
 def find_token_selector(model: nn.Module) -> TokenSelector | None:
@@ -41,7 +39,9 @@ def _decode(text: str) -> dict:
 
 
 class TokenTuneCallback(TrainerCallback, ExportableState):
-    """Saves the token-selection generator with every Trainer checkpoint, and restores it when training resumes.
+    """Saves the token-selection generator with every Trainer checkpoint, and restores it when training resumes;
+    tells the model which trainer trains it (needed under TRL's SFTTrainer, whose fused-LM-head call is exact for
+    SFT only: see ``token_selection.fused_head``).
 
     Without it a resumed run draws other positions than an uninterrupted one (the generator restarts from its
     seed). The state (one generator per process: each rank draws its own positions) is written into the
@@ -63,6 +63,7 @@ class TokenTuneCallback(TrainerCallback, ExportableState):
                 "TokenTuneCallback: the Trainer's model has no token selection (a TokenTune adapter, or SlimFit with "
                 "`tokentune`); remove the callback or wrap the model with get_peft_model first."
             )
+        self._selector.trainer_args = args  # which trainer: TRL's fused-head call is exact under SFTTrainer only
         stored = self.generator_states
         if stored is None and state.global_step > 0:  # resuming: the checkpoint's trainer_state.json has it
             stored = stored_callback_attribute(state, self, "generator_states")
@@ -97,6 +98,10 @@ class TokenTuneCallback(TrainerCallback, ExportableState):
             )
         if here < len(stored):
             self._selector.load_state_dict(_decode(stored[here]))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._selector is not None:
+            self._selector.trainer_args = None
 
     def on_step_end(self, args, state, control, **kwargs):
         # Only the main process writes trainer_state.json: it needs every rank's state, gathered here on all ranks
