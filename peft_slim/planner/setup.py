@@ -19,6 +19,7 @@ from peft import PeftConfig, PeftModel, get_peft_model
 from torch import nn
 
 from ..compat import copy_loading_marks, storage_key
+from ..configuration import Integer
 from ..slimfit import SlimFitModel
 
 TASKS = ("causal_lm", "sequence_classification", "image_classification")
@@ -36,6 +37,14 @@ _SUFFIXES = {
 }
 _SUFFIXES["ForImageClassification"] = "image_classification"
 _PEFT_TASKS = {"CAUSAL_LM": "causal_lm", "SEQ_CLS": "sequence_classification"}
+
+# Bounds of the sizes a step is planned for, checked before anything is built (the synthetic inputs are real
+# tensors): far above any real micro-batch, far below what a typo such as seq_len=10**9 asks for.
+MAX_BATCH_SIZE = 2**16
+MAX_TOKENS = 2**24  # tokens per micro-batch (batch_size * seq_len): Llama 3's whole global batch was 16M tokens
+MAX_PIXEL_VALUES = 2**28  # pixel values per micro-batch: 1 GiB as float32 (1,783 RGB images of 224 x 224)
+MAX_SEQ_LEN = MAX_TOKENS  # where the config gives no position limit
+MAX_LORA_R = 2**16
 
 
 @dataclass
@@ -63,8 +72,7 @@ def resolve_workload(model, peft_config, batch_size, seq_len, optimizer, dtype, 
             )
     else:
         config = load_config(model)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size={batch_size!r}: expected a positive integer.")
+    batch_size = Integer(1, MAX_BATCH_SIZE)(batch_size, "batch_size")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}: expected one of {OPTIMIZERS}.")
     if dtype not in DTYPES:
@@ -76,9 +84,36 @@ def resolve_workload(model, peft_config, batch_size, seq_len, optimizer, dtype, 
                 f"seq_len={seq_len!r}: an image model's sequence comes from its config (image_size, patch_size); "
                 "pass seq_len=None."
             )
-    elif isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len={seq_len!r}: expected a positive integer (tokens per sequence).")
+        size, channels = getattr(config, "image_size", 0), getattr(config, "num_channels", 3)
+        if isinstance(size, int) and isinstance(channels, int) and batch_size * channels * size**2 > MAX_PIXEL_VALUES:
+            raise ValueError(
+                f"batch_size={batch_size}: {batch_size} images of {channels} x {size} x {size} are more than "
+                f"{MAX_PIXEL_VALUES:,} pixel values per micro-batch; expected at most "
+                f"{MAX_PIXEL_VALUES // max(1, channels * size * size)} images."
+            )
+    else:
+        seq_len = Integer(1, MAX_SEQ_LEN)(seq_len, "seq_len")
+        limit = max_positions(config)
+        if limit is not None and seq_len > limit:
+            raise ValueError(
+                f"seq_len={seq_len}: longer than the {limit} positions the model's config gives "
+                f"(max_position_embeddings); expected an int in [1, {limit}]."
+            )
+        if batch_size * seq_len > MAX_TOKENS:
+            raise ValueError(
+                f"batch_size={batch_size}, seq_len={seq_len}: {batch_size * seq_len:,} tokens per micro-batch, "
+                f"more than the {MAX_TOKENS:,} planned for; expected batch_size * seq_len <= {MAX_TOKENS}."
+            )
     return Workload(module, config, batch_size, seq_len, task, optimizer, DTYPES[dtype])
+
+
+def max_positions(config) -> int | None:
+    """The longest sequence the model's position embeddings cover, where its config says (else None)."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def load_config(source) -> transformers.PretrainedConfig:
