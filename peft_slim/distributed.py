@@ -39,10 +39,13 @@ def full_state_dict(model: nn.Module) -> dict:
 def save_pretrained(model: nn.Module, save_directory: str, **kwargs) -> None:
     """``PeftModel.save_pretrained`` for a (possibly wrapped or sharded) model. Call it on every rank.
 
-    Keys of the gathered state dict are those of the unwrapped PeftModel, which is what PEFT expects.
+    Keys of the gathered state dict are those of the unwrapped PeftModel, which is what PEFT expects. Rank 0 saves
+    through :func:`peft_slim.save_pretrained`: the folder holds the old adapter or the new one, never a mix.
     """
+    from .tuner.saving import save_pretrained as atomic_save_pretrained
+
     state_dict = full_state_dict(model)
     if rank() == 0:
-        unwrap(model).save_pretrained(save_directory, state_dict=state_dict, **kwargs)
+        atomic_save_pretrained(unwrap(model), save_directory, state_dict=state_dict, **kwargs)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
