@@ -118,12 +118,18 @@ def test_decoder_classifier_with_use_cache():
     assert_grads_match(grads, ref_grads)
 
 
+def _cache_of(output):
+    """The KV cache a forward returned: ``cache`` since transformers 5.24, ``past_key_values`` before."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
 def test_a_cache_holding_positions_is_refused():
     model = tokentune_model("llama")
     batch = make_batch("llama")
     model.eval()
     with torch.no_grad():  # a cache filled by an ordinary forward over 4 positions
-        cache = model(input_ids=batch["input_ids"][:, :4], use_cache=True).cache
+        cache = _cache_of(model(input_ids=batch["input_ids"][:, :4], use_cache=True))
     assert cache.get_seq_length() == 4
     model.train()
     with pytest.raises(ValueError, match=r"KV cache.*`cache` holds 4 positions"):
@@ -139,7 +145,8 @@ def test_eval_and_generate_still_use_the_cache():
     model.eval()
     with torch.no_grad():
         output = model(input_ids=batch["input_ids"], use_cache=True)
-    assert output.cache is not None and output.cache.get_seq_length() == batch["input_ids"].shape[1]
+    cache = _cache_of(output)
+    assert cache is not None and cache.get_seq_length() == batch["input_ids"].shape[1]
 
 
 def test_a_cache_reaching_the_blocks_is_refused(monkeypatch):
