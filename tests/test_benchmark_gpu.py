@@ -61,11 +61,15 @@ def test_unknown_method_names_are_refused(capsys):
     assert "'lroa'" in err and "lora+liger+ckpt" in err
 
 
+def test_the_device_script_parses():
+    subprocess.run(["bash", "-n", str(Path(__file__).parents[1] / "benchmarks" / "gpu_check.sh")], check=True)
+
+
+@pytest.mark.slow  # about 40 s (it collects the whole suite); run it before a session with a GPU uses the script
 def test_the_device_script_dry_run(tmp_path):
     """``benchmarks/gpu_check.sh --dry-run`` (no GPU): it parses, collects the ``cuda`` tests and checks each benchmark
     run's arguments, every step exiting 0."""
     script = Path(__file__).parents[1] / "benchmarks" / "gpu_check.sh"
-    subprocess.run(["bash", "-n", str(script)], check=True)
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
     result = subprocess.run(
         ["bash", str(script), "--dry-run"], cwd=script.parents[1], env=env, capture_output=True, text=True, timeout=600
