@@ -13,9 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tiny_chat import save_tiny_chat_llama
 
 # Messages that appeared in a first run and are not faults: each must be gone.
 NOISE = (
@@ -29,40 +27,11 @@ NOISE = (
 # No line may look like a warning or a crash; none is whitelisted today.
 FAULT_LINE = re.compile(r"warn|traceback|error", re.IGNORECASE)
 WHITELIST: tuple[re.Pattern, ...] = ()
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.train_from_iterator(
-        ["What is the capital of France? Paris is the capital."] * 10,
-        trainers.BpeTrainer(
-            vocab_size=120,
-            special_tokens=["<|end|>", "<|user|>", "<|assistant|>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        ),
-    )
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|end|>", chat_template=CHAT_TEMPLATE)
-    fast.save_pretrained(folder)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(fast),
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.eos_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
+    return save_tiny_chat_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def test_first_run_prints_no_fault_like_lines(tiny_model, tmp_path):
