@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import markdown_table, write_report  # noqa: E402
-from peft_slim.cli import sft_data  # noqa: E402
+from peft_slim.cli import models, sft_data  # noqa: E402
 from peft_slim.cli import train as cli  # noqa: E402
 from peft_slim.memory import peak_memory_bytes  # noqa: E402
 
@@ -331,9 +331,8 @@ def main(argv=None) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    loader = argparse.Namespace(model=None, gguf_file=None)
-    path, gguf_file, model_name = cli.resolve_model(loader)
-    base, tokenizer = cli.load_model(path, gguf_file)
+    path, gguf_file, model_name = models.resolve_model(None, None)
+    base, tokenizer = models.load_model(path, gguf_file)
     rows = sft_data.read_rows(None, "train")
     examples, _ = sft_data.tokenize(rows, sft_data.find_columns(rows), tokenizer, args.max_length)
     train, held_out = split(examples)

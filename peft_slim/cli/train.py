@@ -241,14 +241,6 @@ def _get_peft_model(model, config):
         return get_peft_model(model, config)
 
 
-def resolve_model(args: argparse.Namespace) -> tuple[str, str | None, str]:
-    """(path or hub id, GGUF file, description) of the model to load (the same as ``peft-slim plan``'s)."""
-    return models.resolve_model(args.model, args.gguf_file)
-
-
-load_model = models.load_model
-
-
 def check_model_fits(model, args: argparse.Namespace) -> None:
     """--max-length within the model's positions and --lora-r within its width, before anything trains."""
     config = model.config
@@ -435,9 +427,9 @@ def _run(args: argparse.Namespace) -> int:
         rows, args.text_column, args.prompt_column, args.completion_column, args.messages_column
     )
     sft_data.check_rows(rows, columns)
-    path, gguf_file, model_name = resolve_model(args)
+    path, gguf_file, model_name = models.resolve_model(args.model, args.gguf_file)
     print(f"model: {model_name}\nmethod: {describe(args)}", flush=True)
-    model, tokenizer = load_model(path, gguf_file, args.dtype)
+    model, tokenizer = models.load_model(path, gguf_file, args.dtype)
     check_model_fits(model, args)
     examples, dropped = sft_data.tokenize(
         rows, columns, tokenizer, args.max_length, args.completion_only_loss, args.chat_template
