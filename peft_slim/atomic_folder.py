@@ -23,7 +23,9 @@ import shutil
 import sys
 from collections.abc import Callable, Iterator
 
-LEGACY_STAGING = ".peft_slim-save-*"  # what a killed save of peft_slim 0.1.0 left inside the adapter folder
+# What a killed save left inside the folder: peft_slim 0.1.0's adapter staging, and the command line's tokenizer
+# staging of earlier development versions (both superseded by the whole-folder swap).
+LEGACY_STAGING = (".peft_slim-save-", ".peft_slim-stage-")
 
 
 def reached(stage: str) -> None:
@@ -47,8 +49,9 @@ def recover(directory: str) -> None:
                 break
     shutil.rmtree(new, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
-    for legacy in glob.glob(os.path.join(glob.escape(directory), LEGACY_STAGING)):
-        shutil.rmtree(legacy, ignore_errors=True)
+    for prefix in LEGACY_STAGING:
+        for legacy in glob.glob(os.path.join(glob.escape(directory), prefix + "*")):
+            shutil.rmtree(legacy, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -126,7 +129,7 @@ def _copy_tree(source: str, target: str, rewritten: Callable[[str], bool]) -> No
         for file in files:
             path = os.path.join(folder, file)
             relative = os.path.relpath(path, source)
-            if rewritten(relative) or any(part.startswith(".peft_slim-save-") for part in relative.split(os.sep)):
+            if rewritten(relative) or any(part.startswith(LEGACY_STAGING) for part in relative.split(os.sep)):
                 continue
             copy = os.path.join(target, relative)
             os.makedirs(os.path.dirname(copy), exist_ok=True)

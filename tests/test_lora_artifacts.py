@@ -23,6 +23,9 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from tiny_models import build, make_batch
+from tokenizers import Tokenizer, pre_tokenizers, trainers
+from tokenizers import models as tokenizer_models
+from transformers import PreTrainedTokenizerFast
 
 import peft_slim
 from peft_slim import (
@@ -279,15 +282,17 @@ sys.path.insert(0, {tests!r})
 import peft_slim
 from peft_slim import atomic_folder
 from tiny_models import build
+from transformers import PreTrainedTokenizerFast
 
 model = peft_slim.from_pretrained(build("llama"), {source!r}, is_trainable=True)
+tokenizer = PreTrainedTokenizerFast.from_pretrained({source!r})
 if {no_exchange!r}:
     atomic_folder._exchange = lambda first, second: False  # the two-rename path (no renameat2)
 def reached(stage):
     if stage == {stage!r}:
         os.kill(os.getpid(), signal.SIGKILL)
 atomic_folder.reached = reached
-peft_slim.save_pretrained(model, {target!r})
+peft_slim.save_pretrained(model, {target!r}, tokenizer=tokenizer)
 print("NOT KILLED")
 """
 
@@ -299,23 +304,43 @@ def _leftovers(folder) -> list[str]:
     return sorted(entry for entry in os.listdir(parent) if entry.startswith(f".{name}.peft_slim-"))
 
 
+def _tokenizer(words: list[str], template: str | None, folder) -> PreTrainedTokenizerFast:
+    """A small BPE tokenizer, as loaded from a folder (what a saved-and-reloaded tokenizer writes is then stable)."""
+    tokenizer = Tokenizer(tokenizer_models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(words * 3, trainers.BpeTrainer(vocab_size=60, special_tokens=["<|end|>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|end|>", chat_template=template)
+    fast.save_pretrained(folder)
+    return PreTrainedTokenizerFast.from_pretrained(folder)
+
+
+def _tokenizer_files(folder) -> dict[str, bytes]:
+    names = sorted(name for name in os.listdir(folder) if name.startswith(("tok", "chat")))
+    return {name: (folder / name).read_bytes() for name in names}
+
+
 @pytest.fixture(scope="module")
 def versions(tmp_path_factory):
-    """Two versions of one TokenTune + LoRA adapter (the second trained further), and their eval logits."""
+    """Two versions of one TokenTune + LoRA adapter (the second trained further) saved with two different tokenizers,
+    their eval logits and tokenizer files."""
     root = tmp_path_factory.mktemp("versions")
     model = _trained("tokentune_lora", steps=1)
-    peft_slim.save_pretrained(model, root / "v1")
+    old_tokenizer = _tokenizer(["alpha beta", "gamma"], "{{ messages }}", root / "t1")
+    peft_slim.save_pretrained(model, root / "v1", tokenizer=old_tokenizer)
     first = _logits(model)
     _train(model, steps=2, seed=5)
-    peft_slim.save_pretrained(model, root / "v2")
-    return {"root": root, "v1": first, "v2": _logits(model)}
+    new_tokenizer = _tokenizer(["delta epsilon", "zeta"], "{{ messages }}!", root / "t2")
+    peft_slim.save_pretrained(model, root / "v2", tokenizer=new_tokenizer)
+    files = {version: _tokenizer_files(root / version) for version in ("v1", "v2")}
+    assert files["v1"].keys() == files["v2"].keys() and files["v1"] != files["v2"]
+    return {"root": root, "v1": first, "v2": _logits(model), "files": files}
 
 
 @pytest.mark.parametrize("stage, no_exchange", STAGES, ids=[stage for stage, _ in STAGES])
 def test_a_save_killed_at_each_stage_leaves_the_old_or_the_new_adapter(versions, stage, no_exchange, tmp_path):
     target = tmp_path / "adapter"
     shutil.copytree(versions["root"] / "v1", target)
-    (target / "tokenizer.json").write_text('{"kept": true}')  # another file of the folder
+    (target / "notes.txt").write_text("kept")  # another file of the folder
     os.mkdir(target / ".peft_slim-save-abc123")  # what a killed save of the previous version left inside
     script = _KILLED_SAVE.format(
         tests=HERE, source=str(versions["root"] / "v2"), target=str(target), stage=stage, no_exchange=no_exchange
@@ -325,21 +350,23 @@ def test_a_save_killed_at_each_stage_leaves_the_old_or_the_new_adapter(versions,
 
     if target.exists():  # the target path always holds a complete folder: a reader that never recovers sees it
         plain = PeftModel.from_pretrained(build("llama"), target)
-        assert any(torch.equal(_logits(plain), versions[v]) for v in ("v1", "v2")), stage
+        seen = [v for v in ("v1", "v2") if torch.equal(_logits(plain), versions[v])]
+        assert seen and _tokenizer_files(target) == versions["files"][seen[0]], stage  # adapter and tokenizer agree
     else:  # only between the two renames of the fallback path
         assert (stage, no_exchange) == ("aside", True)
     # peft_slim's loader recovers first; the old folder before the swap, the new one from it on.
     loaded = peft_slim.from_pretrained(build("llama"), target)
     expected = "v1" if stage in ("staged", "complete") else "v2"
     assert torch.equal(_logits(loaded), versions[expected]), stage
-    assert (target / "tokenizer.json").read_text() == '{"kept": true}'
+    assert _tokenizer_files(target) == versions["files"][expected], stage
+    assert (target / "notes.txt").read_text() == "kept"
 
     # The next save cleans every leftover, beside the folder and inside it.
     peft_slim.save_pretrained(loaded, target)
     assert _leftovers(target) == []
     assert not (target / ".peft_slim-save-abc123").exists()
     assert torch.equal(_logits(PeftModel.from_pretrained(build("llama"), target)), versions[expected])
-    assert (target / "tokenizer.json").read_text() == '{"kept": true}'
+    assert (target / "notes.txt").read_text() == "kept"
 
 
 def test_a_save_that_completes_replaces_the_folder_and_leaves_nothing_beside_it(versions, tmp_path):
@@ -350,3 +377,18 @@ def test_a_save_that_completes_replaces_the_folder_and_leaves_nothing_beside_it(
     assert _leftovers(target) == []
     assert sorted(os.listdir(target)) == sorted(os.listdir(versions["root"] / "v2"))
     assert torch.equal(_logits(PeftModel.from_pretrained(build("llama"), target)), versions["v2"])
+
+
+def test_a_save_with_a_tokenizer_replaces_every_tokenizer_file_of_the_folder(versions, tmp_path):
+    """Files an earlier tokenizer wrote do not outlive it: a chat template or a vocabulary file the new tokenizer
+    does not write is gone, the adapter's and the other files stay."""
+    target = tmp_path / "adapter"
+    shutil.copytree(versions["root"] / "v1", target)
+    (target / "vocab.txt").write_text("an older tokenizer's vocabulary")
+    (target / "notes.txt").write_text("kept")
+    model = peft_slim.from_pretrained(build("llama"), versions["root"] / "v2")
+    peft_slim.save_pretrained(model, target, tokenizer=_tokenizer(["delta epsilon", "zeta"], None, tmp_path / "t"))
+    assert not (target / "vocab.txt").exists() and not (target / "chat_template.jinja").exists()
+    assert (target / "tokenizer.json").is_file() and (target / "notes.txt").read_text() == "kept"
+    assert torch.equal(_logits(PeftModel.from_pretrained(build("llama"), target)), versions["v2"])
+    assert _leftovers(target) == []

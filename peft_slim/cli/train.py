@@ -17,7 +17,7 @@ from pathlib import Path
 from ..planner.setup import MAX_BATCH_SIZE, MAX_LORA_R, MAX_SEQ_LEN, MAX_TOKENS, max_positions
 from ..slimfit.config import CATCH_UP, SlimFitConfig
 from ..token_selection.config import DEFAULT_TOKEN_RATIO, SELECTION_RULES
-from . import files, models, sft_data
+from . import models, sft_data
 from .flags import MAX_EPOCHS, MAX_SEED, MAX_STEPS, fraction, integer, positive_float
 
 HELP = "Fine-tune a causal language model with TokenTune, SlimFit, LoRA or full fine-tuning."
@@ -421,7 +421,6 @@ def _run(args: argparse.Namespace) -> int:
 
     from ..quiet import warning_silenced
 
-    files.recover(args.output)  # a tokenizer save an earlier run was killed in: finished or rolled back
     rows = sft_data.read_rows(args.dataset, args.dataset_split)
     columns = sft_data.find_columns(
         rows, args.text_column, args.prompt_column, args.completion_column, args.messages_column
@@ -457,8 +456,7 @@ def _run(args: argparse.Namespace) -> int:
     # PEFT warns that a base model folder without config.json (the GGUF default) cannot tell whether the vocabulary
     # changed; the command never resizes embeddings, so the answer ("not modified") is right.
     with warning_silenced(UserWarning, "Could not find a config file in"):
-        save_pretrained(model, output)  # atomic: the old adapter (or full model) or the new one, never a mix
-    files.save_tokenizer(tokenizer, output)  # each file wholly old or wholly new (see cli/files.py)
+        save_pretrained(model, output, tokenizer=tokenizer)  # atomic: the old files or the new ones, never a mix
 
     steps = result.global_step
     speed = f"{steps / seconds:.3f} steps/s"

@@ -21,6 +21,8 @@ import hashlib
 import json
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterable
 from typing import Any
 
@@ -38,6 +40,21 @@ MODEL_FILES = re.compile(
 CARD_START = "<!-- peft_slim: loading (written by peft_slim.save_pretrained; kept up to date on every save) -->"
 CARD_END = "<!-- /peft_slim -->"
 MISMATCH_FLAG = "ignore_base_mismatch"
+_TOKENIZER_FILES = (  # what transformers' tokenizers and processors write, common vocabulary files included
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "processor_config.json",
+    "preprocessor_config.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+)
 
 
 def is_peft_slim_model(peft_model: Any) -> bool:
@@ -49,13 +66,15 @@ def is_peft_slim_model(peft_model: Any) -> bool:
 # ---------------------------------------------------------------------------------------------- explicit functions
 
 
-def save_pretrained(model: Any, save_directory: str, **kwargs) -> None:
+def save_pretrained(model: Any, save_directory: str, tokenizer: Any = None, **kwargs) -> None:
     """``model.save_pretrained(save_directory, **kwargs)`` made atomic, with peft_slim's card section for a
-    peft_slim adapter. ``model``: a PeftModel (any PEFT type) or a transformers model.
+    peft_slim adapter. ``model``: a PeftModel (any PEFT type) or a transformers model. ``tokenizer`` (or any
+    processor with ``save_pretrained``): saved into the folder in the same swap, replacing the tokenizer files there.
 
     The files are written into a new folder beside ``save_directory`` that holds the folder's other files too
-    (a tokenizer, checkpoints: hard links), then swapped in whole: a reader, or a process killed at any point, finds
-    the old files or the new ones, never a mix; leftovers of a killed save are cleaned up by the next one.
+    (checkpoints, an unrelated file: hard links), then swapped in whole: a reader, or a process killed at any point,
+    finds the old files or the new ones (adapter and tokenizer together), never a mix; leftovers of a killed save are
+    cleaned up by the next one.
     """
     if not callable(getattr(model, "save_pretrained", None)):
         raise ValueError(
@@ -68,19 +87,38 @@ def save_pretrained(model: Any, save_directory: str, **kwargs) -> None:
         selected = kwargs.get("selected_adapters") or list(model.peft_config)
         folders = {"" if name == "default" else name for name in selected}
 
-        def rewritten(relative: str) -> bool:  # the files PEFT writes for these adapters: not kept from the old folder
+        def written_by_model(relative: str) -> bool:  # the files PEFT writes for these adapters
             folder, file = os.path.split(relative)
             return folder in folders and file in ADAPTER_FILES
 
     else:
 
-        def rewritten(relative: str) -> bool:  # a transformers model's weights (all shards) and configs
+        def written_by_model(relative: str) -> bool:  # a transformers model's weights (all shards) and configs
             return os.path.dirname(relative) == "" and bool(MODEL_FILES.fullmatch(relative))
 
-    with replaced_folder(save_directory, rewritten) as staging:
-        model.save_pretrained(staging, **kwargs)
-        if is_peft_slim_model(model):
-            add_card_section(os.path.join(staging, CARD_NAME), model)
+    with tempfile.TemporaryDirectory(prefix="peft_slim-tokenizer-") as tokenizer_files:
+        tokenizer_names: set[str] = set()
+        if tokenizer is not None:  # written first, apart, so that the swap knows which old files it replaces
+            tokenizer.save_pretrained(tokenizer_files)
+            tokenizer_names = _tokenizer_file_names(tokenizer, tokenizer_files)
+
+        def rewritten(relative: str) -> bool:  # written anew by this save: not kept from the old folder
+            return written_by_model(relative) or relative in tokenizer_names
+
+        with replaced_folder(save_directory, rewritten) as staging:
+            model.save_pretrained(staging, **kwargs)
+            if tokenizer is not None:
+                shutil.copytree(tokenizer_files, staging, dirs_exist_ok=True)
+            if is_peft_slim_model(model):
+                add_card_section(os.path.join(staging, CARD_NAME), model)
+
+
+def _tokenizer_file_names(tokenizer: Any, written: str) -> set[str]:
+    """The files a tokenizer save replaces: what this tokenizer wrote, and the names any tokenizer writes (so that
+    a file of an earlier, different tokenizer does not outlive it beside the new one)."""
+    names = {os.path.relpath(os.path.join(top, name), written) for top, _, files in os.walk(written) for name in files}
+    names |= set(_TOKENIZER_FILES) | {str(name) for name in getattr(tokenizer, "vocab_files_names", {}).values()}
+    return names
 
 
 def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> Any:
