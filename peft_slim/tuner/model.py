@@ -46,6 +46,10 @@ class BaseWeightsSwitch(nn.Module, BaseTunerLayer):
         self.set_adapter(adapter_name)
         self.merged_adapters = []
 
+    def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device: Any = None) -> None:
+        """Nothing to move (PEFT calls it after a ``low_cpu_mem_usage`` load): this layer has no base layer and no
+        weights, and BaseTunerLayer's own would look for a base layer's weight forever."""
+
 
 class TrainingCompression:
     """Compress the activations saved in every training forward of ``model`` (train mode, grad enabled).
@@ -56,12 +60,19 @@ class TrainingCompression:
 
     def __init__(self, model: nn.Module, config: ActivationCompressionConfig):
         self.config = config
+        self.model = model
         self.last_stats: CompressionStats | None = None
         self._context: ActivationCompression | None = None
-        self._handles = [
-            model.register_forward_pre_hook(self._enter, prepend=True),
-            model.register_forward_hook(self._exit, always_call=True),
-        ]
+        self._handles: list = []
+        self.reattach()
+
+    def reattach(self) -> None:
+        """Register the hooks (again, after ``remove()``: another adapter of the model was active meanwhile)."""
+        if not self._handles:
+            self._handles = [
+                self.model.register_forward_pre_hook(self._enter, prepend=True),
+                self.model.register_forward_hook(self._exit, always_call=True),
+            ]
 
     def _enter(self, model: nn.Module, args: tuple) -> None:
         if model.training and torch.is_grad_enabled():
@@ -78,6 +89,11 @@ class TrainingCompression:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _names_adapter(parameter_name: str, adapter_name: str) -> bool:
+    """Whether a parameter name is one of adapter ``adapter_name``'s (PEFT puts the name as one dotted part)."""
+    return f".{adapter_name}." in parameter_name or parameter_name.endswith(f".{adapter_name}")
 
 
 def refuse_outer_saved_tensor_hooks() -> None:
@@ -100,19 +116,26 @@ def refuse_outer_saved_tensor_hooks() -> None:
 
 
 class MethodTuner(BaseTuner):
-    """PEFT's ``BaseTuner`` for a peft_slim method: one adapter, no replaced modules, hooks instead.
+    """PEFT's ``BaseTuner`` for a peft_slim method: no replaced modules, hooks instead.
 
     Trains the nested LoRA when the config has one, else the base parameters the method names. In training
     forwards the token selection (if any) and the activation compression (if any) are active. Outside
     training (eval mode or no grad) the model computes exactly what the base model (+ LoRA) does.
+
+    Several LoRA-stacked adapters can live on one model, as with LoRA: each has its own config and its own method
+    state (the attributes ``_adapter_state`` names: selection generator, SlimFit schedule, ...), and only the active
+    adapter's hooks are on the model. ``set_adapter`` switches them; one active adapter at a time.
     """
 
     tuner_layer_cls = LoraLayer
     target_module_mapping: dict = {}
+    # The attributes that hold one adapter's method state; a method adds its own (those its ``_setup`` sets).
+    _adapter_state: tuple[str, ...] = ("_selector", "_compression")
 
     def _pre_injection_hook(self, model: nn.Module, config: MethodConfig, adapter_name: str) -> None:
         self._selector: TokenSelector | None = None
         self._compression: TrainingCompression | None = None
+        self._parked: dict[str, dict[str, Any]] = {}  # the method state of every adapter but the active one
 
     @property
     def method_name(self) -> str:
@@ -137,6 +160,9 @@ class MethodTuner(BaseTuner):
     def _remove_method_hooks(self) -> None:
         """Undo the hooks ``_setup`` installed."""
 
+    def _restore_method_hooks(self) -> None:
+        """Install again what ``_remove_method_hooks`` removed (the adapter becomes active again)."""
+
     # ------------------------------------------------------------------ PEFT's tuner API
 
     def inject_adapter(
@@ -147,13 +173,34 @@ class MethodTuner(BaseTuner):
         low_cpu_mem_usage: bool = False,
         state_dict: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        if len(self.peft_config) > 1:
-            raise ValueError(
-                f"{self.method_name} supports a single adapter per model; this model already has "
-                f"{sorted(self.peft_config)}. (TRL's DPOTrainer and GRPOTrainer add a reference copy named 'ref' to a "
-                "ready PeftModel: pass `ref_model=` instead; token selection is not supported there, see the README's "
-                "TRL section.)"
-            )
+        others = [name for name in self.peft_config if name != adapter_name]
+        if not others or not self.active_adapters:
+            self._inject(model, adapter_name, low_cpu_mem_usage, state_dict)
+            return
+        # Another adapter (PeftModel.add_adapter / load_adapter): set it up as if it were active, park its state,
+        # and leave the model as it was: the same adapter active, every existing parameter's requires_grad kept
+        # (SlimFit's frozen units included), the new adapter frozen until set_adapter, as PEFT leaves a new LoRA.
+        self._check_another_adapter(adapter_name, others)
+        live = self._single_active("add_adapter")
+        kept = [(param, param.requires_grad) for param in model.parameters()]
+        self._park(live)
+        try:
+            self.active_adapter = adapter_name
+            self._inject(model, adapter_name, low_cpu_mem_usage, state_dict)
+            self._park(adapter_name)
+        finally:
+            BaseTuner.set_adapter(self, live)
+            existing = {id(param) for param, _ in kept}
+            for param, requires_grad in kept:
+                param.requires_grad = requires_grad
+            for name, param in model.named_parameters():
+                if id(param) not in existing and _names_adapter(name, adapter_name):
+                    param.requires_grad = False
+            self._unpark(live)
+            model.peft_config = self.peft_config  # the LoraModel that injected the new LoRA put its own there
+
+    def _inject(self, model: nn.Module, adapter_name: str, low_cpu_mem_usage: bool, state_dict) -> None:
+        """Inject adapter ``adapter_name`` (the active one while this runs) with its method's hooks."""
         config: MethodConfig = self.peft_config[adapter_name]
         selection = self._token_selection(config)
         check_model_kind(model, self.method_name, selects_tokens=selection is not None)
@@ -163,7 +210,10 @@ class MethodTuner(BaseTuner):
         if config.lora is not None:
             inject_lora(model, config, adapter_name, low_cpu_mem_usage=low_cpu_mem_usage, state_dict=state_dict)
             keep_lora_inputs_narrow(model)  # no fp32 copies of bf16/fp16 inputs saved for the adapters
+            if len(self.peft_config) > 1:  # only this adapter's LoRA trainable while it is set up, as PEFT sets it
+                BaseTuner.set_adapter(self, adapter_name)
         self._mark_only_adapters_as_trainable(model)
+        self._selector, self._compression = None, None
         self._setup(model, config)
         if config.inference_mode:
             model.requires_grad_(False)
@@ -172,6 +222,100 @@ class MethodTuner(BaseTuner):
             self._selector = TokenSelector.attach(model, selection)
         if config.activation_compression is not None:  # after the selector: its loss is compressed too
             self._compression = TrainingCompression(model, config.activation_compression)
+
+    def _check_another_adapter(self, adapter_name: str, others: list[str]) -> None:
+        """Refuse a second adapter where two cannot be exact: a standalone one (base weights trained in place, which
+        every adapter of the model would share), or two adapters with LoRA biases (PEFT's own rule)."""
+        for name in [adapter_name, *others]:
+            if self.peft_config[name].lora is None:
+                raise ValueError(
+                    f"{self.method_name}: cannot add adapter {adapter_name!r} beside {others}: adapter {name!r} has "
+                    "no `lora`, it trains the base weights in place, and every adapter on the model would share (and "
+                    "change) those weights. Several adapters on one model need `lora=LoraConfig(...)` in each; or "
+                    "load the other adapter onto its own base model."
+                )
+        biased = [name for name in [adapter_name, *others] if self.peft_config[name].lora.bias != "none"]
+        if len(biased) > 1:
+            raise ValueError(
+                f"{self.method_name}: adapters {biased} all train biases (lora.bias != 'none'); as with LoRA, only "
+                "one adapter of a model may (the biases are the base model's, shared by every adapter). Set "
+                "lora.bias='none' in all but one."
+            )
+
+    def _single_active(self, what: str) -> str:
+        names = self.active_adapters
+        if len(names) != 1:
+            raise ValueError(
+                f"{self.method_name}: {what} with active adapters {names}: a peft_slim model runs one adapter at a "
+                "time (each carries its own token selection, schedule and compression, which cannot be combined). "
+                "Call set_adapter(name) with one name."
+            )
+        return names[0]
+
+    def _park(self, adapter_name: str) -> None:
+        """Take the active adapter's hooks off the model and keep its method state aside."""
+        if self._selector is not None:
+            self._selector.detach()
+        if self._compression is not None:
+            self._compression.remove()
+        self._remove_method_hooks()
+        self._parked[adapter_name] = {attribute: getattr(self, attribute) for attribute in self._adapter_state}
+
+    def _unpark(self, adapter_name: str) -> None:
+        """Make ``adapter_name``'s method state the live one, hooks in the order ``_inject`` installs them."""
+        for attribute, value in self._parked.pop(adapter_name).items():
+            setattr(self, attribute, value)
+        self._restore_method_hooks()
+        if self._selector is not None:
+            self._selector.reattach()
+        if self._compression is not None:
+            self._compression.reattach()
+
+    def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
+        """PEFT's ``set_adapter``; switching to another adapter switches the method state with it. One name only."""
+        names = [adapter_name] if isinstance(adapter_name, str) else list(adapter_name)
+        if len(names) != 1:
+            raise ValueError(
+                f"{self.method_name}: set_adapter({adapter_name!r}): a peft_slim model runs one adapter at a time "
+                "(each carries its own token selection, schedule and compression, which cannot be combined). Give "
+                "one adapter name."
+            )
+        (name,) = names
+        if name not in self.peft_config:
+            raise ValueError(
+                f"{self.method_name}: set_adapter: no adapter {name!r}; this model has {sorted(self.peft_config)}."
+            )
+        live = self.active_adapters[0] if len(self.active_adapters) == 1 else None
+        if live != name and name in self._parked:
+            if live is not None:
+                self._park(live)
+            super().set_adapter(name, inference_mode=inference_mode)
+            self._unpark(name)
+        else:
+            super().set_adapter(name, inference_mode=inference_mode)
+        self._after_set_adapter()
+
+    def _after_set_adapter(self) -> None:
+        """PEFT's ``set_adapter`` just set requires_grad of the adapter's parameters (a method re-applies its own)."""
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        """PEFT's ``delete_adapter``, with the adapter's method state and hooks removed: the model is as if it never
+        had the adapter. Deleting the active one makes the adapter PEFT activates next live."""
+        if adapter_name not in self.peft_config:
+            raise ValueError(f"Adapter {adapter_name} does not exist")
+        if adapter_name in self._parked:
+            parked = self._parked.pop(adapter_name)
+            observer = parked.get("_observer")
+            if observer is not None:  # removed when parked; dropped with the state
+                observer.remove()
+            super().delete_adapter(adapter_name)
+            return
+        self.remove_hooks()
+        super().delete_adapter(adapter_name)
+        self._selector, self._compression = None, None
+        if len(self.active_adapters) == 1 and self.active_adapters[0] in self._parked:
+            self._unpark(self.active_adapters[0])
+            self._after_set_adapter()
 
     def _create_and_replace(self, *args, **kwargs):
         raise NotImplementedError(f"{self.method_name} works through hooks; it replaces no module.")
@@ -224,7 +368,13 @@ class MethodTuner(BaseTuner):
             return lora_adapter_state_dict(model, config.lora, adapter_name, state_dict, unwanted_adapter_names)
         tuner = getattr(model, "base_model", None)
         if not isinstance(tuner, cls):
-            raise ValueError(f"{cls.__name__}: saving needs the PeftModel that holds the tuner.")
+            raise ValueError(
+                f"{cls.__name__}: a standalone adapter (no `lora`: base tensors trained in place) is saved with the "
+                "record of the base model it needs, which only the PeftModel holds; this is a bare "
+                f"{type(model).__name__} (peft.inject_adapter_in_model). Wrap it with get_peft_model and save that, "
+                "or train with lora=LoraConfig(...), whose LoRA weights get_peft_model_state_dict saves from a bare "
+                "model."
+            )
         # By name and from ``state_dict``'s tensors: under FSDP those are gathered, the model's are shards.
         prefix = tuner._state_dict_prefix(model)
         saved = {
@@ -335,7 +485,7 @@ class MethodTuner(BaseTuner):
         state_dict = peft_model.state_dict()
         if config.lora is not None:
             # PEFT's rule for LoRA (tuner prefix and adapter name in the key), plus the biases `lora.bias` saves.
-            expected = {key for key in state_dict if "lora_" in key and adapter_name in key}
+            expected = {key for key in state_dict if "lora_" in key and _names_adapter(key, adapter_name)}
             saved_by_lora = lora_adapter_state_dict(peft_model, config.lora, adapter_name, state_dict, [])
             expected |= {key for key in saved_by_lora if "lora_" not in key and key in state_dict}
         elif config.base_weights is not None and getattr(config, "_loaded_from", None) is not None:

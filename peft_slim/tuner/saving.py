@@ -12,7 +12,8 @@ check at injection, missing and unexpected keys at load) or here:
 * :func:`save_pretrained`: PEFT's save into a new sibling folder that replaces the old one whole
   (``peft_slim.atomic_folder``), with peft_slim's section in the model card; ``peft-slim train`` uses it.
 * :func:`from_pretrained`: ``PeftModel.from_pretrained`` with the config from ``peft_slim_config.json`` (or, for
-  adapters written by peft_slim 0.1.0, from ``adapter_config.json``).
+  adapters written by peft_slim 0.1.0, from ``adapter_config.json``); :func:`load_adapter`: the same for a further
+  adapter on a model (``PeftModel.load_adapter`` reads the LoRA config and cannot be given another).
 """
 
 from __future__ import annotations
@@ -141,6 +142,35 @@ def from_pretrained(
     return PeftModel.from_pretrained(
         model, model_id, adapter_name=adapter_name, is_trainable=is_trainable, config=config, **kwargs
     )
+
+
+def load_adapter(model: Any, model_id: str, adapter_name: str, is_trainable: bool = False, **kwargs) -> Any:
+    """``model.load_adapter`` for a saved peft_slim adapter: a further adapter named ``adapter_name`` on ``model`` (a
+    PeftModel of the same peft_slim method), with the saved method and settings. Returns PEFT's load result.
+
+    ``model.load_adapter`` alone reads ``adapter_config.json``, which for a LoRA-stacked adapter is LoRA's, and PEFT
+    then refuses to put a LoRA adapter beside a TokenTune or SlimFit one. ``kwargs`` go to ``model.load_adapter``.
+    """
+    if not is_peft_slim_model(model):
+        raise ValueError(
+            f"peft_slim.load_adapter expects a PeftModel of a peft_slim method, got {type(model).__name__}"
+            f"{' of ' + type(model.base_model).__name__ if hasattr(model, 'base_model') else ''}; for a plain LoRA "
+            "model use model.load_adapter."
+        )
+    if adapter_name in model.peft_config:
+        raise ValueError(f"peft_slim.load_adapter: the model already has an adapter named {adapter_name!r}.")
+    model_id = os.fspath(model_id)
+    hub_kwargs = {key: kwargs[key] for key in ("subfolder", "revision", "cache_dir", "token") if key in kwargs}
+    config = load_config(model_id, **hub_kwargs)
+    config.inference_mode = not is_trainable
+    model.add_adapter(adapter_name, config, low_cpu_mem_usage=kwargs.get("low_cpu_mem_usage", False))
+    try:
+        if is_trainable:
+            model.set_requires_grad(adapter_name)
+        return model.load_adapter(model_id, adapter_name, is_trainable=is_trainable, **kwargs)
+    except BaseException:
+        model.delete_adapter(adapter_name)
+        raise
 
 
 def _adapter_file(model_id: str, name: str, subfolder: str | None = None, **hub_kwargs) -> str | None:
