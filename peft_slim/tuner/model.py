@@ -30,7 +30,17 @@ from ..nested_lora import inject_lora
 from ..token_selection import TokenSelectionConfig, TokenSelector
 from .config import MethodConfig
 from .model_kinds import check_model_kind
-from .saving import MISMATCH_FLAG, _under, base_parameter_names, identity, tensor_digest, wrapper_module_names
+from .saving import (
+    MISMATCH_FLAG,
+    RECORD_KEY,
+    _under,
+    base_parameter_names,
+    identity,
+    record_from_tensor,
+    record_tensor,
+    tensor_digest,
+    wrapper_module_names,
+)
 
 
 class BaseWeightsSwitch(nn.Module, BaseTunerLayer):
@@ -382,27 +392,37 @@ class MethodTuner(BaseTuner):
             for key, value in state_dict.items()
             if key.startswith(prefix) and tuner._saves_base_tensor(key[len(prefix) :], value)
         }
-        # What loading checks: which tensors the file holds, and which base model the others must come from.
+        # What loading checks, saved in the file beside the tensors it describes (every load reads it, Trainer's
+        # resume_from_checkpoint included): which tensors the file holds, which base model the others come from.
         names = {key[len(prefix) :] for key in saved}
         others = [name for name in base_parameter_names(tuner.model) if name not in names]
-        config.base_weights = {
-            "saved": sorted(names),
-            "others": tuner._base_identity(others, lambda name: state_dict.get(prefix + name)),
-        }
+        record = {"saved": sorted(names), "others": tuner._base_identity(others, lambda n: state_dict.get(prefix + n))}
+        saved[RECORD_KEY] = record_tensor(record)
         return saved
 
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
+        state_dict = dict(state_dict)
+        stored = state_dict.pop(RECORD_KEY, None)
         if config.lora is not None:
             remapped = lora_state_dict_for_load(model, config.lora, adapter_name, state_dict)
         else:
             remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
         tuner = getattr(model, "base_model", None)
-        if isinstance(tuner, MethodTuner):
+        if isinstance(tuner, MethodTuner) and config.lora is None:  # a standalone adapter, before its weights load
             loaded_from = getattr(config, "_loaded_from", None)  # set by the config's from_pretrained
-            if config.lora is None and loaded_from is not None:  # a saved standalone adapter, before its weights load
-                tuner._check_base_model(config, loaded_from, getattr(config, "_ignore_base_mismatch", False))
-            tuner._report_keys(model, config, adapter_name, set(remapped))
+            if stored is not None:
+                record = record_from_tensor(stored, loaded_from or "the adapter file")
+            elif loaded_from is not None:  # saved by an earlier peft_slim: the record is in the config read with it
+                record = config.base_weights
+            else:  # its own config (a Trainer resuming from a checkpoint of an earlier peft_slim): no record
+                record = False
+            if record is not False:
+                ignore = getattr(config, "_ignore_base_mismatch", False)
+                tuner._check_base_model(record, config.base_model_name_or_path, loaded_from, ignore)
+            tuner._report_keys(model, config, adapter_name, set(remapped), record or None)
+        elif isinstance(tuner, MethodTuner):
+            tuner._report_keys(model, config, adapter_name, set(remapped), None)
         return remapped
 
     @classmethod
@@ -442,12 +462,12 @@ class MethodTuner(BaseTuner):
             entries.append((name, *entry))
         return identity(entries)
 
-    def _check_base_model(self, saved: MethodConfig, where: str, ignore_mismatch: bool) -> None:
-        """Refuse to load the standalone adapter whose saved config is ``saved`` (from ``where``) onto a base model
-        whose parameters (those the adapter file does not hold) differ from the ones it was trained with. Run before
-        its weights load; a LoRA adapter applies to any base model of the right shapes, as with PEFT."""
-        where = f" {where!r}"
-        record = saved.base_weights
+    def _check_base_model(self, record: dict | None, base_name: str | None, where: str | None, ignore_mismatch: bool):
+        """Refuse to load the standalone adapter whose file holds ``record`` (see ``_get_adapter_state_dict``; from
+        ``where``) onto a base model whose parameters (those the adapter file does not hold) differ from the ones it
+        was trained with. Run before its weights load; a LoRA adapter applies to any base model of the right shapes,
+        as with PEFT."""
+        where = f" {where!r}" if where else ""
         if record is None:
             warnings.warn(
                 f"{self.method_name} adapter{where} was saved without a record of its base model (by an older "
@@ -465,7 +485,7 @@ class MethodTuner(BaseTuner):
         dtypes = "" if here["dtypes"] == then["dtypes"] else f"; dtypes here {here['dtypes']}, then {then['dtypes']}"
         message = (
             f"{self.method_name} adapter{where}: this base model is not the one the adapter was trained on "
-            f"({saved.base_model_name_or_path or 'name not recorded'}). The adapter file holds only the "
+            f"({base_name or 'name not recorded'}). The adapter file holds only the "
             f"{len(record['saved'])} base tensors training changed; the other {then['count']} come from the model it "
             f"is loaded onto, and this model's differ (blake2b {here['blake2b'][:16]}... over {here['count']} "
             f"tensors here, {then['blake2b'][:16]}... over {then['count']} when saved{dtypes}). Load it onto the "
@@ -479,7 +499,9 @@ class MethodTuner(BaseTuner):
             )
         warnings.warn(f"{message}. Loaded anyway ({MISMATCH_FLAG}=True).", stacklevel=3)
 
-    def _report_keys(self, peft_model: nn.Module, config: MethodConfig, adapter_name: str, loaded: set) -> None:
+    def _report_keys(
+        self, peft_model: nn.Module, config: MethodConfig, adapter_name: str, loaded: set, record: dict | None
+    ) -> None:
         """Warn about the keys an adapter file should have set but did not (PEFT's own report keeps only keys with
         the tuner's prefix, which none of ours have), and about tensors it holds that this model has no place for."""
         state_dict = peft_model.state_dict()
@@ -488,11 +510,9 @@ class MethodTuner(BaseTuner):
             expected = {key for key in state_dict if "lora_" in key and _names_adapter(key, adapter_name)}
             saved_by_lora = lora_adapter_state_dict(peft_model, config.lora, adapter_name, state_dict, [])
             expected |= {key for key in saved_by_lora if "lora_" not in key and key in state_dict}
-        elif config.base_weights is not None and getattr(config, "_loaded_from", None) is not None:
-            # Only a record read with this file names what it holds (a Trainer reloads an earlier checkpoint into a
-            # model whose live record is the latest save's).
+        elif record is not None:  # the record read with this file names what it holds
             prefix = self._state_dict_prefix(peft_model)
-            expected = {prefix + name for name in config.base_weights["saved"]}
+            expected = {prefix + name for name in record["saved"]}
         else:
             expected = set()
         missing = sorted(expected - loaded)

@@ -39,6 +39,8 @@ MODEL_FILES = re.compile(
 CARD_START = "<!-- peft_slim: loading (written by peft_slim.save_pretrained; kept up to date on every save) -->"
 CARD_END = "<!-- /peft_slim -->"
 MISMATCH_FLAG = "ignore_base_mismatch"
+# The key under which a standalone adapter's file holds the record of its base model (a uint8 tensor of JSON).
+RECORD_KEY = "peft_slim.base_weights"
 
 
 def is_peft_slim_model(peft_model: Any) -> bool:
@@ -268,6 +270,22 @@ def add_card_section(path: str, peft_model: Any, adapter_ref: str | None = None,
 
 
 # ---------------------------------------------------------------------------------------------- base identity
+
+
+def record_tensor(record: dict) -> torch.Tensor:
+    """``record`` (JSON-ready) as a uint8 tensor, to travel in the adapter file with the tensors it describes."""
+    return torch.frombuffer(bytearray(json.dumps(record, sort_keys=True).encode()), dtype=torch.uint8).clone()
+
+
+def record_from_tensor(tensor: torch.Tensor, where: str) -> dict:
+    """The record ``record_tensor`` stored, checked as ``MethodConfig.base_weights`` is."""
+    from .config import BaseWeightsRecord
+
+    try:
+        value = json.loads(bytes(tensor.cpu().numpy().tobytes()).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{where}: the adapter file's {RECORD_KEY!r} is not a peft_slim record ({error}).") from None
+    return BaseWeightsRecord().coerce(value, f"{where}: {RECORD_KEY}")
 
 
 def tensor_digest(tensor: torch.Tensor) -> bytes:
