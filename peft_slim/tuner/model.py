@@ -146,6 +146,10 @@ class MethodTuner(BaseTuner):
         self._selector: TokenSelector | None = None
         self._compression: TrainingCompression | None = None
         self._parked: dict[str, dict[str, Any]] = {}  # the method state of every adapter but the active one
+        if config.lora is not None:
+            # What `prefix` tells PEFT and its users (TRL's vLLM weight sync, PEFT's own checks): the marker of the
+            # adapter's parameter names, which are LoRA's. The class keeps the registered, unique one.
+            self.prefix = "lora_"
 
     @property
     def method_name(self) -> str:
