@@ -298,6 +298,18 @@ def test_two_active_adapters_and_two_biased_adapters_are_refused():
         biased.add_adapter("second", _config("tokentune_lora", bias="all"))
 
 
+@pytest.mark.parametrize("name", ["tokentune_lora", "full_stack"])
+def test_a_failed_add_adapter_leaves_the_model_as_it_was(name):
+    model, never = _alone(name, "default", 0, 1), _alone(name, "default", 0, 1)
+    with pytest.raises(ValueError, match="not found in the base model"):
+        model.add_adapter("bad", _config(name, target_modules=["no_such_module"]))
+    assert list(model.peft_config) == ["default"] and model.active_adapters == ["default"]
+    assert _hooks(model) == _hooks(never)
+    optimizers = (_optimizer(model, "default"), _optimizer(never, "default"))
+    masks = [_step(m, o, 0) for m, o in zip((model, never), optimizers)]
+    assert torch.equal(masks[0], masks[1]) and _schedule(model) == _schedule(never)
+
+
 def test_load_adapter_needs_a_peft_slim_model(two_saved):
     plain = PeftModel.from_pretrained(build("llama"), two_saved["tokentune_lora"]["folder"])
     with pytest.raises(

@@ -201,6 +201,11 @@ class MethodTuner(BaseTuner):
         try:
             self.active_adapter = adapter_name
             self._inject(model, adapter_name, low_cpu_mem_usage, state_dict)
+        except BaseException:
+            self._park(adapter_name)  # off the model: whatever hooks the failed set-up installed
+            del self._parked[adapter_name]
+            raise
+        else:
             self._park(adapter_name)
         finally:
             BaseTuner.set_adapter(self, live)
