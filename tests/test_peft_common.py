@@ -73,8 +73,8 @@ CONFIGS = {
         },
     ),
 }
-# The checks run, each a PeftCommonTester method; the ones left out and why are in the report of the change that
-# added this file (merging: LoRA's; prompt learning, mixed batches, weighted adapters: other types).
+# The checks run, each a PeftCommonTester method. Not run: those of other types only (prompt learning, weighted or
+# mixed adapter batches, which skip themselves for these configs), and those that need the Hub or a GPU.
 CHECKS = [
     "_test_model_attr",
     "_test_adapter_name",
@@ -93,7 +93,21 @@ CHECKS = [
     "_test_unload_adapter",
     "_test_disable_adapter",
     "_test_generate",
+    "_test_merge_layers",
+    "_test_merge_layers_multi",
+    "_test_merge_layers_is_idempotent",
+    "_test_safe_merge",
+    "_test_get_base_model_state_dict",
+    "_test_save_pretrained_adapter_name_substring",
+    "_test_lora_conversion",
+    "_test_add_adapter_no_autocast_adapter_dtype",
 ]
+# Known to fail, and why (strict: a PEFT release that fixes it makes this file fail until the entry goes).
+REFUSED_BY_PEFT = {
+    "_test_add_adapter_no_autocast_adapter_dtype": "PeftModel.load_adapter takes the config class from "
+    "adapter_config.json, which for a LoRA-stacked adapter is LoRA's, and refuses a LORA adapter beside a TokenTune "
+    "or SlimFit one; peft_slim.load_adapter is the way (PEFT has no hook to give load_adapter the config)",
+}
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +141,15 @@ NOTHING_FROZEN = {
 @pytest.mark.parametrize("check", CHECKS)
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_peft_common_tester(model_id, name, check):
+    if not hasattr(PeftCommonTester, check):  # another PEFT release's suite
+        pytest.skip(f"PeftCommonTester.{check} is not in peft {peft.__version__}'s suite")
     config_cls, config_kwargs = CONFIGS[name]
     config_kwargs = dict(config_kwargs)
     if (name, check) in NOTHING_FROZEN:
         config_kwargs["freeze_ratio"] = 0.0
-    getattr(_Suite(), check)(model_id, config_cls, config_kwargs)
+    extra = {"dtype": torch.bfloat16} if check == "_test_add_adapter_no_autocast_adapter_dtype" else {}
+    if check in REFUSED_BY_PEFT:
+        with pytest.raises(ValueError, match="Cannot combine adapters with different peft types"):
+            getattr(_Suite(), check)(model_id, config_cls, config_kwargs, **extra)
+        pytest.xfail(REFUSED_BY_PEFT[check])
+    getattr(_Suite(), check)(model_id, config_cls, config_kwargs, **extra)
