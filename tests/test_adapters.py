@@ -274,6 +274,17 @@ def test_trl_reference_adapter_leaves_the_training_of_default_unchanged(name):
     assert not torch.equal(_logits(model), initial)
 
 
+def test_the_prefix_of_a_lora_stacked_adapter_marks_its_parameters():
+    """PEFT's `prefix` is how PEFT's checks and TRL (its vLLM weight sync skips `model.prefix in name`) tell adapter
+    parameters from base ones: for a LoRA-stacked adapter exactly the LoRA weights; standalone, none."""
+    model = _two("full_stack")
+    marked = {n for n, _ in model.named_parameters() if model.prefix in n}
+    assert marked and marked == {n for n, _ in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
+    standalone = get_peft_model(build("llama"), _standalone("tokentune_alone"))
+    assert standalone.prefix == "tokentune_" and type(model.base_model).prefix == "slimfit_"  # the registered ones
+    assert not any(standalone.prefix in n for n, _ in standalone.named_parameters())
+
+
 # ---------------------------------------------------------------------------------------------- refused by name
 
 
