@@ -16,7 +16,7 @@ from .planner import MemoryEstimate, estimate_memory, plan
 from .slimfit import SlimFitCallback, SlimFitConfig, SlimFitModel
 from .token_selection import TokenSelectionConfig
 from .tokentune import TokenTuneCallback, TokenTuneConfig, TokenTuneModel
-from .tuner.saving import from_pretrained, load_config, save_pretrained
+from .tuner.saving import from_pretrained, load_adapter, load_config, save_pretrained
 
 __version__ = "0.1.0"
 
@@ -34,6 +34,7 @@ __all__ = [
     "estimate_memory",
     "export_lora",
     "from_pretrained",
+    "load_adapter",
     "load_config",
     "plan",
     "save_pretrained",

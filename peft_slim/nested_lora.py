@@ -76,4 +76,11 @@ def inject_lora(model: nn.Module, owner: PeftConfig, adapter_name: str, **kwargs
     """Inject ``owner``'s nested ``lora`` adapter into ``model`` in place (``kwargs`` go to ``LoraModel``)."""
     lora = copy.deepcopy(owner.lora)
     lora.modules_to_save = owner.modules_to_save  # keeps LoRA off the heads PEFT wraps
-    LoraModel(model, lora, adapter_name, **kwargs)
+    # A model that holds an adapter already has PEFT's `peft_config` dict, which a new LoraModel would adopt (and
+    # write its LoraConfig into): it gets its own, and the model keeps the one it had.
+    held = model.__dict__.pop("peft_config", None)
+    try:
+        LoraModel(model, lora, adapter_name, **kwargs)
+    finally:
+        if held is not None:
+            model.peft_config = held

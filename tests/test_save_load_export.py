@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 import peft_slim
 from peft_slim import TokenTuneConfig, TokenTuneModel, export_lora
+from peft_slim.tuner.saving import RECORD_KEY
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PREFIX = "base_model.model."
@@ -280,10 +281,15 @@ def vanilla(run):
 
 
 def _saved(case):
+    """Files, config and tensors of the case's adapter; a standalone one's base-model record (metadata, checked in
+    test_saving.py) is left out of the tensors, and must be there."""
     files = set(os.listdir(case.adapter_dir))
     with open(os.path.join(case.adapter_dir, "adapter_config.json")) as handle:
         config = json.load(handle)
-    return files, config, load_file(os.path.join(case.adapter_dir, "adapter_model.safetensors"))
+    tensors = load_file(os.path.join(case.adapter_dir, "adapter_model.safetensors"))
+    record = tensors.pop(RECORD_KEY, None)
+    assert (record is None) == case.has_lora
+    return files, config, tensors
 
 
 @pytest.mark.parametrize("name", list(CASES))

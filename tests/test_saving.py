@@ -495,15 +495,36 @@ def test_push_to_hub_of_vanilla_lora_is_transformers_own(offline_hub):
 # ---------------------------------------------------------------------------------------------- 5. which base model
 
 
+def _record(folder) -> dict:
+    """The base-model record a standalone adapter's file holds (JSON bytes under saving.RECORD_KEY)."""
+    return json.loads(load_file(folder / "adapter_model.safetensors")[saving.RECORD_KEY].numpy().tobytes())
+
+
+def _old_format(folder) -> None:
+    """The folder as peft_slim wrote it before the record moved into the file: the record in adapter_config.json."""
+    tensors = load_file(folder / "adapter_model.safetensors")
+    record = json.loads(tensors.pop(saving.RECORD_KEY).numpy().tobytes())
+    save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["base_weights"] = record
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+
+
 @pytest.mark.parametrize("name", ["slimfit_standalone", "tokentune_subset"])
 def test_a_standalone_adapter_loads_exactly_onto_its_base_and_refuses_another(name, tmp_path):
     arch, _ = MODELS[name]
     model = _trained(name)
     model.save_pretrained(tmp_path)
     expected = _logits(model, arch)
-    with open(tmp_path / "adapter_config.json") as handle:
-        record = json.load(handle)["base_weights"]
-    held = sorted(key.removeprefix(PREFIX) for key in load_file(tmp_path / "adapter_model.safetensors"))
+    record = _record(tmp_path)
+    # Saving leaves the config as it was: the record travels in the file, not in adapter_config.json.
+    assert model.peft_config["default"].base_weights is None
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["base_weights"] is None
+    held = sorted(
+        key.removeprefix(PREFIX)
+        for key in load_file(tmp_path / "adapter_model.safetensors")
+        if key != saving.RECORD_KEY
+    )
     # ...every tensor the file holds but PEFT's own modules_to_save copies (the classifier of a SEQ_CLS model).
     assert set(record["saved"]) <= set(held)
     assert all(key.startswith("classifier.") for key in set(held) - set(record["saved"]))
@@ -540,8 +561,7 @@ def test_reloading_an_earlier_checkpoint_into_the_trained_model_is_accepted(tmp_
     model.save_pretrained(tmp_path / "early")
     slimfit_train(model, "bert", steps=3, optimizer=optimizer)
     model.save_pretrained(tmp_path / "late")
-    early = json.loads((tmp_path / "early" / "adapter_config.json").read_text())["base_weights"]
-    late = json.loads((tmp_path / "late" / "adapter_config.json").read_text())["base_weights"]
+    early, late = _record(tmp_path / "early"), _record(tmp_path / "late")
     assert set(early["saved"]) < set(late["saved"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -552,9 +572,52 @@ def test_reloading_an_earlier_checkpoint_into_the_trained_model_is_accepted(tmp_
     assert torch.equal(_logits(model, "bert"), _logits(fresh, "bert"))
 
 
+@pytest.mark.parametrize("name", ["slimfit_standalone", "tokentune_subset"])
+def test_an_adapter_with_the_record_in_its_config_is_checked_as_before(name, tmp_path):
+    arch, _ = MODELS[name]
+    model = _trained(name)
+    model.save_pretrained(tmp_path)
+    _old_format(tmp_path)
+    loaded = PeftModel.from_pretrained(build(arch), tmp_path)
+    assert torch.equal(_logits(loaded, arch), _logits(model, arch))
+    with pytest.raises(ValueError, match="this base model is not the one the adapter was trained on"):
+        PeftModel.from_pretrained(build(arch, seed=1), tmp_path)
+
+
+@pytest.mark.parametrize("name", ["tokentune_lora", "tokentune_subset"])
+def test_resume_from_checkpoint_loads_without_missing_keys_and_checks_the_base_model(name, tmp_path):
+    """Trainer's resume_from_checkpoint calls model.load_adapter(checkpoint, 'default', is_trainable=True) on a model
+    that already has the adapter (its own config, not the checkpoint's): no missing keys, as for LoRA, and a
+    standalone checkpoint is refused on another base model (the record is read from the file)."""
+    from test_tokentune_resume import _trainer
+
+    _trainer(tmp_path / "run", MODELS[name][1](), max_steps=2, save_strategy="steps", save_steps=2).train()
+    checkpoint = str(tmp_path / "run" / "checkpoint-2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        result = MODELS[name][1]().load_adapter(checkpoint, "default", is_trainable=True)
+        assert result.missing_keys == [] and result.unexpected_keys == []
+        _trainer(tmp_path / "run", MODELS[name][1](), max_steps=3).train(resume_from_checkpoint=checkpoint)
+    other = get_peft_model(build("llama", seed=3), MODELS[name][1]().peft_config["default"])
+    if name == "tokentune_lora":  # a LoRA adapter applies to any base model of its shapes, as with PEFT
+        _trainer(tmp_path / "run", other, max_steps=3).train(resume_from_checkpoint=checkpoint)
+        return
+    with pytest.raises(ValueError, match=rf"{re.escape(checkpoint)}'?: this base model is not the one|not the one"):
+        _trainer(tmp_path / "run", other, max_steps=3).train(resume_from_checkpoint=checkpoint)
+    # A tensor missing from the checkpoint is reported, in PEFT's words.
+    tensors = load_file(os.path.join(checkpoint, "adapter_model.safetensors"))
+    dropped = sorted(key for key in tensors if key != saving.RECORD_KEY)[0]
+    del tensors[dropped]
+    save_file(tensors, os.path.join(checkpoint, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=rf"Found missing adapter keys.*{re.escape(dropped)}"):
+        MODELS[name][1]().load_adapter(checkpoint, "default", is_trainable=True)
+
+
 def test_an_adapter_saved_without_a_record_loads_with_a_warning(tmp_path):
     model = _trained("slimfit_standalone")
     model.save_pretrained(tmp_path)
+    _old_format(tmp_path)
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     config["base_weights"] = None  # as saved by peft_slim before the record existed
     (tmp_path / "adapter_config.json").write_text(json.dumps(config))

@@ -238,12 +238,6 @@ def test_unknown_head_class_refused_at_get_peft_model():
             get_peft_model(base, TokenTuneConfig(task_type=task_type, lora=LoraConfig(r=4, target_modules=["query"])))
 
 
-def test_second_adapter_refused():
-    model = tokentune_model("llama")
-    with pytest.raises(ValueError, match="single adapter"):
-        model.add_adapter("other", tokentune_config("llama"))
-
-
 # ---------------------------------------------------------------------------------------------- standalone unloading
 
 

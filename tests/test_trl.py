@@ -25,7 +25,7 @@ from trl_cases import (
     trainable,
 )
 
-from peft_slim import SlimFitConfig, TokenSelectionConfig, TokenTuneCallback, TokenTuneConfig
+from peft_slim import SlimFitCallback, SlimFitConfig, TokenSelectionConfig, TokenTuneCallback, TokenTuneConfig
 
 trl = pytest.importorskip("trl")
 
@@ -288,15 +288,46 @@ def dpo_args(tmp_path, **overrides):
 
 
 @pytest.mark.parametrize("make", [tokentune, slimfit_tokentune], ids=["tokentune", "slimfit_tokentune"])
-def test_dpo_with_a_ready_token_selection_model_is_refused_at_construction(tmp_path, make):
-    """DPOTrainer adds a reference copy ('ref') of a ready PeftModel's adapter; peft_slim's tuners hold one."""
-    with pytest.raises(ValueError, match=r"single adapter per model.*DPOTrainer.*ref_model="):
-        trl.DPOTrainer(
-            model=make(seed=14),
-            args=dpo_args(tmp_path),
-            train_dataset=preference_dataset(seed=14),
-            processing_class=sft_tokenizer(),
-        )
+def test_dpo_with_a_ready_token_selection_model_is_refused_before_any_update(tmp_path, make):
+    """DPOTrainer adds a reference copy ('ref') of a ready PeftModel's adapter (a second adapter of the same method);
+    the first training forward then refuses token selection, as with peft_config=."""
+    trainer = trl.DPOTrainer(
+        model=make(seed=14),
+        args=dpo_args(tmp_path),
+        train_dataset=preference_dataset(seed=14),
+        processing_class=sft_tokenizer(),
+        callbacks=[TokenTuneCallback()],
+    )
+    assert sorted(trainer.model.peft_config) == ["default", "ref"]
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with pytest.raises(ValueError, match=r"DPOTrainer is not supported with token selection"):
+        trainer.train()
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
+def test_dpo_with_a_ready_slimfit_model_trains_against_its_reference_adapter(tmp_path):
+    """A ready SlimFit + LoRA model: TRL's reference adapter 'ref' is a copy of 'default', so at step 0 (policy =
+    reference) the DPO loss TRL logs is -log(sigmoid(0)) = log 2, though LoRA B is not zero; 'ref' stays as it was."""
+    lora = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS["llama"], init_lora_weights=False
+    )
+    config = SlimFitConfig(task_type="CAUSAL_LM", lora=lora, freeze_ratio=0.5, activation_compression=None, seed=0)
+    model = get_peft_model(build("llama", seed=16), config)
+    initial = trainable(model)
+    trainer = trl.DPOTrainer(
+        model=model,
+        args=dpo_args(tmp_path, learning_rate=1e-2, max_steps=2),
+        train_dataset=preference_dataset(seed=16),
+        processing_class=sft_tokenizer(),
+        callbacks=[SlimFitCallback()],
+    )
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logged[0]["loss"] == pytest.approx(math.log(2), rel=1e-5)
+    weights = dict(trainer.model.named_parameters())
+    for name, value in initial.items():
+        assert torch.equal(weights[name.replace(".default.", ".ref.")], value)  # the reference never trains
+    assert any(not torch.equal(weights[name], value) for name, value in initial.items())  # the policy did
 
 
 def test_dpo_with_token_selection_is_refused_before_any_update(tmp_path):
@@ -464,6 +495,10 @@ def test_grpo_with_token_selection_is_refused(tmp_path):
         trainer.train()
     after = trainable(trainer.model)
     assert all(torch.equal(before[n], after[n]) for n in before)
-    # A ready model with a KL term: GRPOTrainer adds a reference copy of the adapter, refused at construction.
-    with pytest.raises(ValueError, match=r"single adapter per model.*GRPOTrainer"):
-        _grpo(tmp_path / "b", tokentune(seed=18), beta=0.1)
+    # A ready model with a KL term: GRPOTrainer adds a reference copy of the adapter; training is refused the same.
+    trainer = _grpo(tmp_path / "b", tokentune(seed=18), beta=0.1)
+    assert sorted(trainer.model.peft_config) == ["default", "ref"]
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with pytest.raises(ValueError, match=r"For DPO, GRPO and the other TRL trainers train a LoRA adapter without"):
+        trainer.train()
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())

@@ -43,6 +43,22 @@ class SlimFitModel(MethodTuner):
     """
 
     prefix: str = "slimfit_"
+    # The schedule lives on this tuner and advances through slimfit_step(), which a bare model from
+    # peft.inject_adapter_in_model could not reach: PEFT refuses direct injection of such tuners (use get_peft_model).
+    uses_shared_state = True
+    _adapter_state = (
+        *MethodTuner._adapter_state,
+        "_handles",
+        "_observer",
+        "_base_weights",
+        "_applied",
+        "_paused",
+        "_swapped",
+        "_swapped_requires_grad",
+        "_full_checkpoints",
+        "_units",
+        "scheduler",
+    )
 
     def _token_selection(self, config: SlimFitConfig) -> TokenSelectionConfig | None:
         return config.tokentune
@@ -106,6 +122,19 @@ class SlimFitModel(MethodTuner):
         self._handles.clear()
         if self._observer is not None:
             self._observer.remove()
+
+    def _restore_method_hooks(self) -> None:
+        if self._observer is not None:  # not loaded for inference
+            self._observer.watch()
+            if not self._handles:
+                self._handles.append(self.model.register_forward_pre_hook(self._before_forward))
+
+    def _after_set_adapter(self) -> None:
+        # PEFT just made every LoRA weight of the adapter trainable; where the schedule had frozen units, freeze them
+        # again now, not at the next forward: TRL switches to its reference adapter and back between a training
+        # forward and its backward, which (gradient checkpointing) recomputes the forward with the same flags.
+        if self._applied and not self._paused and self._swapped is None:
+            self._apply_schedule()
 
     # ------------------------------------------------------------------ the schedule
 

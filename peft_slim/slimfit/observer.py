@@ -145,6 +145,11 @@ class StepObserver:
     def remove(self) -> None:
         self._finalizer()
 
+    def watch(self) -> None:
+        """Watch optimizer steps again after ``remove()`` (the adapter is active again on a model with several)."""
+        if not self._finalizer.alive:
+            self._register()
+
     def __getstate__(self) -> dict:
         """A copy (deepcopy, pickle) watches the copy's parameters with hooks of its own; the optimizers seen are the
         original's, not the copy's; parameter ids become (unit, position) pairs."""

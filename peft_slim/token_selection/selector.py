@@ -88,14 +88,24 @@ class TokenSelector:
         self._state: _TrainingForward | None = None
         # Computed once: inspecting the signature on every forward cost ~19% of a tiny model's generate().
         self._forward_signature = inspect.signature(model.forward)
+        self._chunked = config.chunked_loss and self._head.kind == "causal_lm" and not post_processes_logits(model)
+        self._calling_head = False
+        self._runner: BlockRunner | None = None
+        self._handles: list = []
+        self.reattach()
+
+    def reattach(self) -> None:
+        """Put this selector's hooks (back) on its model, keeping its generator: a model holding several adapters
+        detaches an adapter's selector while another adapter is active, and reattaches it on switching back."""
+        if self._runner is not None:
+            return
+        model = self.model
         _, blocks = find_blocks(model)
-        self._runner: BlockRunner | None = BlockRunner(blocks, self._selection_for, model.config)
+        self._runner = BlockRunner(blocks, self._selection_for, model.config)
         self._handles = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
         ]
-        self._chunked = config.chunked_loss and self._head.kind == "causal_lm" and not post_processes_logits(model)
-        self._calling_head = False
         if self._head.kind == "causal_lm":
             head = model.get_output_embeddings()
             self._handles.append(head.register_forward_pre_hook(self._before_head))

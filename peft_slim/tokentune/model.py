@@ -28,6 +28,7 @@ class TokenTuneModel(MethodTuner):
     """
 
     prefix: str = "tokentune_"
+    _adapter_state = (*MethodTuner._adapter_state, "_saved_names")
 
     def _token_selection(self, config: TokenTuneConfig) -> TokenSelectionConfig:
         return config.selection_config()

@@ -96,10 +96,11 @@ class MethodConfig(PeftConfig, ValidatedConfig):
     base_weights: dict | None = field(
         default=None,
         metadata={
-            "help": "Written by save_pretrained for an adapter without `lora` (leave it None): `saved`, the base "
-            "parameters adapter_model.safetensors holds, and `others`, the count, dtypes and joint blake2b digest "
-            "of every other base parameter as it was when the model was wrapped. Loading reports a saved tensor "
-            "missing from the file, and refuses a base model whose other parameters differ.",
+            "help": "Read from standalone adapters saved by earlier peft_slim versions (leave it None; saving now "
+            "keeps this record in adapter_model.safetensors, beside the tensors it describes): `saved`, the base "
+            "parameters the file holds, and `others`, the count, dtypes and joint blake2b digest of every other base "
+            "parameter as it was when the model was wrapped. Loading reports a saved tensor missing from the file, "
+            "and refuses a base model whose other parameters differ.",
             "check": BaseWeightsRecord(),
         },
     )

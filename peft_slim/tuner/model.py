@@ -30,7 +30,17 @@ from ..nested_lora import inject_lora
 from ..token_selection import TokenSelectionConfig, TokenSelector
 from .config import MethodConfig
 from .model_kinds import check_model_kind
-from .saving import MISMATCH_FLAG, _under, base_parameter_names, identity, tensor_digest, wrapper_module_names
+from .saving import (
+    MISMATCH_FLAG,
+    RECORD_KEY,
+    _under,
+    base_parameter_names,
+    identity,
+    record_from_tensor,
+    record_tensor,
+    tensor_digest,
+    wrapper_module_names,
+)
 
 
 class BaseWeightsSwitch(nn.Module, BaseTunerLayer):
@@ -46,6 +56,10 @@ class BaseWeightsSwitch(nn.Module, BaseTunerLayer):
         self.set_adapter(adapter_name)
         self.merged_adapters = []
 
+    def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device: Any = None) -> None:
+        """Nothing to move (PEFT calls it after a ``low_cpu_mem_usage`` load): this layer has no base layer and no
+        weights, and BaseTunerLayer's own would look for a base layer's weight forever."""
+
 
 class TrainingCompression:
     """Compress the activations saved in every training forward of ``model`` (train mode, grad enabled).
@@ -56,12 +70,19 @@ class TrainingCompression:
 
     def __init__(self, model: nn.Module, config: ActivationCompressionConfig):
         self.config = config
+        self.model = model
         self.last_stats: CompressionStats | None = None
         self._context: ActivationCompression | None = None
-        self._handles = [
-            model.register_forward_pre_hook(self._enter, prepend=True),
-            model.register_forward_hook(self._exit, always_call=True),
-        ]
+        self._handles: list = []
+        self.reattach()
+
+    def reattach(self) -> None:
+        """Register the hooks (again, after ``remove()``: another adapter of the model was active meanwhile)."""
+        if not self._handles:
+            self._handles = [
+                self.model.register_forward_pre_hook(self._enter, prepend=True),
+                self.model.register_forward_hook(self._exit, always_call=True),
+            ]
 
     def _enter(self, model: nn.Module, args: tuple) -> None:
         if model.training and torch.is_grad_enabled():
@@ -78,6 +99,11 @@ class TrainingCompression:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _names_adapter(parameter_name: str, adapter_name: str) -> bool:
+    """Whether a parameter name is one of adapter ``adapter_name``'s (PEFT puts the name as one dotted part)."""
+    return f".{adapter_name}." in parameter_name or parameter_name.endswith(f".{adapter_name}")
 
 
 def refuse_outer_saved_tensor_hooks() -> None:
@@ -100,19 +126,30 @@ def refuse_outer_saved_tensor_hooks() -> None:
 
 
 class MethodTuner(BaseTuner):
-    """PEFT's ``BaseTuner`` for a peft_slim method: one adapter, no replaced modules, hooks instead.
+    """PEFT's ``BaseTuner`` for a peft_slim method: no replaced modules, hooks instead.
 
     Trains the nested LoRA when the config has one, else the base parameters the method names. In training
     forwards the token selection (if any) and the activation compression (if any) are active. Outside
     training (eval mode or no grad) the model computes exactly what the base model (+ LoRA) does.
+
+    Several LoRA-stacked adapters can live on one model, as with LoRA: each has its own config and its own method
+    state (the attributes ``_adapter_state`` names: selection generator, SlimFit schedule, ...), and only the active
+    adapter's hooks are on the model. ``set_adapter`` switches them; one active adapter at a time.
     """
 
     tuner_layer_cls = LoraLayer
     target_module_mapping: dict = {}
+    # The attributes that hold one adapter's method state; a method adds its own (those its ``_setup`` sets).
+    _adapter_state: tuple[str, ...] = ("_selector", "_compression")
 
     def _pre_injection_hook(self, model: nn.Module, config: MethodConfig, adapter_name: str) -> None:
         self._selector: TokenSelector | None = None
         self._compression: TrainingCompression | None = None
+        self._parked: dict[str, dict[str, Any]] = {}  # the method state of every adapter but the active one
+        if config.lora is not None:
+            # What `prefix` tells PEFT and its users (TRL's vLLM weight sync, PEFT's own checks): the marker of the
+            # adapter's parameter names, which are LoRA's. The class keeps the registered, unique one.
+            self.prefix = "lora_"
 
     @property
     def method_name(self) -> str:
@@ -137,6 +174,9 @@ class MethodTuner(BaseTuner):
     def _remove_method_hooks(self) -> None:
         """Undo the hooks ``_setup`` installed."""
 
+    def _restore_method_hooks(self) -> None:
+        """Install again what ``_remove_method_hooks`` removed (the adapter becomes active again)."""
+
     # ------------------------------------------------------------------ PEFT's tuner API
 
     def inject_adapter(
@@ -147,13 +187,39 @@ class MethodTuner(BaseTuner):
         low_cpu_mem_usage: bool = False,
         state_dict: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        if len(self.peft_config) > 1:
-            raise ValueError(
-                f"{self.method_name} supports a single adapter per model; this model already has "
-                f"{sorted(self.peft_config)}. (TRL's DPOTrainer and GRPOTrainer add a reference copy named 'ref' to a "
-                "ready PeftModel: pass `ref_model=` instead; token selection is not supported there, see the README's "
-                "TRL section.)"
-            )
+        others = [name for name in self.peft_config if name != adapter_name]
+        if not others or not self.active_adapters:
+            self._inject(model, adapter_name, low_cpu_mem_usage, state_dict)
+            return
+        # Another adapter (PeftModel.add_adapter / load_adapter): set it up as if it were active, park its state,
+        # and leave the model as it was: the same adapter active, every existing parameter's requires_grad kept
+        # (SlimFit's frozen units included), the new adapter frozen until set_adapter, as PEFT leaves a new LoRA.
+        self._check_another_adapter(adapter_name, others)
+        live = self._single_active("add_adapter")
+        kept = [(param, param.requires_grad) for param in model.parameters()]
+        self._park(live)
+        try:
+            self.active_adapter = adapter_name
+            self._inject(model, adapter_name, low_cpu_mem_usage, state_dict)
+        except BaseException:
+            self._park(adapter_name)  # off the model: whatever hooks the failed set-up installed
+            del self._parked[adapter_name]
+            raise
+        else:
+            self._park(adapter_name)
+        finally:
+            BaseTuner.set_adapter(self, live)
+            existing = {id(param) for param, _ in kept}
+            for param, requires_grad in kept:
+                param.requires_grad = requires_grad
+            for name, param in model.named_parameters():
+                if id(param) not in existing and _names_adapter(name, adapter_name):
+                    param.requires_grad = False
+            self._unpark(live)
+            model.peft_config = self.peft_config  # the LoraModel that injected the new LoRA put its own there
+
+    def _inject(self, model: nn.Module, adapter_name: str, low_cpu_mem_usage: bool, state_dict) -> None:
+        """Inject adapter ``adapter_name`` (the active one while this runs) with its method's hooks."""
         config: MethodConfig = self.peft_config[adapter_name]
         selection = self._token_selection(config)
         check_model_kind(model, self.method_name, selects_tokens=selection is not None)
@@ -163,7 +229,10 @@ class MethodTuner(BaseTuner):
         if config.lora is not None:
             inject_lora(model, config, adapter_name, low_cpu_mem_usage=low_cpu_mem_usage, state_dict=state_dict)
             keep_lora_inputs_narrow(model)  # no fp32 copies of bf16/fp16 inputs saved for the adapters
+            if len(self.peft_config) > 1:  # only this adapter's LoRA trainable while it is set up, as PEFT sets it
+                BaseTuner.set_adapter(self, adapter_name)
         self._mark_only_adapters_as_trainable(model)
+        self._selector, self._compression = None, None
         self._setup(model, config)
         if config.inference_mode:
             model.requires_grad_(False)
@@ -172,6 +241,100 @@ class MethodTuner(BaseTuner):
             self._selector = TokenSelector.attach(model, selection)
         if config.activation_compression is not None:  # after the selector: its loss is compressed too
             self._compression = TrainingCompression(model, config.activation_compression)
+
+    def _check_another_adapter(self, adapter_name: str, others: list[str]) -> None:
+        """Refuse a second adapter where two cannot be exact: a standalone one (base weights trained in place, which
+        every adapter of the model would share), or two adapters with LoRA biases (PEFT's own rule)."""
+        for name in [adapter_name, *others]:
+            if self.peft_config[name].lora is None:
+                raise ValueError(
+                    f"{self.method_name}: cannot add adapter {adapter_name!r} beside {others}: adapter {name!r} has "
+                    "no `lora`, it trains the base weights in place, and every adapter on the model would share (and "
+                    "change) those weights. Several adapters on one model need `lora=LoraConfig(...)` in each; or "
+                    "load the other adapter onto its own base model."
+                )
+        biased = [name for name in [adapter_name, *others] if self.peft_config[name].lora.bias != "none"]
+        if len(biased) > 1:
+            raise ValueError(
+                f"{self.method_name}: adapters {biased} all train biases (lora.bias != 'none'); as with LoRA, only "
+                "one adapter of a model may (the biases are the base model's, shared by every adapter). Set "
+                "lora.bias='none' in all but one."
+            )
+
+    def _single_active(self, what: str) -> str:
+        names = self.active_adapters
+        if len(names) != 1:
+            raise ValueError(
+                f"{self.method_name}: {what} with active adapters {names}: a peft_slim model runs one adapter at a "
+                "time (each carries its own token selection, schedule and compression, which cannot be combined). "
+                "Call set_adapter(name) with one name."
+            )
+        return names[0]
+
+    def _park(self, adapter_name: str) -> None:
+        """Take the active adapter's hooks off the model and keep its method state aside."""
+        if self._selector is not None:
+            self._selector.detach()
+        if self._compression is not None:
+            self._compression.remove()
+        self._remove_method_hooks()
+        self._parked[adapter_name] = {attribute: getattr(self, attribute) for attribute in self._adapter_state}
+
+    def _unpark(self, adapter_name: str) -> None:
+        """Make ``adapter_name``'s method state the live one, hooks in the order ``_inject`` installs them."""
+        for attribute, value in self._parked.pop(adapter_name).items():
+            setattr(self, attribute, value)
+        self._restore_method_hooks()
+        if self._selector is not None:
+            self._selector.reattach()
+        if self._compression is not None:
+            self._compression.reattach()
+
+    def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
+        """PEFT's ``set_adapter``; switching to another adapter switches the method state with it. One name only."""
+        names = [adapter_name] if isinstance(adapter_name, str) else list(adapter_name)
+        if len(names) != 1:
+            raise ValueError(
+                f"{self.method_name}: set_adapter({adapter_name!r}): a peft_slim model runs one adapter at a time "
+                "(each carries its own token selection, schedule and compression, which cannot be combined). Give "
+                "one adapter name."
+            )
+        (name,) = names
+        if name not in self.peft_config:
+            raise ValueError(
+                f"{self.method_name}: set_adapter: no adapter {name!r}; this model has {sorted(self.peft_config)}."
+            )
+        live = self.active_adapters[0] if len(self.active_adapters) == 1 else None
+        if live != name and name in self._parked:
+            if live is not None:
+                self._park(live)
+            super().set_adapter(name, inference_mode=inference_mode)
+            self._unpark(name)
+        else:
+            super().set_adapter(name, inference_mode=inference_mode)
+        self._after_set_adapter()
+
+    def _after_set_adapter(self) -> None:
+        """PEFT's ``set_adapter`` just set requires_grad of the adapter's parameters (a method re-applies its own)."""
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        """PEFT's ``delete_adapter``, with the adapter's method state and hooks removed: the model is as if it never
+        had the adapter. Deleting the active one makes the adapter PEFT activates next live."""
+        if adapter_name not in self.peft_config:
+            raise ValueError(f"Adapter {adapter_name} does not exist")
+        if adapter_name in self._parked:
+            parked = self._parked.pop(adapter_name)
+            observer = parked.get("_observer")
+            if observer is not None:  # removed when parked; dropped with the state
+                observer.remove()
+            super().delete_adapter(adapter_name)
+            return
+        self.remove_hooks()
+        super().delete_adapter(adapter_name)
+        self._selector, self._compression = None, None
+        if len(self.active_adapters) == 1 and self.active_adapters[0] in self._parked:
+            self._unpark(self.active_adapters[0])
+            self._after_set_adapter()
 
     def _create_and_replace(self, *args, **kwargs):
         raise NotImplementedError(f"{self.method_name} works through hooks; it replaces no module.")
@@ -224,7 +387,13 @@ class MethodTuner(BaseTuner):
             return lora_adapter_state_dict(model, config.lora, adapter_name, state_dict, unwanted_adapter_names)
         tuner = getattr(model, "base_model", None)
         if not isinstance(tuner, cls):
-            raise ValueError(f"{cls.__name__}: saving needs the PeftModel that holds the tuner.")
+            raise ValueError(
+                f"{cls.__name__}: a standalone adapter (no `lora`: base tensors trained in place) is saved with the "
+                "record of the base model it needs, which only the PeftModel holds; this is a bare "
+                f"{type(model).__name__} (peft.inject_adapter_in_model). Wrap it with get_peft_model and save that, "
+                "or train with lora=LoraConfig(...), whose LoRA weights get_peft_model_state_dict saves from a bare "
+                "model."
+            )
         # By name and from ``state_dict``'s tensors: under FSDP those are gathered, the model's are shards.
         prefix = tuner._state_dict_prefix(model)
         saved = {
@@ -232,27 +401,37 @@ class MethodTuner(BaseTuner):
             for key, value in state_dict.items()
             if key.startswith(prefix) and tuner._saves_base_tensor(key[len(prefix) :], value)
         }
-        # What loading checks: which tensors the file holds, and which base model the others must come from.
+        # What loading checks, saved in the file beside the tensors it describes (every load reads it, Trainer's
+        # resume_from_checkpoint included): which tensors the file holds, which base model the others come from.
         names = {key[len(prefix) :] for key in saved}
         others = [name for name in base_parameter_names(tuner.model) if name not in names]
-        config.base_weights = {
-            "saved": sorted(names),
-            "others": tuner._base_identity(others, lambda name: state_dict.get(prefix + name)),
-        }
+        record = {"saved": sorted(names), "others": tuner._base_identity(others, lambda n: state_dict.get(prefix + n))}
+        saved[RECORD_KEY] = record_tensor(record)
         return saved
 
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
+        state_dict = dict(state_dict)
+        stored = state_dict.pop(RECORD_KEY, None)
         if config.lora is not None:
             remapped = lora_state_dict_for_load(model, config.lora, adapter_name, state_dict)
         else:
             remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
         tuner = getattr(model, "base_model", None)
-        if isinstance(tuner, MethodTuner):
+        if isinstance(tuner, MethodTuner) and config.lora is None:  # a standalone adapter, before its weights load
             loaded_from = getattr(config, "_loaded_from", None)  # set by the config's from_pretrained
-            if config.lora is None and loaded_from is not None:  # a saved standalone adapter, before its weights load
-                tuner._check_base_model(config, loaded_from, getattr(config, "_ignore_base_mismatch", False))
-            tuner._report_keys(model, config, adapter_name, set(remapped))
+            if stored is not None:
+                record = record_from_tensor(stored, loaded_from or "the adapter file")
+            elif loaded_from is not None:  # saved by an earlier peft_slim: the record is in the config read with it
+                record = config.base_weights
+            else:  # its own config (a Trainer resuming from a checkpoint of an earlier peft_slim): no record
+                record = False
+            if record is not False:
+                ignore = getattr(config, "_ignore_base_mismatch", False)
+                tuner._check_base_model(record, config.base_model_name_or_path, loaded_from, ignore)
+            tuner._report_keys(model, config, adapter_name, set(remapped), record or None)
+        elif isinstance(tuner, MethodTuner):
+            tuner._report_keys(model, config, adapter_name, set(remapped), None)
         return remapped
 
     @classmethod
@@ -292,12 +471,12 @@ class MethodTuner(BaseTuner):
             entries.append((name, *entry))
         return identity(entries)
 
-    def _check_base_model(self, saved: MethodConfig, where: str, ignore_mismatch: bool) -> None:
-        """Refuse to load the standalone adapter whose saved config is ``saved`` (from ``where``) onto a base model
-        whose parameters (those the adapter file does not hold) differ from the ones it was trained with. Run before
-        its weights load; a LoRA adapter applies to any base model of the right shapes, as with PEFT."""
-        where = f" {where!r}"
-        record = saved.base_weights
+    def _check_base_model(self, record: dict | None, base_name: str | None, where: str | None, ignore_mismatch: bool):
+        """Refuse to load the standalone adapter whose file holds ``record`` (see ``_get_adapter_state_dict``; from
+        ``where``) onto a base model whose parameters (those the adapter file does not hold) differ from the ones it
+        was trained with. Run before its weights load; a LoRA adapter applies to any base model of the right shapes,
+        as with PEFT."""
+        where = f" {where!r}" if where else ""
         if record is None:
             warnings.warn(
                 f"{self.method_name} adapter{where} was saved without a record of its base model (by an older "
@@ -315,7 +494,7 @@ class MethodTuner(BaseTuner):
         dtypes = "" if here["dtypes"] == then["dtypes"] else f"; dtypes here {here['dtypes']}, then {then['dtypes']}"
         message = (
             f"{self.method_name} adapter{where}: this base model is not the one the adapter was trained on "
-            f"({saved.base_model_name_or_path or 'name not recorded'}). The adapter file holds only the "
+            f"({base_name or 'name not recorded'}). The adapter file holds only the "
             f"{len(record['saved'])} base tensors training changed; the other {then['count']} come from the model it "
             f"is loaded onto, and this model's differ (blake2b {here['blake2b'][:16]}... over {here['count']} "
             f"tensors here, {then['blake2b'][:16]}... over {then['count']} when saved{dtypes}). Load it onto the "
@@ -329,20 +508,20 @@ class MethodTuner(BaseTuner):
             )
         warnings.warn(f"{message}. Loaded anyway ({MISMATCH_FLAG}=True).", stacklevel=3)
 
-    def _report_keys(self, peft_model: nn.Module, config: MethodConfig, adapter_name: str, loaded: set) -> None:
+    def _report_keys(
+        self, peft_model: nn.Module, config: MethodConfig, adapter_name: str, loaded: set, record: dict | None
+    ) -> None:
         """Warn about the keys an adapter file should have set but did not (PEFT's own report keeps only keys with
         the tuner's prefix, which none of ours have), and about tensors it holds that this model has no place for."""
         state_dict = peft_model.state_dict()
         if config.lora is not None:
             # PEFT's rule for LoRA (tuner prefix and adapter name in the key), plus the biases `lora.bias` saves.
-            expected = {key for key in state_dict if "lora_" in key and adapter_name in key}
+            expected = {key for key in state_dict if "lora_" in key and _names_adapter(key, adapter_name)}
             saved_by_lora = lora_adapter_state_dict(peft_model, config.lora, adapter_name, state_dict, [])
             expected |= {key for key in saved_by_lora if "lora_" not in key and key in state_dict}
-        elif config.base_weights is not None and getattr(config, "_loaded_from", None) is not None:
-            # Only a record read with this file names what it holds (a Trainer reloads an earlier checkpoint into a
-            # model whose live record is the latest save's).
+        elif record is not None:  # the record read with this file names what it holds
             prefix = self._state_dict_prefix(peft_model)
-            expected = {prefix + name for name in config.base_weights["saved"]}
+            expected = {prefix + name for name in record["saved"]}
         else:
             expected = set()
         missing = sorted(expected - loaded)

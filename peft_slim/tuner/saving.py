@@ -12,7 +12,8 @@ check at injection, missing and unexpected keys at load) or here:
 * :func:`save_pretrained`: PEFT's save into a new sibling folder that replaces the old one whole
   (``peft_slim.atomic_folder``), with peft_slim's section in the model card; ``peft-slim train`` uses it.
 * :func:`from_pretrained`: ``PeftModel.from_pretrained`` with the config from ``peft_slim_config.json`` (or, for
-  adapters written by peft_slim 0.1.0, from ``adapter_config.json``).
+  adapters written by peft_slim 0.1.0, from ``adapter_config.json``); :func:`load_adapter`: the same for a further
+  adapter on a model (``PeftModel.load_adapter`` reads the LoRA config and cannot be given another).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ _TOKENIZER_FILES = (  # what transformers' tokenizers and processors write, comm
     "tokenizer.model",
     "spiece.model",
 )
+# The key under which a standalone adapter's file holds the record of its base model (a uint8 tensor of JSON).
+RECORD_KEY = "peft_slim.base_weights"
 
 
 def is_peft_slim_model(peft_model: Any) -> bool:
@@ -181,6 +184,35 @@ def from_pretrained(
     )
 
 
+def load_adapter(model: Any, model_id: str, adapter_name: str, is_trainable: bool = False, **kwargs) -> Any:
+    """``model.load_adapter`` for a saved peft_slim adapter: a further adapter named ``adapter_name`` on ``model`` (a
+    PeftModel of the same peft_slim method), with the saved method and settings. Returns PEFT's load result.
+
+    ``model.load_adapter`` alone reads ``adapter_config.json``, which for a LoRA-stacked adapter is LoRA's, and PEFT
+    then refuses to put a LoRA adapter beside a TokenTune or SlimFit one. ``kwargs`` go to ``model.load_adapter``.
+    """
+    if not is_peft_slim_model(model):
+        raise ValueError(
+            f"peft_slim.load_adapter expects a PeftModel of a peft_slim method, got {type(model).__name__}"
+            f"{' of ' + type(model.base_model).__name__ if hasattr(model, 'base_model') else ''}; for a plain LoRA "
+            "model use model.load_adapter."
+        )
+    if adapter_name in model.peft_config:
+        raise ValueError(f"peft_slim.load_adapter: the model already has an adapter named {adapter_name!r}.")
+    model_id = os.fspath(model_id)
+    hub_kwargs = {key: kwargs[key] for key in ("subfolder", "revision", "cache_dir", "token") if key in kwargs}
+    config = load_config(model_id, **hub_kwargs)
+    config.inference_mode = not is_trainable
+    model.add_adapter(adapter_name, config, low_cpu_mem_usage=kwargs.get("low_cpu_mem_usage", False))
+    try:
+        if is_trainable:
+            model.set_requires_grad(adapter_name)
+        return model.load_adapter(model_id, adapter_name, is_trainable=is_trainable, **kwargs)
+    except BaseException:
+        model.delete_adapter(adapter_name)
+        raise
+
+
 def _adapter_file(model_id: str, name: str, subfolder: str | None = None, **hub_kwargs) -> str | None:
     """Local path of file ``name`` of the adapter at ``model_id`` (a folder or a Hub repository); None if absent."""
     folder = os.path.join(model_id, subfolder) if subfolder else model_id
@@ -276,6 +308,22 @@ def add_card_section(path: str, peft_model: Any, adapter_ref: str | None = None,
 
 
 # ---------------------------------------------------------------------------------------------- base identity
+
+
+def record_tensor(record: dict) -> torch.Tensor:
+    """``record`` (JSON-ready) as a uint8 tensor, to travel in the adapter file with the tensors it describes."""
+    return torch.frombuffer(bytearray(json.dumps(record, sort_keys=True).encode()), dtype=torch.uint8).clone()
+
+
+def record_from_tensor(tensor: torch.Tensor, where: str) -> dict:
+    """The record ``record_tensor`` stored, checked as ``MethodConfig.base_weights`` is."""
+    from .config import BaseWeightsRecord
+
+    try:
+        value = json.loads(bytes(tensor.cpu().numpy().tobytes()).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{where}: the adapter file's {RECORD_KEY!r} is not a peft_slim record ({error}).") from None
+    return BaseWeightsRecord().coerce(value, f"{where}: {RECORD_KEY}")
 
 
 def tensor_digest(tensor: torch.Tensor) -> bytes:
