@@ -15,8 +15,9 @@ What is measured, and how (nothing is estimated from shapes):
   ``activations`` (the rest of the last step's peak: saved activations and operators' temporaries).
   ``total_bytes`` is the sum of the four: an upper bound of the run's peak, as the maxima may come from
   different steps;
-* ``step_seconds``: wall time of each training step after the first (warm-up) and the profiled one (kept in the
-  JSON; not the reported step time: on a shared machine other jobs' load drifts over the minutes a task takes);
+* ``step_seconds``, ``step_cpu_seconds``: wall and process CPU time of each training step after the first (warm-up)
+  and the profiled one (kept in the JSON; the CPU time is comparable at one thread; the wall time is not the reported
+  step time: on a shared machine other jobs' load drifts over the minutes a task takes);
 * the reported step time comes from ``time_steps``: a separate pass that, round by round, builds each method in
   turn and times a few steps on the same batches, the order reversed every other round, so that load drifts hit
   every method alike. On CPU with one intra-op thread it is the process's CPU time per step
@@ -103,7 +104,7 @@ def run(task: Task, method: Method, seed: int, measure_memory: bool, device: tor
     model = setup.model.to(device)
     model.train()
     batches = task.make_batches(seed)
-    result: dict = {"seed": seed, "losses": [], "step_seconds": [], "tokens": []}
+    result: dict = {"seed": seed, "losses": [], "step_seconds": [], "step_cpu_seconds": [], "tokens": []}
     if measure_memory:
         result["saved_activation_bytes"] = saved_activation_bytes(model, to_device(batches[0], device))
     trainer = Trainer(setup, task.steps, record_memory=measure_memory)
@@ -119,17 +120,19 @@ def run(task: Task, method: Method, seed: int, measure_memory: bool, device: tor
                 "step_peak": peak,
             }
             continue
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         result["losses"].append(trainer.step(batch))
         if device.type == "cuda":
             torch.cuda.synchronize()
         if index > 0:  # the first step is the warm-up
             result["step_seconds"].append(time.perf_counter() - start)
+            result["step_cpu_seconds"].append(time.process_time() - start_cpu)
             result["tokens"].append(task.count_tokens(batch))
     if "memory" in result:
         memory = result["memory"]
         memory["total_bytes"] = sum(memory[k] for k in ("parameters", "optimizer_state", "gradients", "activations"))
     result["median_step_seconds"] = statistics.median(result["step_seconds"])
+    result["median_step_cpu_seconds"] = statistics.median(result["step_cpu_seconds"])
     result["tokens_per_second"] = statistics.mean(result["tokens"]) / result["median_step_seconds"]
     result["metrics"] = task.evaluate(model)
     if setup.history is not None:

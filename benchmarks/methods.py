@@ -17,6 +17,7 @@ from peft.optimizers import create_lorafa_optimizer
 from torch.autograd.graph import save_on_cpu
 
 import peft_slim
+from peft_slim.compat import copy_loading_marks
 
 from .tasks import Task
 
@@ -47,14 +48,16 @@ class Method:
     needs_slimfit: bool = False
 
 
-def lora_config(task: Task, with_modules_to_save: bool = True) -> LoraConfig:
+def lora_config(task: Task, with_modules_to_save: bool = True, also_save: list[str] | None = None) -> LoraConfig:
+    """``also_save``: modules trained in full beside the task's ``modules_to_save``."""
+    saved = [*(task.modules_to_save or [] if with_modules_to_save else []), *(also_save or [])]
     return LoraConfig(
         r=LORA_R,
         lora_alpha=LORA_ALPHA,
         lora_dropout=0.0,
         target_modules=task.lora_targets,
         task_type=task.task_type,
-        modules_to_save=task.modules_to_save if with_modules_to_save else None,
+        modules_to_save=saved or None,
     )
 
 
@@ -76,11 +79,13 @@ def full_ft(task: Task, seed: int) -> Setup:
     return Setup(model, adamw(model, task.lr_full, task))
 
 
-def lora(task: Task, seed: int, checkpointing: bool = False, offload: bool = False) -> Setup:
+def lora(
+    task: Task, seed: int, checkpointing: bool = False, offload: bool = False, also_save: list[str] | None = None
+) -> Setup:
     base = copy.deepcopy(task.base)
     if checkpointing:
         base.activation_checkpointing_enable()
-    model = get_peft_model(base, lora_config(task))
+    model = get_peft_model(base, lora_config(task, also_save=also_save))
     # On CPU the saved tensors already live in host memory: save_on_cpu then keeps them where they are.
     context = (lambda: save_on_cpu(pin_memory=torch.cuda.is_available())) if offload else nullcontext
     return Setup(model, adamw(model, task.lr_adapter), forward_context=context)
@@ -120,7 +125,10 @@ def slimfit(task: Task, seed: int, freeze_ratio: float, compression: bool, stack
     config = peft_slim.SlimFitConfig(
         freeze_ratio=freeze_ratio, seed=seed, task_type=task.task_type, modules_to_save=task.modules_to_save, **extra
     )
-    model = get_peft_model(copy.deepcopy(task.base), config)
+    base = copy.deepcopy(task.base)
+    # A deep copy drops transformers' loading marks, and without them train_new_weights finds no new weights.
+    copy_loading_marks(task.base, base)
+    model = get_peft_model(base, config)
     # Every parameter goes to AdamW: SlimFit decides per step which get gradients; AdamW skips (and keeps no
     # state for) parameters whose gradient is None.
     optimizer = adamw(model, task.lr_adapter, every=True) if stack else adamw(model, task.lr_full, task, every=True)

@@ -104,14 +104,15 @@ def test_count_rule_is_the_papers():
 CATCH_UP_FACTOR = {"linear": lambda k: k, "sqrt": math.sqrt, "none": lambda k: 1.0}
 
 
+@pytest.mark.parametrize("metric", ["relative_change", "gradient"])
 @pytest.mark.parametrize("catch_up", ["linear", "sqrt", "none", True, False])
-def test_catch_up_scales_the_update_by_the_missed_steps(catch_up):
+def test_catch_up_scales_the_update_by_the_missed_steps(catch_up, metric):
     """With plain SGD the optimizer's update is -lr * grad: a unit that trains after f frozen steps moves by
     -lr * grad * g(k), k = min(f + 1, 1 / (1 - ratio)), g(k) = k ('linear', or True as 0.1.x wrote it), sqrt(k)
     ('sqrt'), 1 ('none', False); frozen units do not move at all (bit-identical)."""
     ratio, lr = 0.75, 0.1
     rule = {True: "linear", False: "none"}.get(catch_up, catch_up)
-    model = slimfit_model("bert", freeze_ratio=ratio, freeze_by="count", catch_up=catch_up)
+    model = slimfit_model("bert", freeze_ratio=ratio, freeze_by="count", catch_up=catch_up, metric=metric)
     assert model.peft_config["default"].catch_up == rule
     tuner = model.base_model
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
@@ -179,9 +180,10 @@ def test_norms_always_train_and_are_no_unit():
     assert any("LayerNorm" in name for name in plain.base_model.unit_names)
 
 
-@pytest.mark.parametrize("metric", ["relative_change", "update_norm"])
+@pytest.mark.parametrize("metric", ["relative_change", "update_norm", "gradient"])
 def test_scores_of_a_step_follow_their_definition(metric):
-    """The device-side scores (torch._foreach_*) equal the definition computed here tensor by tensor, in float64."""
+    """The device-side scores (torch._foreach_*) equal the definition computed here tensor by tensor, in float64;
+    'gradient' from the gradients the backward left (a tensor without one counts as zeros)."""
     eps = 1e-3
     model = slimfit_model("llama", freeze_ratio=0.5, freeze_by="count", metric=metric, epsilon=eps)
     tuner = model.base_model
@@ -190,6 +192,10 @@ def test_scores_of_a_step_follow_their_definition(metric):
     loss_of(model, make_batch("llama")).backward()
     trained = [u for u, t in enumerate(tuner.scheduler.trained) if t]
     before = {u: [p.detach().double() for p in tuner._units[u].params] for u in trained}
+    grads = {
+        u: [torch.zeros_like(p) if p.grad is None else p.grad.double() for p in tuner._units[u].params]
+        for u in trained
+    }
     optimizer.step()
     optimizer.zero_grad()
     model.slimfit_step()
@@ -198,6 +204,8 @@ def test_scores_of_a_step_follow_their_definition(metric):
         if metric == "relative_change":
             total = sum(((n - o).abs() / (o.abs() + eps)).sum().item() for o, n in zip(olds, news))
             expected = total / sum(o.numel() for o in olds)
+        elif metric == "gradient":
+            expected = sum(g.abs().sum().item() for g in grads[u]) / sum(g.numel() for g in grads[u])
         else:
             change = math.sqrt(sum((n - o).pow(2).sum().item() for o, n in zip(olds, news)))
             expected = change / (math.sqrt(sum(o.pow(2).sum().item() for o in olds)) + eps)

@@ -17,7 +17,7 @@ from peft_slim import SlimFitConfig, TokenTuneConfig
         ({"freeze_ratio": 1.0}, "freeze_ratio must be a float in \\[0, 1\\)"),
         ({"freeze_ratio": -0.1}, "freeze_ratio"),
         ({"freeze_ratio": "0.9"}, "freeze_ratio"),
-        ({"metric": "gradient"}, "metric must be one of"),
+        ({"metric": "gradient_norm"}, "metric must be one of"),
         ({"epsilon": 0}, "epsilon must be a finite float > 0"),
         ({"schedule_every": 0}, "schedule_every must be an int >= 1"),
         ({"max_frozen_steps": 1.5}, "max_frozen_steps"),

@@ -10,7 +10,7 @@ from ..configuration import Boolean, Integer, ModuleNames, Nested, OneOf, Real, 
 from ..token_selection import TokenSelectionConfig
 from ..tuner import MethodConfig
 
-METRICS = ("relative_change", "update_norm")
+METRICS = ("relative_change", "update_norm", "gradient")
 FREEZE_BY = ("bytes", "count")
 LORA_UNITS = ("pair", "matrix")
 CATCH_UP = ("sqrt", "linear", "none")
@@ -149,7 +149,11 @@ class SlimFitConfig(MethodConfig):
         default="relative_change",
         metadata={
             "help": "Score of a unit after it trained: 'relative_change', mean(|W_new - W_old| / (|W_old| + "
-            "epsilon)) (the paper's, with epsilon); 'update_norm', ||W_new - W_old|| / (||W_old|| + epsilon).",
+            "epsilon)) (the paper's, with epsilon); 'update_norm', ||W_new - W_old|| / (||W_old|| + epsilon); "
+            "'gradient', mean(|dL/dW|) over the unit's values, read at the optimizer step (before it): the loss "
+            "decrease per value of a sign-like (Adam) step, so the ranking follows the gradient even for a unit whose "
+            "optimizer state restarted (its first AdamW update is about lr * sign(g), the same relative change "
+            "whatever the gradient). `epsilon` does not enter it.",
             "check": OneOf(METRICS),
         },
     )

@@ -21,12 +21,13 @@ from functools import partial
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .scheduler import DTensor, finish_score, score_parts
+from .scheduler import DTensor, _item, finish_score, score_parts
 from .units import Unit
 
 ORDER = "loss.backward(); optimizer.step(); optimizer.zero_grad(); model.slimfit_step()"
 # One optimizer step's score parts: unit index and value count of each tensor it stepped, and each tensor's sums
-# (a device tensor until the step is scored: relative_change [n], update_norm [n, 2]; host floats under FSDP2).
+# (a device tensor until the step is scored: relative_change and gradient [n], update_norm [n, 2]; host floats under
+# FSDP2).
 Parts = tuple[list[int], list[int], "torch.Tensor | list"]
 
 
@@ -76,6 +77,25 @@ def step_parts(
     change = torch._foreach_pow(torch._foreach_norm(delta, 2), 2)
     size = torch._foreach_pow(torch._foreach_norm(old, 2), 2)
     return torch.stack([_stack(change), _stack(size)], dim=1)
+
+
+def gradient_sums(params: list[torch.Tensor]) -> torch.Tensor | list[float]:
+    """The 'gradient' metric's sums, read before the optimizer step: sum(|grad|) of each tensor (0 without a
+    gradient), in float32, left on the device (shape [n]); under FSDP2, host floats reduced over the shards."""
+    sums = [
+        torch.linalg.vector_norm(p.grad, 1, dtype=torch.float32)
+        if p.grad is not None
+        else p.new_zeros((), dtype=torch.float32)
+        for p in params
+    ]
+    return _stack(sums) if _plain(params) else [_item(total) for total in sums]
+
+
+def scale_updates(before: list[torch.Tensor], after: list[torch.Tensor], factors: list[float]) -> None:
+    """Catch-up without scoring: each tensor moves ``factor`` times the optimizer's update; consumes ``before``."""
+    for old, new, factor in zip(before, after, factors):
+        if factor != 1.0:
+            new.add_(old.neg_().add_(new.detach()), alpha=factor - 1.0)
 
 
 def _tensor_parts(metric: str, before: torch.Tensor, after: torch.Tensor, epsilon: float, factor: float):
@@ -217,7 +237,7 @@ class StepObserver:
             values = sums.tolist() if torch.is_tensor(sums) else sums
             for index, count, value in zip(indices, counts, values):
                 total = totals.setdefault(index, [0.0, 0.0])
-                if self.metric == "relative_change":  # [sum of relative changes, count of values]
+                if self.metric != "update_norm":  # [sum of relative changes, or of |gradient|; count of values]
                     total[0] += value
                     total[1] += count
                 else:  # [squared norm of the change, squared norm of the old values]
@@ -267,8 +287,16 @@ class StepObserver:
                         indices.append(index)
                         params.append(param)
         with torch.no_grad():
-            before = snapshot(params) if params and _plain(params) else [p.detach().clone() for p in params]
-        self._snapshot = (indices, params, before)
+            # The 'gradient' metric reads the gradients now, before the step; it needs the old values only to
+            # scale the update (catch-up).
+            gradients = gradient_sums(params) if self.metric == "gradient" and params else None
+            if gradients is not None and self.catch_up is None:
+                before = None
+            elif params and _plain(params):
+                before = snapshot(params)
+            else:
+                before = [p.detach().clone() for p in params]
+        self._snapshot = (indices, params, before, gradients)
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._depth:
@@ -279,10 +307,14 @@ class StepObserver:
         snapshot, self._snapshot = self._snapshot, None
         if snapshot is None or not snapshot[1]:
             return
-        indices, params, before = snapshot
+        indices, params, before, gradients = snapshot
         factors = [1.0] * len(indices) if self.catch_up is None else [self.catch_up(index) for index in indices]
         with torch.no_grad():
-            if _plain(params):
+            if gradients is not None:
+                if before is not None:
+                    scale_updates(before, params, factors)
+                sums = gradients
+            elif _plain(params):
                 sums = step_parts(self.metric, before, params, self.epsilon, factors)
             else:  # DTensor shards (FSDP2): tensor by tensor, each sum reduced over the shards
                 sums = []

@@ -144,7 +144,7 @@ def score_parts(metric: str, before: list[torch.Tensor], after: list[torch.Tenso
 
 def finish_score(metric: str, parts: list[float], epsilon: float) -> float:
     """The score from the summed ``score_parts`` of all of a unit's tensors."""
-    if metric == "relative_change":  # mean(|after - before| / (|before| + eps)) over all of the unit's values
+    if metric in ("relative_change", "gradient"):  # a mean over all of the unit's values
         return parts[0] / max(parts[1], 1.0)
     return math.sqrt(parts[0]) / (math.sqrt(parts[1]) + epsilon)  # ||after - before|| / (||before|| + eps)
 
