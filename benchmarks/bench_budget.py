@@ -93,6 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny: 3 steps, 2 methods, 1 seed, 8 held-out examples")
     parser.add_argument("--part", nargs=3, metavar=("TASK", "METHOD", "SEED"), help="run one part in this process")
     parser.add_argument("--merge", action="store_true", help="no training: merge the parts under --out")
+    parser.add_argument(
+        "--with-partial", action="store_true", help="--merge: also unfinished parts' curves so far (marked short)"
+    )
     if "--quick" in (sys.argv[1:] if argv is None else argv):  # tiny defaults; flags given still win
         parser.set_defaults(steps=3, eval_every=2, held_out=8, train_examples=40, seeds=[0])
     args = parser.parse_args(argv)
@@ -343,15 +346,18 @@ def run_part(args, task: str, method: str, seed: int, save) -> dict:
 # ---- merging -------------------------------------------------------------------------------------------------
 
 
-def load_parts(out: str) -> dict[str, dict[str, list[dict]]]:
-    """task -> method -> parts (sorted by seed), from ``<out>/<task>/*.json``."""
+def load_parts(out: str, with_partial: bool = False) -> dict[str, dict[str, list[dict]]]:
+    """task -> method -> parts (sorted by seed), from ``<out>/<task>/*.json``; ``with_partial``: also the curves so
+    far of parts not finished (running or interrupted), where no finished part of that name is there."""
     found: dict[str, dict[str, list[dict]]] = {}
     for task in TASKS:
         folder = os.path.join(out, task)
         if not os.path.isdir(folder):
             continue
         for name in sorted(os.listdir(folder)):
-            if name.endswith(".json") and not name.endswith(".partial.json"):
+            partial = name.endswith(".partial.json")
+            finished = os.path.exists(os.path.join(folder, name.replace(".partial.json", ".json")))
+            if name.endswith(".json") and (not partial or (with_partial and not finished)):
                 with open(os.path.join(folder, name)) as handle:
                     part = json.load(handle)
                 found.setdefault(task, {}).setdefault(part["method"], []).append(part)
@@ -491,7 +497,9 @@ def markdown(report: dict) -> str:
             rows.append(
                 [
                     method,
-                    mean_spread(s["peak_ratio_to_budget_method"], 2) + ("" if fits else " (over)"),
+                    mean_spread(s["peak_ratio_to_budget_method"], 2)
+                    + ("" if fits or not s["peak_ratio_to_budget_method"] else " (over)")
+                    + ("" if s["peak_ratio_to_budget_method"] else " (not measured)"),
                     mean_spread(s["step_time_ratio_to_budget_method"], 2),
                     mean_spread(s["steps_in_budget"], 0)
                     + (f" ({s['seeds_short_of_budget']} seeds stopped short)" if s["seeds_short_of_budget"] else ""),
@@ -570,7 +578,7 @@ def plot(report: dict, parts: dict, out: str) -> None:
 
 
 def merge(args) -> dict:
-    parts = load_parts(args.out)
+    parts = load_parts(args.out, args.with_partial)
     if not parts:
         raise SystemExit(f"--merge: no parts under {args.out}/<task>/ (run some parts first)")
 
