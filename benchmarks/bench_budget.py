@@ -336,11 +336,13 @@ def run_part(args, task: str, method: str, seed: int, save) -> dict:
             save(result(stopped or "running", None), partial=True)
         if stopped:
             break
-    # Memory on one more step (not on the curve): the profiler's overhead stays out of the time.
+    # Memory on one more step (not on the curve): the profiler's overhead stays out of the time. Its batch is the
+    # seed's first (the same for every method), so the peaks compare like with like.
     peak_losses: list[float] = []
-    step_fn = functools.partial(bench_sft.train_step, model, optimizer, next(stream), context, after_step)
+    batch = next(batches_for(train, seed, args.batch_size, pad_id))
+    step_fn = functools.partial(bench_sft.train_step, model, optimizer, batch, context, after_step)
     peak = peak_memory_bytes(functools.partial(bench_sft.record, peak_losses, step_fn))
-    return result(stopped, peak)
+    return result(stopped, peak) | {"peak_batch_shape": list(batch["input_ids"].shape)}
 
 
 # ---- merging -------------------------------------------------------------------------------------------------
@@ -545,7 +547,8 @@ def plot(report: dict, parts: dict, out: str) -> None:
             for number, part in enumerate(method_parts):
                 xs = [p["cpu_seconds"] for p in part["curve"]]
                 ys = [p["answer_perplexity"] for p in part["curve"]]
-                label = f"{method} ({peak:.0f} MiB)" if number == 0 else None
+                memory = "peak not measured" if math.isnan(peak) else f"{peak:.0f} MiB"
+                label = f"{method} ({memory})" if number == 0 else None
                 left.plot(xs, ys, color=colour, alpha=0.8, linewidth=1.2, label=label)
             best = summary[method]["best_perplexity_within_budget"]
             if best and not math.isnan(peak):
