@@ -518,7 +518,9 @@ def markdown(report: dict) -> str:
             markdown_table(header, rows),
             f"Untrained held-out answer perplexity {info['untrained_perplexity']:.2f}; LoRA after {steps} steps "
             f"{mean_spread(info['reference_perplexity'], 2)}; budget (LoRA + checkpointing, {steps} steps) "
-            f"{mean_spread(info['budget_seconds'], 0)} CPU s of training.",
+            f"{mean_spread(info['budget_seconds'], 0)} CPU s of training. Step peaks measured on batches of "
+            + ", ".join(f"{k} {v}" for k, v in info.get("peak_batch_shapes", {}).items())
+            + " (batch x padded tokens).",
             f"![{task}: held-out perplexity against training CPU time; best within the budget against step peak]"
             f"(budget_{task}.png)",
         ]
@@ -630,6 +632,12 @@ def merge(args) -> dict:
             "description": first["task_description"],
             "untrained_perplexity": first["curve"][0]["answer_perplexity"],
             "budget_seconds": [p["train_cpu_seconds"] for p in methods.get(BUDGET, [])],
+            "peak_batch_shapes": {
+                f"{m} s{p['seed']}": "x".join(map(str, p["peak_batch_shape"]))
+                for m, ps in methods.items()
+                for p in ps
+                if p.get("peak_batch_shape") and p["step_peak_bytes"] is not None
+            },
             "reference_perplexity": [
                 at_step(p["curve"], config["steps"])["answer_perplexity"]
                 for p in methods.get(REFERENCE, [])
