@@ -137,6 +137,18 @@ def test_sft_results_file_is_what_its_data_gives():
     assert (ROOT / "benchmarks" / "results" / "sft.md").read_text().rstrip("\n") == markdown(report)
 
 
+def test_budget_results_file_is_what_its_data_gives():
+    """budget.md is the equal-budget benchmark's own rendering of budget.json."""
+    sys.path.insert(0, str(ROOT))
+    import json
+
+    from benchmarks.bench_budget import markdown
+
+    folder = ROOT / "benchmarks" / "results" / "budget"
+    report = json.loads((folder / "budget.json").read_text())
+    assert (folder / "budget.md").read_text().rstrip("\n") == markdown(report)
+
+
 def test_links_between_pages_resolve():
     for page in PAGES:
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):

@@ -6,7 +6,8 @@
 The page's prose lives in tools/benchmarks_page.md. A line ``{{results/<path>.md}}`` there is replaced by that
 file, which the benchmark wrote in the same call as its ``.json`` (``benchmarks/report.py``), with its title
 dropped, headings moved one level down and figure links pointed at benchmarks/results/; ``{{sft.json}}`` is the SFT
-table rendered from ``sft.json`` by ``benchmarks.bench_sft.markdown``. The README's table (between the two
+table rendered from ``sft.json`` by ``benchmarks.bench_sft.markdown``; ``{{budget.json}}`` the equal-budget tables
+rendered from ``budget/budget.json`` by ``benchmarks.bench_budget.markdown``. The README's table (between the two
 marker comments) is rendered from ``sft.json`` too. tests/test_docs.py checks both are up to date.
 """
 
@@ -42,6 +43,14 @@ def _sft_report() -> dict:
     return json.loads((RESULTS / "sft.json").read_text())
 
 
+def _budget_tables() -> str:
+    from benchmarks.bench_budget import markdown
+
+    text = markdown(json.loads((RESULTS / "budget" / "budget.json").read_text()))
+    text = re.sub(r"^### ", "#### ", text, flags=re.M)
+    return re.sub(r"\]\((budget_[\w-]+\.png)\)", r"](../benchmarks/results/budget/\1)", text)
+
+
 def _include(relative: str) -> str:
     path = RESULTS / relative
     folder = path.parent.relative_to(ROOT).as_posix()
@@ -68,6 +77,8 @@ def render_page() -> str:
             out.append(line)
         elif match.group(1) == "sft.json":
             out.append(markdown(_sft_report()).replace("### ", "#### ", 1))
+        elif match.group(1) == "budget.json":
+            out.append(_budget_tables())
         else:
             out.append(_include(match.group(1).removeprefix("results/")))
     return "\n".join(out).rstrip("\n") + "\n"
