@@ -73,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=[],
         metavar="NAME=FLAGS",
         help="one more method row: a name and its `peft-slim train` flags, e.g. "
-        "'tokentune-0.3-kv=--token-ratio 0.3 --lora-r 8 --lora-target-modules all-linear --keep-kv'; "
+        "'tokentune-0.4=--token-ratio 0.4 --lora-r 8 --lora-target-modules all-linear'; "
         "give it in every command of a run (parts and --merge)",
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
