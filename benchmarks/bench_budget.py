@@ -272,7 +272,7 @@ def run_part(args, task: str, method: str, seed: int, save) -> dict:
     model = copy.deepcopy(base)
     del base
     if parsed.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model, context = cli.wrap(model, parsed)
     model.train()
     slimfit = parsed.method == "slimfit"

@@ -160,7 +160,7 @@ def run_one(name: str, base, train, held_out, pad_id: int, args: argparse.Namesp
     torch.manual_seed(seed)
     model = copy.deepcopy(base)
     if parsed.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model, context = cli.wrap(model, parsed)
     model.train()
     slimfit = parsed.method == "slimfit"

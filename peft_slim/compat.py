@@ -278,7 +278,7 @@ def checkpointing_function(block: nn.Module) -> Callable | None:
     """The function through which transformers checkpoints ``block``'s forward, or None when it has none.
 
     Private API: ``GradientCheckpointingLayer._gradient_checkpointing_func``, set on every block by
-    ``gradient_checkpointing_enable()`` and called by the block's forward as ``func(partial(forward, ...), *args)``.
+    ``activation_checkpointing_enable()`` and called by the block's forward as ``func(partial(forward, ...), *args)``.
     TokenTune wraps it so that the backward replay of a block runs under TokenTune's attention functions.
     """
     return getattr(block, "_gradient_checkpointing_func", None)

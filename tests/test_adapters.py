@@ -253,7 +253,7 @@ def test_trl_reference_adapter_leaves_the_training_of_default_unchanged(name):
     with gradient checkpointing the backward recomputes the forward, which must see the same frozen units."""
     model, without = _alone(name, "default", 0, 1), _alone(name, "default", 0, 1)
     for m in (model, without):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.add_adapter("ref", model.peft_config["default"])
     for param_name, param in model.named_parameters():
         if ".default." in param_name:

@@ -265,8 +265,8 @@ def test_gradient_checkpointing_with_chunked_loss(small_chunks):
     batch = _batch()
     _, mask, grads = training_step(_model(True, True, chunked=True), batch)
     model = _model(True, True, chunked=True)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert model.get_base_model().is_gradient_checkpointing
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    assert model.get_base_model().is_activation_checkpointing
     output, mask_ckpt, grads_ckpt = training_step(model, batch)
     assert torch.equal(mask, mask_ckpt) and output.logits is None
     assert_grads_match(grads_ckpt, grads, rtol=1e-6)

@@ -278,7 +278,7 @@ def test_checkpointing_function_is_what_the_block_checkpoints_through(arch):
     model = build(arch)
     blocks = _blocks(model)
     assert compat.checkpointing_function(blocks[0]) is None  # off by default
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     original = compat.checkpointing_function(blocks[0])
     assert callable(original), moved(api)
     calls = []

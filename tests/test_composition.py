@@ -121,8 +121,8 @@ def test_transformers_checkpoint_offload_is_exact(monkeypatch):
         plain = _tokentune(copy.deepcopy(base), compression)
         plain(**batch).loss.backward()
         checkpointed = _tokentune(copy.deepcopy(base), compression)
-        checkpointed.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False}, offload=True
+        checkpointed.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}, offload=True
         )
         checkpointed(**batch, token_mask=plain.base_model.last_token_mask).loss.backward()
         assert calls

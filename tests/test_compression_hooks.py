@@ -204,7 +204,7 @@ def test_nesting_with_activation_checkpointing(reentrant):
     reference = _grads(model, batch)
     plain = compress_activations(bits=8, **TINY)
     _grads(model, batch, plain)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
     context = compress_activations(bits=8, **TINY)
     assert _cosine(_grads(model, batch, context), reference) >= 0.999
     # Inside the checkpointed layers, checkpointing's own hooks are the innermost: only what is saved

@@ -103,7 +103,7 @@ def test_a_copy_answers_and_trains_exactly_and_on_its_own(kind, how):
 
 def test_a_copy_under_gradient_checkpointing_replays_its_own_attention():
     model = _model("tokentune+lora")
-    model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.base_model.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     _step(model, seed=0)  # installs the replay wrapper on every block
     duplicate = copy.deepcopy(model)
     for seed in (1, 2):

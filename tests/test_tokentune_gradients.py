@@ -272,9 +272,9 @@ def test_gradient_checkpointing_gives_same_gradients(arch, implementation, lora,
     assert len(calls) == 2  # full no-grad pass + selected pass
 
     base = build(arch, implementation)
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
     checkpointed = get_peft_model(base, tokentune_config(arch, lora=lora))
-    assert checkpointed.get_base_model().is_gradient_checkpointing
+    assert checkpointed.get_base_model().is_activation_checkpointing
     calls, handle = _attention_call_counter(checkpointed)
     output_ckpt, mask_ckpt, grads_ckpt = training_step(checkpointed, batch)
     handle.remove()
@@ -290,8 +290,8 @@ def test_gradient_checkpointing_enabled_on_peft_model():
     batch = make_batch("llama", length=12)
     _, mask, grads = training_step(tokentune_model("llama", lora=True), batch)
     model = tokentune_model("llama", lora=True)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert model.get_base_model().is_gradient_checkpointing
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    assert model.get_base_model().is_activation_checkpointing
     calls, handle = _attention_call_counter(model)
     _, mask_ckpt, grads_ckpt = training_step(model, batch)
     handle.remove()

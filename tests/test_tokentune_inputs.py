@@ -84,7 +84,7 @@ def test_use_cache_in_training_warns_once_and_gives_the_same_gradient(arch, kind
 
     model = tokentune_model(arch)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     model.zero_grad(set_to_none=True)
     with pytest.warns(UserWarning, match=CACHE_WARNING):

@@ -441,7 +441,7 @@ def _run(args: argparse.Namespace) -> int:
     batch = sft_data.collate(examples[: args.batch_size], tokenizer.pad_token_id)
     baseline_bytes = plain_lora_saved_bytes(model, args, batch)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     set_seed(args.seed)
     model, context = wrap(model, args)
     method_bytes = saved_activation_bytes(model, batch, context)
