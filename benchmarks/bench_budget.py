@@ -25,7 +25,6 @@ QA task first) and merges; ``--quick`` (tiny steps, one method pair) is a smoke 
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import itertools
 import json
@@ -244,7 +243,6 @@ def run_part(args, task: str, method: str, seed: int, save) -> dict:
     from transformers.utils import logging as hf_logging
 
     from peft_slim.cli import models
-    from peft_slim.cli import train as cli
     from peft_slim.memory import peak_memory_bytes
 
     torch.set_num_threads(1)
@@ -268,18 +266,8 @@ def run_part(args, task: str, method: str, seed: int, save) -> dict:
         steps=cap, learning_rate=args.learning_rate, base_learning_rate=args.base_learning_rate
     )
     parsed = bench_sft.method_args(flags, sft_args, seed)
-    torch.manual_seed(seed)
-    model = copy.deepcopy(base)
+    model, context, optimizer, after_step = bench_sft.build_method(base, parsed, seed)
     del base
-    if parsed.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    model, context = cli.wrap(model, parsed)
-    model.train()
-    slimfit = parsed.method == "slimfit"
-    # SlimFit decides per step which parameters get gradients: AdamW holds them all and skips those without one.
-    params = list(model.parameters()) if slimfit else [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=parsed.learning_rate, weight_decay=0.0)
-    after_step = (lambda: model.slimfit_step(optimizer)) if slimfit else (lambda: None)
     stream = batches_for(train, seed, args.batch_size, pad_id)
 
     def evaluate() -> dict:

@@ -154,9 +154,9 @@ def record(losses: list[float], step) -> None:
     losses.append(step())
 
 
-def run_one(name: str, base, train, held_out, pad_id: int, args: argparse.Namespace, seed: int) -> dict:
-    flags, _ = METHODS[name]
-    parsed = method_args(flags, args, seed)
+def build_method(base, parsed: argparse.Namespace, seed: int):
+    """A copy of ``base`` wrapped as ``parsed`` (the method's `peft-slim train` flags) asks, in training mode, with
+    its AdamW and what to call after each optimizer step. Returns (model, context, optimizer, after_step)."""
     torch.manual_seed(seed)
     model = copy.deepcopy(base)
     if parsed.gradient_checkpointing:
@@ -168,6 +168,13 @@ def run_one(name: str, base, train, held_out, pad_id: int, args: argparse.Namesp
     params = list(model.parameters()) if slimfit else [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=parsed.learning_rate, weight_decay=0.0)
     after_step = (lambda: model.slimfit_step(optimizer)) if slimfit else (lambda: None)
+    return model, context, optimizer, after_step
+
+
+def run_one(name: str, base, train, held_out, pad_id: int, args: argparse.Namespace, seed: int) -> dict:
+    flags, _ = METHODS[name]
+    parsed = method_args(flags, args, seed)
+    model, context, optimizer, after_step = build_method(base, parsed, seed)
     order = random.Random(seed).sample(range(len(train)), len(train))
     batches = [
         sft_data.collate(
