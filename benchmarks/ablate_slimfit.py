@@ -55,7 +55,16 @@ VARIANTS: dict[str, tuple[float, dict]] = {
 }
 # SlimFit's defaults, spelled out (so that a later change of defaults cannot rename a recorded row), and the settings
 # measured against them on the one-learning-rate tasks (benchmarks.bench_slimfit_accuracy).
-DEFAULTS = {**NORMS, "catch_up": "sqrt", "train_new_weights": True, "metric": "relative_change"}
+DEFAULTS = {
+    **NORMS,
+    "catch_up": "sqrt",
+    "train_new_weights": True,
+    "metric": "relative_change",
+    "max_frozen_steps": 100,
+}
+# The defaults since: every unit trains at least once per round of 1 / (1 - freeze_ratio) steps, and moves as far
+# as the steps it missed (catch-up k times for k steps).
+ROTATION = {**DEFAULTS, "catch_up": "linear", "max_frozen_steps": None}
 VARIANTS.update(
     {
         # benchmarks.methods names the defaults with compression "slimfit-R+comp" and without "slimfit-R" (those
@@ -72,6 +81,9 @@ VARIANTS.update(
         "slimfit-0.9+linear": (0.9, {**DEFAULTS, "catch_up": "linear"}),
         "slimfit-0.9+pooler+linear": (0.9, {**DEFAULTS, "always_trainable": ["pooler"], "catch_up": "linear"}),
         "slimfit-0.9+gradient+linear": (0.9, {**DEFAULTS, "metric": "gradient", "catch_up": "linear"}),
+        **{f"rotation-{r:g}": (r, ROTATION) for r in (0.5, 0.7, 0.8, 0.9, 0.95)},
+        **{f"rotation-{r:g}+gradient": (r, {**ROTATION, "metric": "gradient"}) for r in (0.7, 0.8, 0.9)},
+        "rotation-0.8+sqrt": (0.8, {**ROTATION, "catch_up": "sqrt"}),
     }
 )
 TOKENTUNE = {f"tokentune-{r:g}+lora": r for r in (0.5, 0.7)}

@@ -370,10 +370,25 @@ def time_to_reach(curve: list[dict], target: float) -> float | None:
     return next((p["cpu_seconds"] for p in curve if p["answer_perplexity"] <= target), None)
 
 
+def reference_parts(task_parts: dict[str, list[dict]]) -> dict[int, dict]:
+    """Per seed, the part whose perplexity after --steps steps is the quality to reach: LoRA's, or where no LoRA
+    part ran, LoRA + checkpointing's (checkpointing recomputes the same values: equal to LoRA's where both ran)."""
+    parts = {part["seed"]: part for part in task_parts.get(BUDGET, [])}
+    return parts | {part["seed"]: part for part in task_parts.get(REFERENCE, [])}
+
+
+def reference_note(info: dict) -> str:
+    """Which seeds' LoRA reference came from the LoRA + checkpointing part (no LoRA part ran for them)."""
+    seeds = [seed for seed, method in info.get("reference_from", {}).items() if method == BUDGET]
+    if not seeds:
+        return ""
+    return f" ({', '.join(seeds)}: LoRA + checkpointing's, the same computation; no LoRA part ran)"
+
+
 def per_seed(task_parts: dict[str, list[dict]], steps: int) -> dict[str, list[dict]]:
     """Per method and seed: the ratios the report is made of, each against the same seed's references."""
-    reference = {part["seed"]: part for part in task_parts.get(REFERENCE, [])}
     budget = {part["seed"]: part for part in task_parts.get(BUDGET, [])}
+    reference = reference_parts(task_parts)
     rows: dict[str, list[dict]] = {}
     for method, parts in task_parts.items():
         for part in parts:
@@ -505,7 +520,7 @@ def markdown(report: dict) -> str:
             f"### {task}: {info['description']}",
             markdown_table(header, rows),
             f"Untrained held-out answer perplexity {info['untrained_perplexity']:.2f}; LoRA after {steps} steps "
-            f"{mean_spread(info['reference_perplexity'], 2)}; budget (LoRA + checkpointing, {steps} steps) "
+            f"{mean_spread(info['reference_perplexity'], 2)}{reference_note(info)}; budget (LoRA + checkpointing, {steps} steps) "
             f"{mean_spread(info['budget_seconds'], 0)} CPU s of training. Step peaks measured on batches of "
             + ", ".join(f"{k} {v}" for k, v in info.get("peak_batch_shapes", {}).items())
             + " (batch x padded tokens).",
@@ -628,9 +643,12 @@ def merge(args) -> dict:
             },
             "reference_perplexity": [
                 at_step(p["curve"], config["steps"])["answer_perplexity"]
-                for p in methods.get(REFERENCE, [])
+                for _, p in sorted(reference_parts(methods).items())
                 if at_step(p["curve"], config["steps"])
             ],
+            "reference_from": {
+                f"s{seed}": p["method"] for seed, p in sorted(reference_parts(methods).items())
+            },
         }
     report["summary"] = summarise(report)
     write_report(args.out, "budget", report, markdown(report))

@@ -147,7 +147,7 @@ METHOD_FLAGS = {
     "tokentune-lora": ["--method", "tokentune", "--token-ratio", "0.5", "--bf16"],
     "tokentune-base": ["--method", "tokentune", "--lora-r", "0", "--selection", "random", "--gradient-checkpointing"],
     "slimfit-lora": ["--method", "slimfit", "--freeze-ratio", "0.5", "--token-ratio", "0.5"],
-    "slimfit-base": ["--method", "slimfit", "--lora-r", "0", "--compression-bits", "none", "--catch-up", "linear"],
+    "slimfit-base": ["--method", "slimfit", "--lora-r", "0", "--compression-bits", "none", "--catch-up", "sqrt"],
     "lora": ["--method", "lora", "--lora-target-modules", "q_proj,v_proj", "--compression-bits", "4"],
     "full": ["--method", "full", "--gradient-checkpointing"],
 }
@@ -180,8 +180,11 @@ def test_slimfit_flags_reach_the_saved_config(trained):
     """--catch-up as given, and the config's own defaults where a flag is not given (--freeze-ratio, --catch-up)."""
     records = {"slimfit-lora": "peft_slim_config.json", "slimfit-base": "adapter_config.json"}  # LoRA: beside it
     configs = {name: json.loads((trained[name][0] / record).read_text()) for name, record in records.items()}
-    assert configs["slimfit-base"]["catch_up"] == "linear"
-    assert (configs["slimfit-lora"]["freeze_ratio"], configs["slimfit-lora"]["catch_up"]) == (0.5, "sqrt")
+    assert configs["slimfit-base"]["catch_up"] == "sqrt" != SlimFitConfig().catch_up
+    assert (configs["slimfit-lora"]["freeze_ratio"], configs["slimfit-lora"]["catch_up"]) == (
+        0.5,
+        SlimFitConfig().catch_up,
+    )
     assert configs["slimfit-base"]["freeze_ratio"] == SlimFitConfig().freeze_ratio
 
 

@@ -17,6 +17,7 @@ from tiny_models import make_batch
 
 import peft_slim
 from peft_slim import SlimFitConfig
+from peft_slim.slimfit.config import rotation_steps
 from peft_slim.slimfit.scheduler import FreezeScheduler
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "v0.1.0")
@@ -217,7 +218,34 @@ def test_scores_of_a_step_follow_their_definition(metric):
 
 def test_new_configs_use_the_measured_defaults():
     config = SlimFitConfig()
-    assert (config.freeze_by, config.catch_up, config.always_train_norms) == ("bytes", "sqrt", True)
+    assert (config.freeze_by, config.catch_up, config.always_train_norms) == ("bytes", "linear", True)
+    assert config.max_frozen_steps is None  # one round: rotation_steps(freeze_ratio)
+
+
+@pytest.mark.parametrize(("ratio", "steps"), [(0.0, 1), (0.5, 1), (0.6, 2), (0.7, 3), (0.8, 4), (0.9, 9), (0.95, 19)])
+def test_rotation_steps_is_one_round_less_one(ratio, steps):
+    """ceil(1 / (1 - ratio)) - 1, by hand (1 / (1 - 0.8) is 5.000000000000001 in floats: still 4)."""
+    assert rotation_steps(ratio) == steps
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_units=st.integers(1, 40), ratio=st.floats(0.0, 0.95), seed=st.integers(0, 2**31))
+def test_the_default_rotation_trains_every_unit_once_per_round(num_units, ratio, seed):
+    """With max_frozen_steps=None and the count rule, no unit waits more than ceil(1 / (1 - ratio)) - 1 steps,
+    even when fixed scores would keep the same units training forever."""
+    scheduler = FreezeScheduler(num_units, ratio, 1, rotation_steps(ratio), seed)
+    scores = {u: float(u) for u in range(num_units)}  # unit order decides: the low ones would starve
+    longest = [0] * num_units
+    for _ in range(4 * num_units + 20):
+        scheduler.advance({u: scores[u] for u in range(num_units) if scheduler.trained[u]})
+        longest = [max(a, b) for a, b in zip(longest, scheduler.frozen_for)]
+    assert max(longest) <= rotation_steps(ratio)
+
+
+@pytest.mark.parametrize(("given", "used"), [(None, 4), (100, 100), (2, 2)])
+def test_the_model_waits_what_the_config_says(given, used):
+    model = slimfit_model("bert", freeze_ratio=0.8, max_frozen_steps=given)
+    assert model.base_model.scheduler.max_frozen_steps == used
 
 
 def test_a_config_saved_by_0_1_0_keeps_the_papers_rule(tmp_path):

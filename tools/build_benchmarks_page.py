@@ -52,7 +52,7 @@ HEADLINE = [
     ("tokentune-0.3-answer", "TokenTune 0.3 (answer tokens first) + the same LoRA"),
     ("tokentune-0.2-answer", "TokenTune 0.2 (answer tokens first) + the same LoRA"),
     ("full", "every base weight (full fine-tuning)"),
-    ("slimfit-0.9", "SlimFit 0.9 on the base weights, default compression"),
+    ("slimfit-0.8", "SlimFit on the base weights, its defaults (0.8 frozen, compression)"),
     ("stack: slimfit-0.9+tokentune-0.2-answer+lora+comp", "SlimFit 0.9 over LoRA + TokenTune 0.2 + compression"),
 ]
 

@@ -18,7 +18,7 @@ from ..token_selection import TokenSelectionConfig
 from ..tuner import MethodTuner
 from ..tuner.model import BaseWeightsSwitch
 from .base_weights import BaseWeights
-from .config import SlimFitConfig
+from .config import SlimFitConfig, rotation_steps
 from .observer import StepObserver
 from .optimizers import check_releasable
 from .scheduler import FreezeScheduler
@@ -88,7 +88,12 @@ class SlimFitModel(MethodTuner):
         if config.freeze_by == "bytes":
             sizes = [sum(p.numel() * p.element_size() for p in unit.params) for unit in self._units]
         self.scheduler = FreezeScheduler(
-            len(self._units), config.freeze_ratio, config.schedule_every, config.max_frozen_steps, config.seed, sizes
+            len(self._units),
+            config.freeze_ratio,
+            config.schedule_every,
+            rotation_steps(config.freeze_ratio) if config.max_frozen_steps is None else config.max_frozen_steps,
+            config.seed,
+            sizes,
         )
         too_large = [self._units[index].name for index in self.scheduler.too_large]
         if too_large and not config.inference_mode:
