@@ -141,7 +141,7 @@ def test_fewer_tokens_and_fewer_bits_need_less():
 
 def test_plan_fits_the_budget_in_ladder_order():
     config = llama_config()
-    options = dict(lora_r=4, target_modules=["q_proj", "v_proj"], min_token_ratio=0.3)
+    options = dict(lora_r=4, target_modules=["q_proj", "v_proj"], min_token_ratio=0.3, rank="ladder")
     everything = plan(config, None, 2, 64, **options)
     order = [c.name for c in ladder(4, 0.3)]
     plain = [c.name for c in everything if not c.gradient_checkpointing]

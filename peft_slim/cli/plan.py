@@ -7,7 +7,7 @@ import math
 import re
 import shlex
 
-from ..planner.plan import MAX_BUDGET
+from ..planner.plan import MAX_BUDGET, RANKS
 from ..planner.setup import MAX_BATCH_SIZE, MAX_LORA_R, MAX_SEQ_LEN
 from . import models
 from .flags import fraction, integer
@@ -58,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-checkpointing", action="store_true", help="Do not try gradient checkpointing (faster planning)."
     )
     parser.add_argument("--task", choices=("causal_lm", "sequence_classification", "image_classification"))
+    parser.add_argument(
+        "--rank",
+        choices=RANKS,
+        default="measured",
+        help="Order of the settings that fit: 'measured' (default): those the equal-budget benchmark ran first, "
+        "soonest to reach LoRA's final perplexity; 'ladder': cheapest in time and accuracy first, unmeasured.",
+    )
 
 
 def train_command(
@@ -113,16 +120,17 @@ def run(args: argparse.Namespace) -> int:
             task=task,
             checkpointing=not args.no_checkpointing,
             progress=True,
+            rank=args.rank,
         )
     except ValueError as error:
         print(f"peft-slim plan: {error}")
         return 2
-    columns = ("setting", "peak", "parameters", "gradients", "optimizer state", "activations")
+    columns = ("setting", "peak", "parameters", "gradients", "optimizer state", "activations", "evidence")
     print(" | ".join(columns))
     for candidate in found:
         e = candidate.estimate
         cells = (e.peak, e.parameters, e.gradients, e.optimizer_state, e.activations)
-        print(" | ".join([candidate.name, *map(_size, cells)]))
+        print(" | ".join([candidate.name, *map(_size, cells), candidate.evidence]))
     if args.budget is not None:
         if not found:
             print(f"Nothing fits {_size(args.budget)}: lower --batch-size or --seq-len.")

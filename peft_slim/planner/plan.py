@@ -4,6 +4,9 @@ The ladder, from what costs least to what costs most: plain LoRA; TokenTune + Lo
 (down to ``min_token_ratio``); the same with activations compressed to 8, then 4 bits; SlimFit (LoRA units
 frozen by training dynamics, its default compression); and each of those again with gradient checkpointing
 (recomputation: about a third more time per step), tried only where it lowers the estimate.
+
+The settings that fit are then ranked by what the equal-budget benchmark measured (``measured``): those measured
+first, soonest to reach LoRA's final perplexity relative to LoRA + checkpointing, then the rest in ladder order.
 """
 
 from __future__ import annotations
@@ -13,20 +16,25 @@ from dataclasses import dataclass, field
 import torch
 from peft import LoraConfig
 
-from ..configuration import Integer, Real
+from ..configuration import Integer, OneOf, Real
 from ..slimfit import SlimFitConfig
 from ..tokentune import TokenTuneConfig
 from .estimate import MemoryEstimate, estimate_memory
+from .measured import Measurement, measurement_for
 from .setup import MAX_LORA_R, load_config, resolve_workload
 
 TOKEN_RATIOS = (0.5, 0.3, 0.2, 0.1, 0.05)
 FREEZE_RATIO = 0.8
 MAX_BUDGET = 2**50  # 1 PiB: far above any one device's memory
+RANKS = ("measured", "ladder")
+NOT_MEASURED = "not measured; ladder order"
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One setting: the train-command fields it stands for, the PEFT config it builds, and its estimate."""
+    """One setting: the train-command fields it stands for, the PEFT config it builds, its estimate, and what the
+    equal-budget benchmark measured for exactly this setting (``measurement``, None where it did not run it) as a
+    line to show (``evidence``)."""
 
     method: str  # "lora", "tokentune" or "slimfit"
     lora_r: int
@@ -35,6 +43,8 @@ class Candidate:
     freeze_ratio: float | None = None
     gradient_checkpointing: bool = False
     estimate: MemoryEstimate | None = field(default=None, compare=False)
+    measurement: Measurement | None = field(default=None, compare=False)
+    evidence: str = field(default="", compare=False)
 
     @property
     def name(self) -> str:
@@ -87,16 +97,20 @@ def plan(
     task: str | None = None,
     checkpointing: bool = True,
     progress: bool = False,
+    rank: str = "measured",
 ) -> list[Candidate]:
-    """The settings whose estimated peak fits ``budget`` bytes (None: every setting), cheapest first.
+    """The settings whose estimated peak fits ``budget`` bytes (None: every setting), best first.
 
     ``model`` and the rest as for ``estimate_memory``; ``lora_r`` and ``target_modules`` make every setting's
     LoRA. With ``checkpointing``, gradient-checkpointed variants follow the others and are kept only where they
-    lower the peak. ``progress``: a progress bar. An empty list: nothing fits.
+    lower the peak. ``rank="measured"``: the settings the equal-budget benchmark measured first, by its
+    time to LoRA's final perplexity, then the rest in ladder order; ``"ladder"``: ladder order only. Each
+    candidate's ``evidence`` says which. ``progress``: a progress bar. An empty list: nothing fits.
     """
     budget = Integer(1, MAX_BUDGET, optional=True)(budget, "budget (bytes)")
     lora_r = Integer(1, MAX_LORA_R)(lora_r, "lora_r")
     min_token_ratio = Real(0.0, 1.0, low_open=True)(min_token_ratio, "min_token_ratio")
+    rank = OneOf(RANKS)(rank, "rank")
     source = model if isinstance(model, torch.nn.Module) else load_config(model)  # read once, not per setting
     task = resolve_workload(source, None, batch_size, seq_len, optimizer, dtype, task).task
     task_type = {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS"}.get(task)
@@ -126,7 +140,11 @@ def plan(
         else:
             plain[tuple(key.items())] = estimate.peak
         if budget is None or estimate.peak <= budget:
-            results.append(Candidate(**_fields(candidate), estimate=estimate))
+            measured = measurement_for(candidate)
+            evidence = NOT_MEASURED if measured is None else measured.evidence()
+            results.append(Candidate(**_fields(candidate), estimate=estimate, measurement=measured, evidence=evidence))
+    if rank == "measured":  # a stable sort: the unmeasured keep the ladder's order
+        results.sort(key=lambda c: (1,) if c.measurement is None else (0, c.measurement.sort_key()))
     return results
 
 
