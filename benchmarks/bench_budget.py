@@ -520,7 +520,8 @@ def markdown(report: dict) -> str:
             f"### {task}: {info['description']}",
             markdown_table(header, rows),
             f"Untrained held-out answer perplexity {info['untrained_perplexity']:.2f}; LoRA after {steps} steps "
-            f"{mean_spread(info['reference_perplexity'], 2)}{reference_note(info)}; budget (LoRA + checkpointing, {steps} steps) "
+            f"{mean_spread(info['reference_perplexity'], 2)}{reference_note(info)}; "
+            f"budget (LoRA + checkpointing, {steps} steps) "
             f"{mean_spread(info['budget_seconds'], 0)} CPU s of training. Step peaks measured on batches of "
             + ", ".join(f"{k} {v}" for k, v in info.get("peak_batch_shapes", {}).items())
             + " (batch x padded tokens).",
@@ -646,9 +647,7 @@ def merge(args) -> dict:
                 for _, p in sorted(reference_parts(methods).items())
                 if at_step(p["curve"], config["steps"])
             ],
-            "reference_from": {
-                f"s{seed}": p["method"] for seed, p in sorted(reference_parts(methods).items())
-            },
+            "reference_from": {f"s{seed}": p["method"] for seed, p in sorted(reference_parts(methods).items())},
         }
     report["summary"] = summarise(report)
     write_report(args.out, "budget", report, markdown(report))

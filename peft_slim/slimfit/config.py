@@ -68,8 +68,9 @@ class SlimFitConfig(MethodConfig):
     last time they trained (the paper's inter-layer scheduling); the first steps sweep every unit once, in a
     seeded random order, and no unit stays frozen for more than `max_frozen_steps` (by default one round of
     1 / (1 - freeze_ratio) steps). A unit that trains after missing steps moves further to make up for them
-    (`catch_up`, by default k times for k steps). Without `lora` the base model's own weights are the units (full fine-tuning); with `lora` the LoRA adapters are. Call
-    `model.slimfit_step()` after each `optimizer.step()`, or use `peft_slim.SlimFitCallback` with Trainer.
+    (`catch_up`, by default k times for k steps). Without `lora` the base model's own weights are the units (full
+    fine-tuning); with `lora` the LoRA adapters are. Call `model.slimfit_step()` after each `optimizer.step()`, or
+    use `peft_slim.SlimFitCallback` with Trainer.
     """
 
     method: ClassVar[str] = "SLIMFIT"
