@@ -23,6 +23,8 @@ import sys
 import torch
 from transformers.utils import logging as hf_logging
 
+from peft_slim.configuration import atomic_write_text
+
 from . import measure
 from .ablate_slimfit import ALL_TASKS, environment, method
 from .report import markdown_table, mib
@@ -55,9 +57,7 @@ def train_all(
             result.pop("step_seconds")
             result.update(method=name, settings=built.note)
             runs.append(result)
-            with open(partial + ".tmp", "w") as handle:
-                json.dump(runs, handle)
-            os.replace(partial + ".tmp", partial)
+            atomic_write_text(partial, json.dumps(runs))
             print(
                 f"{task_name} {name} s{seed}: {result['metrics']} {result['median_step_cpu_seconds']:.2f} s",
                 flush=True,
@@ -195,8 +195,7 @@ def write_docs(report: dict, stem: str, path: str = DOCS) -> bool:
         return False
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
-    with open(path, "w") as handle:
-        handle.write(f"{head}{begin}\n{docs_block(report)}\n{end}{tail}")
+    atomic_write_text(path, f"{head}{begin}\n{docs_block(report)}\n{end}{tail}")
     return True
 
 
@@ -216,8 +215,7 @@ def main(argv=None) -> int:
         with open(path + ".json") as handle:
             report = json.load(handle)
         report["summary"] = summarise(report["runs"])
-        with open(path + ".json", "w") as handle:
-            json.dump(report, handle, indent=1)
+        atomic_write_text(path + ".json", json.dumps(report, indent=1))
     else:
         if BASELINE not in args.methods:
             parser.error(f"--methods must include {BASELINE}: the ratios are against it")
@@ -238,10 +236,8 @@ def main(argv=None) -> int:
             "summary": summarise(runs),
             "runs": runs,
         }
-        with open(path + ".json", "w") as handle:
-            json.dump(report, handle, indent=1)
-    with open(path + ".md", "w") as handle:
-        handle.write(markdown(report))
+        atomic_write_text(path + ".json", json.dumps(report, indent=1))
+    atomic_write_text(path + ".md", markdown(report))
     if args.docs and not write_docs(report, args.stem):
         parser.error(f"docs/slimfit.md has no block between {docs_markers(args.stem)}")
     return 0

@@ -9,6 +9,8 @@ import json
 import os
 import re
 
+from peft_slim.configuration import atomic_write_text
+
 # A list of numbers, booleans or short names (no brackets, braces or quotes with spaces inside) on one line.
 _SCALAR_LIST = re.compile(r"\[\s+((?:[-\w.+\"]+,\s+)*[-\w.+\"]+)\s+\]")
 
@@ -37,9 +39,6 @@ def size(n_bytes: float) -> str:
 
 def write_report(out: str, stem: str, report: dict, markdown: str) -> None:
     """``<out>/<stem>.json`` (the report) and ``<out>/<stem>.md`` (the Markdown), and print the Markdown."""
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"{stem}.json"), "w") as handle:
-        handle.write(dumps(report))
-    with open(os.path.join(out, f"{stem}.md"), "w") as handle:
-        handle.write(markdown + "\n")
+    atomic_write_text(os.path.join(out, f"{stem}.json"), dumps(report))
+    atomic_write_text(os.path.join(out, f"{stem}.md"), markdown + "\n")
     print(markdown)

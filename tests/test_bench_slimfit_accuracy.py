@@ -11,6 +11,7 @@ from benchmarks import bench_slimfit_accuracy as bench
 
 
 def test_quick_run_writes_json_and_markdown_with_ratios_to_full_ft(tmp_path):
+    tmp_path = tmp_path / "a new folder"  # --out need not exist
     methods = ["full-ft", "slimfit-0.9", "slimfit-0.9+gradient"]
     args = ["--quick", "--task", "minilm-condition-1lr0.0001", "--seeds", "0", "1", "--out", str(tmp_path)]
     assert bench.main([*args, "--methods", *methods, "--stem", "s"]) == 0
