@@ -9,6 +9,10 @@ built from ``peft-slim train`` flags by the command's own code (``benchmarks.ben
   prompt names the topic and gives a paragraph's first sentence, the completion is the rest of the paragraph;
   every 5th topic is held out whole, so the held-out paragraphs come from pages never trained on.
 
+Each task has its own sequence length and held-out size (``TASK_DEFAULTS``; ``--max-length`` and ``--held-out``
+override both). Rows named in ``PROBES`` are TokenTune with a ``token_mask`` that a probe of
+``benchmarks.selection_probes`` chooses each step (which prompt tokens get a gradient path), timed with the step.
+
 The budget: LoRA + gradient checkpointing trains ``--steps`` steps; its training CPU time (evaluation excluded) is
 the budget of its (task, seed). Every other method trains at least ``--steps`` steps and then on until its own
 training CPU time reaches that budget, or ``--cap`` x ``--steps`` steps. Held-out answer perplexity and token
@@ -38,8 +42,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import bench_sft  # noqa: E402
+from benchmarks import bench_sft, selection_probes  # noqa: E402
 from benchmarks.report import dumps, markdown_table, write_report  # noqa: E402
+from peft_slim.configuration import atomic_write_text  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -55,11 +60,19 @@ METHODS: dict[str, list[str]] = {
     "tokentune-0.2": ["--token-ratio", "0.2", *LORA],
     "tokentune-0.5+ckpt": ["--token-ratio", "0.5", *LORA, *CKPT],
     "tokentune-0.3-random": ["--token-ratio", "0.3", "--selection", "random", *LORA],
+    "tokentune-0.5+ckpt-attention": ["--token-ratio", "0.5", *LORA, *CKPT],  # PROBES: the mask is the probe's
+    "tokentune-0.5+ckpt-recent": ["--token-ratio", "0.5", *LORA, *CKPT],
     "slimfit-0.9+lora": ["--method", "slimfit", "--freeze-ratio", "0.9", "--compression-bits", "none", *LORA],
     "full": ["--method", "full"],
     "slimfit-0.9": ["--method", "slimfit", "--freeze-ratio", "0.9", "--lora-r", "0"],
 }
+# Methods whose token_mask a probe of benchmarks.selection_probes chooses each step: (probe, token ratio).
+PROBES = {"tokentune-0.5+ckpt-attention": ("attention", 0.5), "tokentune-0.5+ckpt-recent": ("recent", 0.5)}
 TASKS = ("qa", "pydocs")
+# Per task, what --max-length and --held-out default to. pydocs' prompts are long (the chat template's system turn,
+# the topic, a sentence): at 64 tokens its completions keep ~9 tokens and 23 held-out paragraphs survive (211 scored
+# tokens, so evaluations moved ~10% from one to the next); at 96 tokens 64 held-out paragraphs score ~1,700.
+TASK_DEFAULTS = {"qa": {"max_length": 64, "held_out": 48}, "pydocs": {"max_length": 96, "held_out": 64}}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -80,8 +93,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cap", type=float, default=3.0, help="no method trains more than cap x --steps steps")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--max-length", type=int, default=64)
-    parser.add_argument("--held-out", type=int, default=48, help="held-out examples evaluated")
+    parser.add_argument("--max-length", type=int, help="tokens per example (default per task: TASK_DEFAULTS)")
+    parser.add_argument(
+        "--held-out", type=int, help="held-out examples evaluated, 0: all (default per task: TASK_DEFAULTS)"
+    )
     parser.add_argument("--train-examples", type=int, default=600, help="pydocs: training paragraphs kept")
     parser.add_argument("--learning-rate", type=float, default=1e-3, help="of the methods that train adapters")
     parser.add_argument("--base-learning-rate", type=float, default=1e-4, help="of the methods on base weights")
@@ -147,24 +162,31 @@ def spread_pick(items: list, n: int) -> list:
     return [items[i * len(items) // n] for i in range(n)]
 
 
+def task_setting(args, task: str, name: str) -> int:
+    """``args.<name>`` where given, else the task's default (TASK_DEFAULTS)."""
+    value = getattr(args, name)
+    return TASK_DEFAULTS[task][name] if value is None else value
+
+
 def task_data(task: str, tokenizer, args) -> tuple[list[dict], list[dict], str]:
     """Tokenised (train, held-out) examples and the task's description."""
     from peft_slim.cli import sft_data
 
+    max_length, held = task_setting(args, task, "max_length"), task_setting(args, task, "held_out")
     if task == "qa":
         rows = sft_data.read_rows(None, "train")
-        examples, _ = sft_data.tokenize(rows, sft_data.find_columns(rows), tokenizer, args.max_length)
+        examples, _ = sft_data.tokenize(rows, sft_data.find_columns(rows), tokenizer, max_length)
         train, held_out = bench_sft.split(examples)
-        held_out = held_out[: args.held_out]
+        held_out = held_out[:held] if held else held_out
         if args.quick:
             train = train[: args.train_examples]
         return train, held_out, f"chatterbot-corpus QA ({len(train)} train / {len(held_out)} held-out pairs)"
     train_rows, held_rows = pydocs_rows()
     train_rows = spread_pick(train_rows, args.train_examples)
-    held_rows = spread_pick(held_rows, args.held_out)
+    held_rows = spread_pick(held_rows, held) if held else held_rows
     columns = sft_data.find_columns(train_rows)
-    train, _ = sft_data.tokenize(train_rows, columns, tokenizer, args.max_length)
-    held_out, _ = sft_data.tokenize(held_rows, columns, tokenizer, args.max_length)
+    train, _ = sft_data.tokenize(train_rows, columns, tokenizer, max_length)
+    held_out, _ = sft_data.tokenize(held_rows, columns, tokenizer, max_length)
     return (
         train,
         held_out,
@@ -217,10 +239,12 @@ def part_path(out: str, task: str, method: str, seed: int) -> str:
     return os.path.join(out, task, f"{method.replace('/', '_')}_s{seed}.json")
 
 
-def config_of(args) -> dict:
-    """The settings every part of one run shares (``--merge`` refuses parts that differ)."""
-    keys = ("steps", "cap", "eval_every", "batch_size", "max_length", "held_out", "train_examples")
+def config_of(args, task: str) -> dict:
+    """The settings every part of one task shares (``--merge`` refuses parts that differ)."""
+    keys = ("steps", "cap", "eval_every", "batch_size", "train_examples")
     return {key: getattr(args, key) for key in keys} | {
+        "max_length": task_setting(args, task, "max_length"),
+        "held_out": task_setting(args, task, "held_out"),
         "learning_rate": args.learning_rate,
         "base_learning_rate": args.base_learning_rate,
     }
@@ -285,13 +309,14 @@ def run_part(args, task: str, method: str, seed: int, save) -> dict:
             "method": method,
             "flags": flags,
             "seed": seed,
-            "config": config_of(args),
+            "config": config_of(args, task),
             "budget_seconds": budget,
             "budget_from": source,
             "stopped": stopped,
             "steps_run": step,
             "train_cpu_seconds": total,
             "step_cpu_seconds": step_seconds,
+            **({"probe": PROBES[method], "probe_cpu_seconds": probe_seconds} if method in PROBES else {}),
             "losses": losses,
             "step_peak_bytes": peak,
             "curve": curve,
@@ -299,9 +324,13 @@ def run_part(args, task: str, method: str, seed: int, save) -> dict:
             "command": " ".join(["python", "-m", "benchmarks.bench_budget", *sys.argv[1:]]),
         }
 
+    probe_seconds: list[float] = []
+    prepare = functools.partial(with_probe_mask, PROBES.get(method), model, torch.Generator().manual_seed(seed))
     while True:
         batch = next(stream)
         start = time.process_time()
+        batch = prepare(batch)
+        probe_seconds.append(time.process_time() - start)
         losses.append(bench_sft.train_step(model, optimizer, batch, context, after_step))
         step_seconds.append(time.process_time() - start)
         total += step_seconds[-1]
@@ -327,10 +356,17 @@ def run_part(args, task: str, method: str, seed: int, save) -> dict:
     # Memory on one more step (not on the curve): the profiler's overhead stays out of the time. Its batch is the
     # seed's first (the same for every method), so the peaks compare like with like.
     peak_losses: list[float] = []
-    batch = next(batches_for(train, seed, args.batch_size, pad_id))
+    batch = prepare(next(batches_for(train, seed, args.batch_size, pad_id)))
     step_fn = functools.partial(bench_sft.train_step, model, optimizer, batch, context, after_step)
     peak = peak_memory_bytes(functools.partial(bench_sft.record, peak_losses, step_fn))
     return result(stopped, peak) | {"peak_batch_shape": list(batch["input_ids"].shape)}
+
+
+def with_probe_mask(probe: tuple[str, float] | None, model, generator, batch: dict) -> dict:
+    """``batch`` with the ``token_mask`` of ``probe`` (probe name, token ratio), or as it is without one."""
+    if probe is None:
+        return batch
+    return batch | {"token_mask": selection_probes.probe_mask(probe[0], model, batch, probe[1], generator)}
 
 
 # ---- merging -------------------------------------------------------------------------------------------------
@@ -522,7 +558,14 @@ def markdown(report: dict) -> str:
             f"Untrained held-out answer perplexity {info['untrained_perplexity']:.2f}; LoRA after {steps} steps "
             f"{mean_spread(info['reference_perplexity'], 2)}{reference_note(info)}; "
             f"budget (LoRA + checkpointing, {steps} steps) "
-            f"{mean_spread(info['budget_seconds'], 0)} CPU s of training. Step peaks measured on batches of "
+            f"{mean_spread(info['budget_seconds'], 0)} CPU s of training. "
+            + "".join(
+                f"`{m}`: TokenTune {ratio} whose prompt tokens are chosen by the `{probe}` probe "
+                "(benchmarks/selection_probes.py; its scoring is timed with the step). "
+                for m, (probe, ratio) in report.get("probes", {}).items()
+                if m in methods
+            )
+            + "Step peaks measured on batches of "
             + ", ".join(f"{k} {v}" for k, v in info.get("peak_batch_shapes", {}).items())
             + " (batch x padded tokens).",
             f"![{task}: held-out perplexity against training CPU time; best within the budget against step peak]"
@@ -597,9 +640,21 @@ def merge(args) -> dict:
         return json.dumps({k: v for k, v in config.items() if k not in ("steps", "cap")}, sort_keys=True)
 
     every = [p for ms in parts.values() for ps in ms.values() for p in ps]
-    configs = {shared(p["config"]) for p in every}
+    task_configs = {}
+    for task, methods in parts.items():
+        configs = {shared(p["config"]) for ps in methods.values() for p in ps}
+        if len(configs) > 1:
+            raise SystemExit(
+                f"--merge: the {task} parts under {args.out} ran with different settings: {sorted(configs)}"
+            )
+        task_configs[task] = json.loads(configs.pop())
+    # Sequence length and held-out size are the task's own (TASK_DEFAULTS); everything else is the run's.
+    per_task = ("max_length", "held_out")
+    configs = {
+        json.dumps({k: v for k, v in c.items() if k not in per_task}, sort_keys=True) for c in task_configs.values()
+    }
     if len(configs) > 1:
-        raise SystemExit(f"--merge: the parts under {args.out} ran with different settings: {sorted(configs)}")
+        raise SystemExit(f"--merge: the tasks under {args.out} ran with different settings: {sorted(configs)}")
     budget_steps = {p["config"]["steps"] for ms in parts.values() for p in ms.get(BUDGET, [])}
     if len(budget_steps) != 1:
         raise SystemExit(f"--merge: the {BUDGET!r} parts must all have run one --steps; found {sorted(budget_steps)}")
@@ -613,7 +668,8 @@ def merge(args) -> dict:
         "protocol": (
             f"{any_part['model']}, completion-only; AdamW (adapters lr {config['learning_rate']}, base weights "
             f"{config['base_learning_rate']}, no decay), batch {config['batch_size']}, max length "
-            f"{config['max_length']}, LoRA r=8 alpha 16 on all linear layers. Budget = LoRA + checkpointing's "
+            + ", ".join(f"{c['max_length']} ({task})" for task, c in task_configs.items())
+            + ", LoRA r=8 alpha 16 on all linear layers. Budget = LoRA + checkpointing's "
             f"training CPU time for {config['steps']} steps, same seed; every method trains at least "
             f"{config['steps']} steps, then until it reaches the budget (at most {config['cap']:g}x the steps). "
             f"Held-out answer perplexity every {config['eval_every']} steps; 'ckpt' = LoRA + checkpointing, same "
@@ -625,6 +681,9 @@ def merge(args) -> dict:
             for m in order
             if any(m in ms for ms in parts.values())
         },
+        # Rows whose token_mask a probe chose (benchmarks.selection_probes): their flags build tokentune-0.5+ckpt's
+        # setting, so the planner (tools/build_benchmarks_page.py) leaves them out.
+        "probes": {m: list(PROBES[m]) for m in order if m in PROBES and any(m in ms for ms in parts.values())},
         "tasks": {},
         "seeds": {},
     }
@@ -634,6 +693,8 @@ def merge(args) -> dict:
         first = next(iter(methods.values()))[0]
         report["tasks"][task] = {
             "description": first["task_description"],
+            "max_length": task_configs[task]["max_length"],
+            "held_out": task_configs[task]["held_out"],
             "untrained_perplexity": first["curve"][0]["answer_perplexity"],
             "budget_seconds": [p["train_cpu_seconds"] for p in methods.get(BUDGET, [])],
             "peak_batch_shapes": {
@@ -689,9 +750,7 @@ def main(argv=None) -> dict | None:
 
         def save(result: dict, partial: bool = False) -> None:
             """The part so far (``.partial.json``: an interrupted part keeps its curve) or finished."""
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path.replace(".json", ".partial.json") if partial else path, "w") as handle:
-                handle.write(dumps(result))
+            atomic_write_text(path.replace(".json", ".partial.json") if partial else path, dumps(result))
 
         save(run_part(args, task, method, seed, save))
         if os.path.exists(path.replace(".json", ".partial.json")):

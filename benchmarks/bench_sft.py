@@ -130,8 +130,11 @@ def evaluate(model, held_out: list[dict], pad_id: int, batch_size: int = 16) -> 
     nll, correct, count = 0.0, 0, 0
     for start in range(0, len(held_out), batch_size):
         batch = sft_data.collate(held_out[start : start + batch_size], pad_id)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
-        labels = batch["labels"][:, 1:]
+        # The head runs only at the positions some row of the batch scores (position t predicts label t + 1).
+        scored = (batch["labels"][:, 1:] != sft_data.IGNORE_INDEX).any(dim=0).nonzero().flatten()
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        logits = model(**inputs, logits_to_keep=scored).logits.float()
+        labels = batch["labels"][:, 1:][:, scored]
         mask = labels != sft_data.IGNORE_INDEX
         nll += torch.nn.functional.cross_entropy(logits[mask], labels[mask], reduction="sum").item()
         correct += (logits[mask].argmax(-1) == labels[mask]).sum().item()

@@ -250,8 +250,10 @@ def budget_run(tmp_path, monkeypatch):
     with restored_global_state():
         with pytest.raises(SystemExit, match="no time budget: run the 'lora\\+ckpt' part"):
             bench_budget.main([*common, "--part", "qa", "tokentune-0.3", "0"])
-        for method in ("lora+ckpt", "lora", "tokentune-0.3"):
+        for method in ("lora+ckpt", "lora", "tokentune-0.3", "tokentune-0.5+ckpt-attention"):
             bench_budget.main([*common, "--part", "qa", method, "0"])
+        # A task with its own length (the tiny byte-level tokenizer needs more tokens than the real one).
+        bench_budget.main([*common, "--max-length", "400", "--part", "pydocs", "lora+ckpt", "0"])
         report = bench_budget.main([*common, "--merge"])
     parts = {p.stem: json.loads(p.read_text()) for p in (out / "qa").glob("*.json")}
     return report, parts, out
@@ -286,6 +288,24 @@ def test_budget_parts_train_to_the_budget_and_merge_into_ratios(budget_run):
     assert "| tokentune-0.3 |" in text and "| lora+ckpt | 1.00 | 1.00 |" in text
     assert (out / "budget_qa.png").read_bytes().startswith(PNG_MAGIC)
     assert not list((out / "qa").glob("*.partial.json"))  # finished parts leave no partial file
+    probed = parts["tokentune-0.5+ckpt-attention_s0"]  # its mask chosen by the probe each step, timed with the step
+    assert probed["probe"] == ["attention", 0.5] and len(probed["probe_cpu_seconds"]) == probed["steps_run"]
+    assert all(0 < p < s for p, s in zip(probed["probe_cpu_seconds"], probed["step_cpu_seconds"]))
+
+
+def test_budget_tasks_keep_their_own_length_and_a_task_mixing_settings_is_refused(budget_run):
+    from benchmarks import bench_budget
+
+    report, parts, out = budget_run
+    lengths = {task: report["tasks"][task]["max_length"] for task in ("qa", "pydocs")}
+    assert lengths == {"qa": bench_budget.TASK_DEFAULTS["qa"]["max_length"], "pydocs": 400}
+    assert "64 (qa), 400 (pydocs)" in report["protocol"]
+    assert report["probes"] == {"tokentune-0.5+ckpt-attention": ["attention", 0.5]}
+    odd = json.loads((out / "qa" / "lora_s0.json").read_text())
+    odd["config"]["max_length"] = 32
+    (out / "qa" / "lora_s0.json").write_text(json.dumps(odd))
+    with pytest.raises(SystemExit, match="the qa parts under .* ran with different settings"):
+        bench_budget.main(["--quick", "--out", str(out), "--merge"])
 
 
 def test_budget_method_rows_are_added_by_flags_and_checked():

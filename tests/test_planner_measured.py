@@ -96,6 +96,15 @@ def test_the_packaged_measurements_are_what_budget_json_gives():
     )
 
 
+def test_rows_a_benchmark_probe_chose_tokens_for_are_not_planner_measurements():
+    """A probe's flags build another row's setting (the probe passes token_mask): ranking by it would credit that
+    setting with the probe's numbers."""
+    report = json.loads((ROOT / "benchmarks" / "results" / "budget" / "budget.json").read_text())
+    report["probes"] = {"tokentune-0.5+ckpt": ["attention", 0.5]}  # any measured row, marked as a probe
+    methods = build_page().measured(report)["methods"]
+    assert "tokentune-0.5+ckpt" not in methods and "lora+ckpt" in methods
+
+
 def test_a_candidate_stands_for_what_its_train_line_trains():
     """The planner's reading of a setting is the train command's own reading of the line it prints for it."""
     candidates = ladder(8, 0.05)
