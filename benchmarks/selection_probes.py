@@ -19,8 +19,9 @@ import math
 import torch
 
 from peft_slim.compat import get_attn_implementation, set_attn_implementation
+from peft_slim.token_selection.loss import IGNORE_INDEX
+from peft_slim.token_selection.selection import forced_positions
 
-IGNORE_INDEX = -100
 PROBES = ("attention", "recent")
 _FORCED, _LABELLED, _OTHER = 3.0, 2.0, 1.0
 
@@ -61,12 +62,7 @@ def probe_mask(probe: str, model, batch: dict, token_ratio: float, generator: to
         score = score / score.amax(dim=1, keepdim=True).clamp(min=1e-30) * 0.999  # in [0, 1): stays in its tier
     else:
         score = (positions / length).expand_as(real)
-    first = torch.where(real, positions, length).min(dim=1).values
-    last = torch.where(real, positions, -1).max(dim=1).values
-    rows = torch.arange(real.shape[0])
-    forced = torch.zeros_like(real)
-    forced[rows, first] = True
-    forced[rows, last] = True
+    forced = forced_positions(real, keep_first=True, keep_last=True)
     labelled = labelled_positions(batch["labels"]) & real
     draw = torch.rand(real.shape, generator=generator)  # labelled positions: uniform, as "answer" draws them
     tier = torch.where(forced, _FORCED, torch.where(labelled, _LABELLED + draw, _OTHER + score))

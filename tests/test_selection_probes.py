@@ -11,27 +11,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks import selection_probes
+from tests.tiny_models import LORA_TARGETS, build
 
 IGNORE = selection_probes.IGNORE_INDEX
 
 
 def tiny_lora_llama():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
-    model = LlamaForCausalLM(config)
-    return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    return get_peft_model(build("llama"), LoraConfig(r=4, target_modules=LORA_TARGETS["llama"]))
 
 
 def a_batch(lengths: list[int], answers: list[int], width: int) -> dict:
