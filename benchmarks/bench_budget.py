@@ -7,7 +7,10 @@ built from ``peft-slim train`` flags by the command's own code (``benchmarks.ben
 * ``qa``: the embedded chatterbot-corpus QA set (every 5th pair held out), as ``benchmarks.bench_sft``;
 * ``pydocs``: the Python reference documentation CPython ships (``pydoc_data.topics``) as prompt/completion: the
   prompt names the topic and gives a paragraph's first sentence, the completion is the rest of the paragraph;
-  every 5th topic is held out whole, so the held-out paragraphs come from pages never trained on.
+  every 5th topic is held out whole, so the held-out paragraphs come from pages never trained on;
+* ``longqa``: the QA set with long prompts (``longqa_rows``): each question follows training pairs given as
+  examples until the prompt holds ``LONG_PROMPT_TOKENS`` tokens; the completion is the answer, at most a tenth of
+  the row. The held-out questions are those of ``qa``, their examples from the training pairs.
 
 Each task has its own sequence length and held-out size (``TASK_DEFAULTS``; ``--max-length`` and ``--held-out``
 override both). Rows named in ``PROBES`` are TokenTune with a ``token_mask`` that a probe of
@@ -56,6 +59,7 @@ BUDGET = "lora+ckpt"  # its training CPU time for --steps steps is the time budg
 METHODS: dict[str, list[str]] = {
     "lora": ["--method", "lora", *LORA],
     "lora+ckpt": ["--method", "lora", *LORA, *CKPT],
+    "lora+ckpt+trl-head": ["--method", "lora", *LORA, *CKPT],  # TRL_HEAD: the head only where a label is
     "tokentune-0.3": ["--token-ratio", "0.3", *LORA],  # the command's default selection rule
     "tokentune-0.2": ["--token-ratio", "0.2", *LORA],
     "tokentune-0.5+ckpt": ["--token-ratio", "0.5", *LORA, *CKPT],
@@ -68,11 +72,19 @@ METHODS: dict[str, list[str]] = {
 }
 # Methods whose token_mask a probe of benchmarks.selection_probes chooses each step: (probe, token ratio).
 PROBES = {"tokentune-0.5+ckpt-attention": ("attention", 0.5), "tokentune-0.5+ckpt-recent": ("recent", 0.5)}
-TASKS = ("qa", "pydocs")
+# Methods whose step runs the LM head only at labelled positions, in tiles, through TRL's fused LM head
+# (``trl.trainer.utils.add_fused_lm_head``, what SFTTrainer's default loss calls): the baseline a TRL user has.
+TRL_HEAD = {"lora+ckpt+trl-head"}
+TASKS = ("qa", "pydocs", "longqa")
+LONG_PROMPT_TOKENS = 480  # longqa: a row's prompt (examples + question) holds at least this many tokens
 # Per task, what --max-length and --held-out default to. pydocs' prompts are long (the chat template's system turn,
 # the topic, a sentence): at 64 tokens its completions keep ~9 tokens and 23 held-out paragraphs survive (211 scored
 # tokens, so evaluations moved ~10% from one to the next); at 96 tokens 64 held-out paragraphs score ~1,700.
-TASK_DEFAULTS = {"qa": {"max_length": 64, "held_out": 48}, "pydocs": {"max_length": 96, "held_out": 64}}
+TASK_DEFAULTS = {
+    "qa": {"max_length": 64, "held_out": 48},
+    "pydocs": {"max_length": 96, "held_out": 64},
+    "longqa": {"max_length": 704, "held_out": 48},
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -155,6 +167,38 @@ def pydocs_rows(held_out_every: int = 5) -> tuple[list[dict], list[dict]]:
     return train, held_out
 
 
+def longqa_rows(rows: list[dict], tokenizer) -> tuple[list[dict], list[dict]]:
+    """Chat rows of the QA set with long prompts: (train, held-out), split as ``qa`` (every 5th pair held out).
+
+    A row's user turn gives training pairs as examples (``Q: ...`` / ``A: ...``, a fixed shuffle that skips the row's
+    own pair) until it holds ``LONG_PROMPT_TOKENS`` tokens, then the row's question; the assistant turn is its answer.
+    Pairs whose answer would be more than a tenth of the row are left out.
+    """
+    pairs = [(row["messages"][0]["content"], row["messages"][1]["content"]) for row in rows]
+    train_pairs = [pair for i, pair in enumerate(pairs) if i % bench_sft.HELD_OUT_EVERY]
+    order = random.Random(0).sample(range(len(train_pairs)), len(train_pairs))
+    example_text = [f"Q: {train_pairs[i][0]}\nA: {train_pairs[i][1]}\n\n" for i in order]
+    example_tokens = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in example_text]
+    train, held_out, cursor = [], [], 0
+    for index, (question, answer) in enumerate(pairs):
+        prompt, tokens = "Answer the last question in the style of these examples.\n\n", 0
+        while tokens < LONG_PROMPT_TOKENS:
+            if train_pairs[order[cursor]] != (question, answer):
+                prompt, tokens = prompt + example_text[cursor], tokens + example_tokens[cursor]
+            cursor = (cursor + 1) % len(order)
+        answer_tokens = len(tokenizer(answer, add_special_tokens=False)["input_ids"])
+        if answer_tokens * 10 > tokens + answer_tokens:
+            continue
+        row = {
+            "messages": [
+                {"role": "user", "content": f"{prompt}Q: {question}"},
+                {"role": "assistant", "content": answer},
+            ]
+        }
+        (train if index % bench_sft.HELD_OUT_EVERY else held_out).append(row)
+    return train, held_out
+
+
 def spread_pick(items: list, n: int) -> list:
     """``n`` items spread evenly over ``items`` (all of them when there are fewer)."""
     if len(items) <= n:
@@ -181,6 +225,24 @@ def task_data(task: str, tokenizer, args) -> tuple[list[dict], list[dict], str]:
         if args.quick:
             train = train[: args.train_examples]
         return train, held_out, f"chatterbot-corpus QA ({len(train)} train / {len(held_out)} held-out pairs)"
+    if task == "longqa":
+        train_rows, held_rows = longqa_rows(sft_data.read_rows(None, "train"), tokenizer)
+        held_rows = held_rows[:held] if held else held_rows
+        if args.quick:
+            train_rows = train_rows[: args.train_examples]
+        columns = sft_data.find_columns(train_rows)
+        train, _ = sft_data.tokenize(train_rows, columns, tokenizer, max_length)
+        held_out, _ = sft_data.tokenize(held_rows, columns, tokenizer, max_length)
+        lengths = [len(e["input_ids"]) for e in train]
+        answers = [sum(label != sft_data.IGNORE_INDEX for label in e["labels"]) / len(e["labels"]) for e in train]
+        return (
+            train,
+            held_out,
+            (
+                f"chatterbot-corpus QA with long prompts ({len(train)} train / {len(held_out)} held-out pairs; "
+                f"{min(lengths)}-{max(lengths)} tokens a row, the answer {statistics.mean(answers):.1%} of it)"
+            ),
+        )
     train_rows, held_rows = pydocs_rows()
     train_rows = spread_pick(train_rows, args.train_examples)
     held_rows = spread_pick(held_rows, held) if held else held_rows
@@ -290,7 +352,7 @@ def run_part(args, task: str, method: str, seed: int, save) -> dict:
         steps=cap, learning_rate=args.learning_rate, base_learning_rate=args.base_learning_rate
     )
     parsed = bench_sft.method_args(flags, sft_args, seed)
-    model, context, optimizer, after_step = bench_sft.build_method(base, parsed, seed)
+    model, context, optimizer, after_step = bench_sft.build_method(base, parsed, seed, trl_head=method in TRL_HEAD)
     del base
     stream = batches_for(train, seed, args.batch_size, pad_id)
 
@@ -325,7 +387,9 @@ def run_part(args, task: str, method: str, seed: int, save) -> dict:
         }
 
     probe_seconds: list[float] = []
-    prepare = functools.partial(with_probe_mask, PROBES.get(method), model, torch.Generator().manual_seed(seed))
+    prepare = functools.partial(
+        with_probe_mask, PROBES.get(method), model, torch.Generator().manual_seed(seed), method in TRL_HEAD
+    )
     while True:
         batch = next(stream)
         start = time.process_time()
@@ -362,8 +426,11 @@ def run_part(args, task: str, method: str, seed: int, save) -> dict:
     return result(stopped, peak) | {"peak_batch_shape": list(batch["input_ids"].shape)}
 
 
-def with_probe_mask(probe: tuple[str, float] | None, model, generator, batch: dict) -> dict:
-    """``batch`` with the ``token_mask`` of ``probe`` (probe name, token ratio), or as it is without one."""
+def with_probe_mask(probe: tuple[str, float] | None, model, generator, trl_head: bool, batch: dict) -> dict:
+    """``batch`` with the ``token_mask`` of ``probe`` (probe name, token ratio), and ``fused_lm_head=True`` for a
+    method in TRL_HEAD; as it is otherwise."""
+    if trl_head:
+        batch = batch | {"fused_lm_head": True}
     if probe is None:
         return batch
     return batch | {"token_mask": selection_probes.probe_mask(probe[0], model, batch, probe[1], generator)}

@@ -157,11 +157,18 @@ def record(losses: list[float], step) -> None:
     losses.append(step())
 
 
-def build_method(base, parsed: argparse.Namespace, seed: int):
+def build_method(base, parsed: argparse.Namespace, seed: int, trl_head: bool = False):
     """A copy of ``base`` wrapped as ``parsed`` (the method's `peft-slim train` flags) asks, in training mode, with
-    its AdamW and what to call after each optimizer step. Returns (model, context, optimizer, after_step)."""
+    its AdamW and what to call after each optimizer step. Returns (model, context, optimizer, after_step).
+
+    ``trl_head``: the copy gets TRL's fused LM head first (``add_fused_lm_head``, what SFTTrainer's default loss
+    uses): a forward given ``fused_lm_head=True`` runs the head only at labelled positions, in tiles."""
     torch.manual_seed(seed)
     model = copy.deepcopy(base)
+    if trl_head:
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model)
     if parsed.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model, context = cli.wrap(model, parsed)

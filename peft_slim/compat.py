@@ -12,10 +12,11 @@ Nothing else in peft_slim touches a private API; add new ones here (or in the pl
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import peft
@@ -287,6 +288,25 @@ def checkpointing_function(block: nn.Module) -> Callable | None:
 def set_checkpointing_function(block: nn.Module, function: Callable) -> None:
     """Make ``block``'s forward checkpoint through ``function`` (see :func:`checkpointing_function`)."""
     block._gradient_checkpointing_func = function
+
+
+@contextlib.contextmanager
+def checkpointing_paused(block: nn.Module) -> Iterator[None]:
+    """Run ``block``'s forward without transformers' activation checkpointing inside this context.
+
+    Private API: ``GradientCheckpointingLayer.gradient_checkpointing``, the flag its forward reads on every call
+    (``activation_checkpointing_enable()`` sets it). TokenTune recomputes a block's selected pass in backward,
+    which already is a checkpoint; checkpointing that recomputation again would only compute it twice.
+    """
+    enabled = getattr(block, "gradient_checkpointing", None)
+    if not enabled:
+        yield
+        return
+    block.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        block.gradient_checkpointing = enabled
 
 
 def eager_attention_function(module: nn.Module) -> Callable | None:

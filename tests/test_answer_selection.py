@@ -114,3 +114,21 @@ def test_saved_0_1_0_config_with_supervised_loads_and_is_the_answer_rule(tmp_pat
 def test_unknown_selection_names_the_field_and_the_rules():
     with pytest.raises(ValueError, match=r"selection.*'random', 'answer', 'supervised'"):
         TokenTuneConfig(selection="answers_first")
+
+
+def test_the_default_rule_keeps_every_answer_position_a_training_forward_can():
+    """`TokenTuneConfig(lora=...)` as the README writes it selects answer tokens first: on a completion-only batch
+    whose answers fit the default budget, every labelled position is selected (with `random`, most would not be)."""
+    from peft import LoraConfig, get_peft_model
+    from tiny_models import build, make_batch
+
+    assert TokenTuneConfig().selection == "answer"
+    model = get_peft_model(
+        build("llama"), TokenTuneConfig(task_type="CAUSAL_LM", lora=LoraConfig(r=2, target_modules=["q_proj"]))
+    ).train()
+    batch = make_batch("llama", batch=3, length=40)
+    batch["labels"][:, :-4] = -100  # the last 4 tokens of each row are the answer: 3 scored positions, 10% of 40
+    model(**batch).loss.backward()
+    scored = torch.zeros_like(batch["labels"], dtype=torch.bool)
+    scored[:, :-1] = batch["labels"][:, 1:] != -100
+    assert (model.base_model.last_token_mask[scored]).all()

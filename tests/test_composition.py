@@ -18,6 +18,7 @@ from torch import nn
 from torch.autograd.graph import save_on_cpu
 
 from peft_slim import ActivationCompressionConfig, SlimFitConfig, TokenSelectionConfig, TokenTuneConfig
+from peft_slim.token_selection.blocks import find_blocks
 from peft_slim.tuner import model_kinds
 
 
@@ -105,7 +106,9 @@ def test_trl_activation_offloading_without_compression_is_exact(monkeypatch):
 def test_transformers_checkpoint_offload_is_exact(monkeypatch):
     """``activation_checkpointing_enable(offload=True)`` runs each checkpoint inside ``save_on_cpu`` (pinned, so
     accelerator-only: pinning is turned off here); under TokenTune the gradients are those without checkpointing,
-    and with compression the offload is the innermost hook inside the layers (allowed: both act)."""
+    and with compression the offload is the innermost hook inside the layers (allowed: both act). TokenTune's
+    one-forward step recomputes its blocks itself and checkpoints nothing, so the offload acts only where a block
+    draws random numbers (here a no-op draw in the first block's MLP)."""
     import transformers.modeling_utils as modeling
 
     calls = []
@@ -124,7 +127,12 @@ def test_transformers_checkpoint_offload_is_exact(monkeypatch):
         checkpointed.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False}, offload=True
         )
-        checkpointed(**batch, token_mask=plain.base_model.last_token_mask).loss.backward()
+        _, blocks = find_blocks(checkpointed.get_base_model())
+        draw = blocks[0].mlp.register_forward_hook(lambda module, args, output: torch.rand(1) * 0 + output)
+        calls.clear()
+        with pytest.warns(UserWarning, match="draws random numbers"):
+            checkpointed(**batch, token_mask=plain.base_model.last_token_mask).loss.backward()
+        draw.remove()
         assert calls
         for a, b in zip(_grads(plain), _grads(checkpointed), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

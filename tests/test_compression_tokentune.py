@@ -38,9 +38,7 @@ def _grads(model) -> torch.Tensor:
 
 
 def test_the_field_round_trips_through_adapter_config_json(tmp_path):
-    config = _config(
-        ActivationCompressionConfig(bits=4, group_size=64, kinds=["attention", "activation"], min_numel=0)
-    )
+    config = _config(ActivationCompressionConfig(bits=4, group_size=64, kinds=["attention", "other"], min_numel=0))
     model = get_peft_model(build("llama"), config)
     model.save_pretrained(tmp_path)
     # The method's settings are saved beside the adapter (its adapter_config.json is plain LoRA's when it has LoRA).
@@ -79,7 +77,8 @@ def test_training_forward_compresses_with_close_gradients(arch):
     # The compression hooks are the innermost for the whole forward, the selected-token loss included.
     assert outside.bytes == 0
     stats = compressed.base_model.last_compression_stats
-    assert stats.compressed > 10 and stats.ratio < 0.5, stats
+    # Each block keeps its selected inputs and every token's keys and values (saved in the block: kind "other").
+    assert stats.compressed > 5 and stats.ratio < 0.5, stats
     cosine = torch.nn.functional.cosine_similarity(_grads(plain), _grads(compressed), dim=0).item()
     assert cosine >= 0.999, cosine
 

@@ -101,10 +101,17 @@ def test_a_copy_answers_and_trains_exactly_and_on_its_own(kind, how):
         assert len({tuple(row) for row in model.base_model.slimfit_history()["trained"]}) > 1  # the schedule moved
 
 
+def _draw(module, args, output):
+    """A random draw that changes nothing: the block then takes the step of a block with dropout (replayed)."""
+    torch.rand(1)
+
+
 def test_a_copy_under_gradient_checkpointing_replays_its_own_attention():
     model = _model("tokentune+lora")
     model.base_model.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    _step(model, seed=0)  # installs the replay wrapper on every block
+    model.base_model.model.model.layers[0].mlp.register_forward_hook(_draw)
+    with pytest.warns(UserWarning, match="draws random numbers"):
+        _step(model, seed=0)  # installs the replay wrapper on the block that draws
     duplicate = copy.deepcopy(model)
     for seed in (1, 2):
         _assert_equal(_step(duplicate, seed)[0], _step(model, seed)[0])

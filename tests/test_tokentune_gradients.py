@@ -20,6 +20,7 @@ from tokentune_cases import (
     IMPLEMENTATIONS,
     assert_grads_match,
     build_decoder_classifier,
+    grads_of_trainable,
     lora_config,
     max_grad_error,
     reference_loss_and_grads,
@@ -225,7 +226,8 @@ def test_causal_lm_loss_is_selected_next_token_mean(arch):
     Computed by hand from the full logits of an eval-mode forward with the same weights. (The logits
     returned by a training forward cover only the selection's slots, so they cannot be used directly.)
     """
-    model = tokentune_model(arch, lora=True, token_ratio=0.6)
+    # `random`: the answer rule would select labelled positions first, and this case needs selected ones without
+    model = tokentune_model(arch, lora=True, token_ratio=0.6, selection="random")
     batch = make_batch(arch, length=12)
     labels = batch["labels"].clone()
     labels[:, 5:7] = -100  # a masked span in the middle: some selected positions have no valid target
@@ -253,10 +255,58 @@ def test_causal_lm_loss_is_selected_next_token_mean(arch):
 
 def _attention_call_counter(model):
     _, blocks = find_blocks(model.get_base_model())
-    attention = next(m for n, m in blocks[0].named_modules() if n.endswith(("self_attn", "attention.self")))
+    attention = next(
+        m for n, m in blocks[0].named_modules() if n.endswith(("self_attn", "attention.self")) or n == "attn"
+    )
     calls = []
     handle = attention.register_forward_hook(lambda *args: calls.append(1))
     return calls, handle
+
+
+def _counted_step(model, batch: dict):
+    """A training step with the attention calls of the first block counted: (in the forward, in all), output, mask,
+    gradients."""
+    calls, handle = _attention_call_counter(model)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    output = model(**batch)
+    in_forward = len(calls)
+    mask = model.base_model.last_token_mask.clone()
+    output.loss.backward()
+    handle.remove()
+    grads = grads_of_trainable(model)
+    model.zero_grad(set_to_none=True)
+    return (in_forward, len(calls)), output, mask, grads
+
+
+def _random_draw_in_first_block(model):
+    """A forward hook that draws a random number in the first block and changes nothing: the block is then run as a
+    block with dropout is (the selected pass with grad in the forward)."""
+    _, blocks = find_blocks(model.get_base_model())
+    feed_forward = getattr(blocks[0], "mlp", None) or blocks[0].intermediate  # decoders / BERT
+    return feed_forward.register_forward_hook(lambda module, args, output: torch.rand(1) * 0 + output)
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "standalone"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("arch", ["llama", "bert", "gpt2"])
+def test_selected_tokens_run_once_in_the_forward(arch, implementation, lora):
+    """Each block runs once in the forward (every token, no grad) and once in backward (the selected tokens); the
+    gradients equal those of the selected pass run with grad in the forward (the path a block with dropout takes)."""
+    batch = make_batch(arch, length=12)
+    model = tokentune_model(arch, implementation, lora=lora)
+    calls, output, mask, grads = _counted_step(model, batch)
+    assert calls == (1, 2)
+
+    two_pass = tokentune_model(arch, implementation, lora=lora)
+    handle = _random_draw_in_first_block(two_pass)
+    with pytest.warns(UserWarning, match="draws random numbers in training"):
+        two_calls, two_output, two_mask, two_grads = _counted_step(two_pass, batch)
+    handle.remove()
+    assert two_calls == (2, 2)  # the first block: no-grad pass + selected pass with grad, nothing in backward
+    assert torch.equal(two_mask, mask)
+    torch.testing.assert_close(output.loss, two_output.loss, rtol=1e-6, atol=1e-6)
+    assert_grads_match(grads, two_grads, rtol=1e-6)
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
@@ -264,26 +314,54 @@ def _attention_call_counter(model):
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("arch", ["llama", "bert"])
 def test_gradient_checkpointing_gives_same_gradients(arch, implementation, lora, reentrant):
+    """With checkpointing on, the step is the same: the recomputation in backward already is a checkpoint, and is
+    not checkpointed again."""
     batch = make_batch(arch, length=12)
-    plain = tokentune_model(arch, implementation, lora=lora)
-    calls, handle = _attention_call_counter(plain)
-    output, mask, grads = training_step(plain, batch)
-    handle.remove()
-    assert len(calls) == 2  # full no-grad pass + selected pass
+    calls, output, mask, grads = _counted_step(tokentune_model(arch, implementation, lora=lora), batch)
+    assert calls == (1, 2)
 
     base = build(arch, implementation)
     base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
     checkpointed = get_peft_model(base, tokentune_config(arch, lora=lora))
     assert checkpointed.get_base_model().is_activation_checkpointing
-    calls, handle = _attention_call_counter(checkpointed)
-    output_ckpt, mask_ckpt, grads_ckpt = training_step(checkpointed, batch)
-    handle.remove()
-    assert len(calls) == 3  # ... + the selected pass replayed in backward: checkpointing is really active
+    calls_ckpt, output_ckpt, mask_ckpt, grads_ckpt = _counted_step(checkpointed, batch)
+    assert calls_ckpt == (1, 2)
     assert torch.equal(mask_ckpt, mask)  # same seed, same draw
     torch.testing.assert_close(output_ckpt.loss, output.loss)
     assert_grads_match(grads_ckpt, grads, rtol=1e-6)
     _, ref_grads = reference_loss_and_grads(checkpointed, arch, batch, mask)
     assert_grads_match(grads_ckpt, ref_grads)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_gradient_checkpointing_replays_a_block_that_draws_random_numbers(reentrant):
+    """A block with dropout runs the selected pass with grad in the forward; checkpointing replays it in backward."""
+    batch = make_batch("llama", length=12)
+    base = build("llama")
+    base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    model = get_peft_model(base, tokentune_config("llama"))
+    handle = _random_draw_in_first_block(model)
+    with pytest.warns(UserWarning, match="draws random numbers in training"):
+        calls, _, mask, grads = _counted_step(model, batch)
+    handle.remove()
+    assert calls == (2, 3)
+    _, ref_grads = reference_loss_and_grads(model, "llama", batch, mask)
+    assert_grads_match(grads, ref_grads)
+
+
+def test_dropout_takes_the_two_pass_step_with_one_notice():
+    """LoRA dropout draws random numbers: the step is the two-pass one, said once, and the loss is finite."""
+    base = build("llama")
+    config = tokentune_config("llama")
+    config.lora.lora_dropout = 0.1
+    model = get_peft_model(base, config)
+    batch = make_batch("llama", length=12)
+    with pytest.warns(UserWarning, match="draws random numbers in training") as record:
+        for _ in range(2):
+            calls, output, _, _ = _counted_step(model, batch)
+    assert calls == (2, 2)
+    assert sum("draws random numbers" in str(w.message) for w in record) == 1
+    assert torch.isfinite(output.loss)
 
 
 def test_gradient_checkpointing_enabled_on_peft_model():
@@ -292,10 +370,8 @@ def test_gradient_checkpointing_enabled_on_peft_model():
     model = tokentune_model("llama", lora=True)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     assert model.get_base_model().is_activation_checkpointing
-    calls, handle = _attention_call_counter(model)
-    _, mask_ckpt, grads_ckpt = training_step(model, batch)
-    handle.remove()
-    assert len(calls) == 3
+    calls, _, mask_ckpt, grads_ckpt = _counted_step(model, batch)
+    assert calls == (1, 2)
     assert torch.equal(mask_ckpt, mask)
     assert_grads_match(grads_ckpt, grads, rtol=1e-6)
 

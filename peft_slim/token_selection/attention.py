@@ -42,6 +42,7 @@ class BlockPass:
     value: torch.Tensor | None = None
     full_calls: int = 0  # attention calls seen by the full pass; TokenTune supports exactly one
     full_output: Any = None  # the block's no-grad output for every position
+    recompute_in_backward: bool = True  # False: the block draws random numbers, the selected pass runs with grad
 
 
 def _original_attention(module: torch.nn.Module, implementation: str) -> Callable:

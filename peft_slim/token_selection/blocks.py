@@ -1,18 +1,24 @@
-"""Running one transformer block on all tokens without grad, then on the selected tokens with grad.
+"""Running one transformer block on all tokens without grad, and the selected tokens with grad only in backward.
 
-Forward hooks do this around each block, so the model keeps its structure and state-dict keys:
+Hooks and a forward wrapper on each block do this, so the model keeps its structure and state-dict keys:
 
 * the pre-hook runs the block's ``forward`` under ``torch.no_grad()`` on every token (exact outputs
   for all positions, keys/values recorded by the attention function), then hands the block only the
   selected hidden states, with per-position arguments (mask rows, rotary embeddings, position ids)
   cut to the same positions;
-* the block then runs normally (with grad, gradient checkpointing included) on the selected tokens;
-* the forward hook scatters those outputs back into the no-grad outputs.
+* the block's forward (wrapped) does not run again: its outputs at the selected positions are the no-grad
+  pass's, and it runs with grad on the selected tokens only in backward (``recompute.py``), so each selected
+  token is computed once in the forward and once in backward, whether or not checkpointing is on;
+* a block that draws random numbers in training (dropout) would draw other ones in backward: it runs the
+  selected pass with grad in the forward instead (gradient checkpointing replays that pass), after a notice;
+* the forward hook scatters the selected outputs back into the no-grad outputs.
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -23,11 +29,13 @@ from transformers import Cache
 
 from ..compat import (
     checkpointing_function,
+    checkpointing_paused,
     get_attn_implementation,
     set_attn_implementation,
     set_checkpointing_function,
 )
 from .attention import PASS_KWARG, BlockPass
+from .recompute import RandomOps, selected_pass
 from .selection import TokenSelection
 
 # Per-position block arguments and the dimension that indexes the query position.
@@ -87,9 +95,11 @@ class BlockRunner:
         # copy (deepcopy, pickle) starts with none: its blocks are other objects (see __getstate__).
         self.signatures: dict[int, inspect.Signature] = {}
         self.handles = []
+        self.warned_random = False
         for block in blocks:
             self.handles.append(block.register_forward_pre_hook(self._before, with_kwargs=True))
             self.handles.append(block.register_forward_hook(self._after, with_kwargs=True))
+            block.forward = _BlockForward(block, self)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "signatures": {}}
@@ -97,15 +107,21 @@ class BlockRunner:
     def _signature(self, block: nn.Module) -> inspect.Signature:
         signature = self.signatures.get(id(block))
         if signature is None:
-            signature = self.signatures[id(block)] = inspect.signature(block.forward)
+            signature = self.signatures[id(block)] = inspect.signature(_unwrapped_forward(block))
         return signature
 
     def remove(self) -> None:
-        """Remove the hooks and undo ``_route_checkpoint_replay``: the blocks are as they were."""
+        """Remove the hooks, the forward wrappers and ``_route_checkpoint_replay``: the blocks are as they were."""
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
         for block in self.blocks:
+            wrapper = block.__dict__.get("forward")
+            if isinstance(wrapper, _BlockForward):
+                if wrapper.inner is None:
+                    del block.forward
+                else:
+                    block.forward = wrapper.inner
             checkpoint_func = checkpointing_function(block)
             if getattr(checkpoint_func, "_tokentune_replay", False):
                 set_checkpointing_function(block, checkpoint_func.__wrapped__)
@@ -139,7 +155,8 @@ class BlockRunner:
         extra[PASS_KWARG] = block_pass
         bound.arguments[extra_name] = extra
 
-        with torch.no_grad():
+        random_ops = RandomOps()
+        with torch.no_grad(), random_ops:
             full_output = block.forward(*bound.args, **bound.kwargs)
         full_hidden = full_output[0] if isinstance(full_output, (tuple, list)) else full_output
         if block_pass.full_calls != 1 or not isinstance(full_hidden, torch.Tensor):
@@ -167,8 +184,55 @@ class BlockRunner:
         bound.arguments[hidden_name] = selection.gather(hidden, 1)
         block_pass.phase = "selected"
         block_pass.full_output = full_output
-        self._route_checkpoint_replay(block)
+        block_pass.recompute_in_backward = random_ops.found is None
+        if not block_pass.recompute_in_backward:
+            self._notice_random(block_name, random_ops.found)
+            self._route_checkpoint_replay(block)
         return bound.args, bound.kwargs
+
+    def _notice_random(self, block_name: str, found: str) -> None:
+        if self.warned_random:
+            return
+        self.warned_random = True
+        warnings.warn(
+            f"TokenTune: {block_name} draws random numbers in training ({found}: dropout, say), which a recomputation "
+            "in backward would draw again differently, so its selected tokens run a second forward with grad (a "
+            "slower step, and without gradient checkpointing more memory). Set the dropout probabilities to 0 "
+            "(model config, LoRA's lora_dropout) for TokenTune's one-forward step.",
+            UserWarning,
+            stacklevel=2,
+        )
+
+    def run_selected(self, block: nn.Module, args: tuple, kwargs: dict, block_pass: BlockPass):
+        """The block's output on the selected tokens: the no-grad pass's values, recomputed with grad in backward.
+
+        The autograd node holds the block weakly: a graph kept after training (a stored loss, say) must not keep
+        the model alive through it.
+        """
+        full = block_pass.full_output
+        full_hidden = full[0] if isinstance(full, (tuple, list)) else full
+        output = block_pass.selection.gather(full_hidden, 1)
+        parameters = [p for p in block.parameters() if p.requires_grad]
+        config = self.config
+        attention = get_attn_implementation(config) if config is not None else None
+        key, value = block_pass.key, block_pass.value
+        block_pass.key = block_pass.value = None  # kept by the autograd node only
+        block_ref = weakref.ref(block)
+
+        def run(arguments: tuple) -> Any:
+            block = block_ref()
+            args, kwargs, block_pass.key, block_pass.value = arguments
+            forward = _unwrapped_forward(block)
+            try:
+                with checkpointing_paused(block):
+                    if attention is None:
+                        return forward(*args, **kwargs)
+                    return _run_under_attention(attention, config, forward, *args, **kwargs)
+            finally:
+                block_pass.key = block_pass.value = None
+
+        hidden = selected_pass(run, output, (args, kwargs, key, value), parameters)
+        return type(full)((hidden, *full[1:])) if isinstance(full, (tuple, list)) else hidden
 
     def _route_checkpoint_replay(self, block: nn.Module) -> None:
         """Make a gradient-checkpointing replay of the selected pass use TokenTune's attention too.
@@ -192,6 +256,39 @@ class BlockRunner:
             merged = block_pass.selection.scatter(full[0], output[0], dim=1)
             return type(output)((merged, *full[1:]))
         return block_pass.selection.scatter(full, output, dim=1)
+
+
+class _BlockForward:
+    """A block's ``forward`` while token selection is attached: the selected pass of a training forward goes to
+    ``BlockRunner.run_selected``; every other call to the block's own forward.
+
+    ``inner`` is a forward the instance already had (accelerate's device hooks set one), else None: the class's.
+    An object holding the block, so that a deep copy of the model refers to the copy's block.
+    """
+
+    def __init__(self, block: nn.Module, runner: BlockRunner):
+        self.block = block
+        self.runner = runner
+        self.inner = block.__dict__.get("forward")
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.forward)
+
+    @property
+    def forward(self) -> Callable:
+        return self.inner if self.inner is not None else partial(type(self.block).forward, self.block)
+
+    def __call__(self, *args, **kwargs):
+        block_pass: BlockPass | None = kwargs.get(PASS_KWARG)
+        if block_pass is None or block_pass.phase != "selected" or not block_pass.recompute_in_backward:
+            return self.forward(*args, **kwargs)
+        return self.runner.run_selected(self.block, args, kwargs, block_pass)
+
+
+def _unwrapped_forward(block: nn.Module) -> Callable:
+    forward = block.forward
+    return forward.forward if isinstance(forward, _BlockForward) else forward
 
 
 class _ReplayUnderSameAttention:

@@ -38,14 +38,15 @@ class TokenSelectionConfig(ValidatedConfig):
         },
     )
     selection: str = field(
-        default="random",
+        default="answer",
         metadata={
-            "help": "'random': uniform per sequence, redrawn every forward (the paper). 'answer': every position "
-            "whose prediction carries a loss label first (a causal LM's position t when labels[t+1] != -100: the "
-            "completion, or the assistant turns, of SFT data), uniformly among them when the budget is smaller, and "
-            "the rest of the budget uniformly among the other real tokens (the prompt). 'supervised': 0.1.0's name "
-            "of 'answer', still accepted. The positions the head reads, the first real token and a decoder LM's "
-            "last real token are always selected and count toward the budget; padding only where the head reads it.",
+            "help": "'answer' (default): every position whose prediction carries a loss label first (a causal LM's "
+            "position t when labels[t+1] != -100: the completion, or the assistant turns, of SFT data), uniformly "
+            "among them when the budget is smaller, and the rest of the budget uniformly among the other real tokens "
+            "(the prompt); without labels, or where every position is labelled, the same as 'random'. 'random': "
+            "uniform per sequence, redrawn every forward (the paper). 'supervised': 0.1.0's name of 'answer', still "
+            "accepted. The positions the head reads, the first real token and a decoder LM's last real token are "
+            "always selected and count toward the budget; padding only where the head reads it.",
             "check": OneOf(SELECTION_RULES),
         },
     )

@@ -42,8 +42,20 @@ class TokenSelection:
         return cls(mask=mask, index=index, valid=valid, all_valid=bool(valid.all()))
 
     def gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        """``tensor`` at the slot positions along ``dim`` (batch is dim 0)."""
-        return tensor.gather(dim, _expand_index(self.index, tensor, dim))
+        """``tensor`` at the slot positions along ``dim`` (batch is dim 0).
+
+        A tensor that requires grad is gathered with ``index_select`` over the flattened (batch, ``dim``) axes,
+        whose backward keeps only the index: ``torch.gather`` would keep its whole input for backward (every
+        token's hidden states, at each block).
+        """
+        if not tensor.requires_grad:
+            return tensor.gather(dim, _expand_index(self.index, tensor, dim))
+        dim = dim % tensor.dim()
+        moved = tensor.movedim(dim, 1)
+        batch, length = moved.shape[:2]
+        rows = (self.index + torch.arange(batch, device=self.index.device)[:, None] * length).flatten()
+        picked = moved.reshape(batch * length, *moved.shape[2:]).index_select(0, rows.to(tensor.device))
+        return picked.view(batch, self.index.shape[1], *moved.shape[2:]).movedim(1, dim)
 
     def scatter(self, full: torch.Tensor, part: torch.Tensor, dim: int) -> torch.Tensor:
         """``full`` with its slot positions replaced by ``part`` where the slot is valid.

@@ -1,4 +1,4 @@
-"""Token selection's training forward, as hooks on a transformers model: select tokens, run blocks twice, score.
+"""Token selection's training forward, as hooks on a transformers model: select tokens, run the blocks, score.
 
 A component any tuner attaches (TokenTune always, SlimFit with its ``tokentune`` field): ``attach`` refuses a
 model it cannot make exact before changing anything, ``detach`` leaves the model as it was.
@@ -66,10 +66,10 @@ def check_attention_implementation(model: nn.Module) -> None:
 class TokenSelector:
     """Token selection's hooks on ``model``, active in training forwards only (train mode and grad enabled).
 
-    Every block runs on all tokens without gradient tracking, then again on the selected tokens with it;
-    unselected keys and values enter attention as constants. The loss covers selected positions only, and
-    a causal LM's head runs only on them. Selections are drawn from a generator seeded with
-    ``config.seed`` plus the process's rank.
+    Every block runs on all tokens without gradient tracking; its selected tokens are recomputed with it in
+    backward (``blocks.py``), where unselected keys and values enter attention as constants. The loss covers
+    selected positions only, and a causal LM's head runs only on them. Selections are drawn from a generator
+    seeded with ``config.seed`` plus the process's rank.
     """
 
     def __init__(self, model: nn.Module, config: TokenSelectionConfig):
@@ -240,9 +240,9 @@ class TokenSelector:
             verb = "is" if len(asked) == 1 else "are"
             dropped = " and dropping the cache" if len(asked) > 1 or "`use_cache=True`" not in asked else ""
             warnings.warn(
-                f"{' and '.join(asked)} {verb} incompatible with TokenTune training (each block runs twice, so a "
-                f"cache would be filled twice): setting `use_cache=False`{dropped}. The cache is still used in eval "
-                "mode and under torch.no_grad(), e.g. by generate().",
+                f"{' and '.join(asked)} {verb} incompatible with TokenTune training (each block runs again for its "
+                f"selected tokens, so a cache would be filled twice): setting `use_cache=False`{dropped}. The cache "
+                "is still used in eval mode and under torch.no_grad(), e.g. by generate().",
                 UserWarning,
                 stacklevel=2,
             )

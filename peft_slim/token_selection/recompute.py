@@ -1,0 +1,196 @@
+"""The selected tokens' pass through a block, computed once: its outputs come from the no-grad pass over every token,
+and the block runs with grad only in backward, on the selected tokens.
+
+The no-grad pass already computes, exactly, what the selected pass would return at the selected positions (the
+same inputs, the same weights, the same keys and values). :class:`SelectedPass` returns those values and keeps
+only the selected pass's inputs; its backward runs the selected pass with grad and back-propagates through it, as
+activation checkpointing does. A step then costs one forward over every token plus, for the selected tokens, one
+forward and one backward (``1 + 2r`` forwards at token ratio ``r``), at checkpointing's memory.
+
+This holds only when the block computes the same values each time it runs: a block that draws random numbers in
+training (dropout, say) would draw other ones in backward. :class:`RandomOps` spots such a draw during the no-grad
+pass; the block then runs the selected pass with grad in the forward instead (``blocks.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+# Functions that draw random numbers, and how to tell that a call draws (for dropout: in training, p > 0).
+_ALWAYS_RANDOM = {
+    torch.bernoulli,
+    torch.multinomial,
+    torch.normal,
+    torch.poisson,
+    torch.rand,
+    torch.rand_like,
+    torch.randint,
+    torch.randint_like,
+    torch.randn,
+    torch.randn_like,
+    torch.randperm,
+    torch.Tensor.bernoulli,
+    torch.Tensor.bernoulli_,
+    torch.Tensor.cauchy_,
+    torch.Tensor.exponential_,
+    torch.Tensor.geometric_,
+    torch.Tensor.log_normal_,
+    torch.Tensor.normal_,
+    torch.Tensor.random_,
+    torch.Tensor.uniform_,
+}
+# function -> (position of p, position of `training`, default of `training`)
+_DROPOUTS = {
+    F.dropout: (1, 2, True),
+    F.dropout1d: (1, 2, True),
+    F.dropout2d: (1, 2, True),
+    F.dropout3d: (1, 2, True),
+    F.alpha_dropout: (1, 2, False),
+    F.feature_alpha_dropout: (1, 2, False),
+    torch.dropout: (1, 2, None),
+    torch.alpha_dropout: (1, 2, None),
+    torch.feature_dropout: (1, 2, None),
+    torch.feature_alpha_dropout: (1, 2, None),
+}
+
+
+def _argument(args: tuple, kwargs: dict, position: int, names: tuple[str, ...], default: Any) -> Any:
+    if len(args) > position:
+        return args[position]
+    return next((kwargs[name] for name in names if name in kwargs), default)
+
+
+def draws_random_numbers(func: Callable, args: tuple, kwargs: dict) -> bool:
+    """Whether calling ``func(*args, **kwargs)`` draws random numbers."""
+    if func in _ALWAYS_RANDOM:
+        return True
+    if func in _DROPOUTS:
+        p_at, training_at, default = _DROPOUTS[func]
+        p = _argument(args, kwargs, p_at, ("p",), 0.5)
+        training = _argument(args, kwargs, training_at, ("training", "train"), default)
+        return bool(training) and float(p) > 0
+    if func is F.scaled_dot_product_attention:
+        return float(_argument(args, kwargs, 4, ("dropout_p",), 0.0)) > 0
+    if func is F.rrelu:
+        return bool(_argument(args, kwargs, 3, ("training",), False))
+    return False
+
+
+class RandomOps(TorchFunctionMode):
+    """Records the first torch function called inside it that draws random numbers (``found``), or None."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: str | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.found is None and draws_random_numbers(func, args, kwargs):
+            self.found = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+        return func(*args, **kwargs)
+
+
+class SelectedPass(torch.autograd.Function):
+    """``output`` (the no-grad pass's values at the selected slots) as the result of ``run(*inputs)``, which runs
+    only in backward.
+
+    ``inputs`` are the tensors of the selected pass's arguments (kept for backward through ``save_for_backward``,
+    so activation compression and the saved-activation measurement see them) and ``parameters`` the tensors the
+    block trains: both receive the gradients of that recomputation.
+    """
+
+    @staticmethod
+    def forward(ctx, run: Callable, output: torch.Tensor, num_inputs: int, *inputs_and_parameters: torch.Tensor):
+        ctx.run = run
+        ctx.input_needs_grad = [t.requires_grad for t in inputs_and_parameters[:num_inputs]]
+        ctx.parameters = inputs_and_parameters[num_inputs:]
+        ctx.save_for_backward(*inputs_and_parameters[:num_inputs])
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        inputs = [
+            t.detach().requires_grad_(needs) for t, needs in zip(ctx.saved_tensors, ctx.input_needs_grad, strict=True)
+        ]
+        with torch.enable_grad():
+            output = ctx.run(*inputs)
+        wanted = [t for t in inputs if t.requires_grad] + list(ctx.parameters)
+        grads = iter(torch.autograd.grad(output, wanted, grad_output, allow_unused=True)) if wanted else iter(())
+        input_grads = [next(grads) if t.requires_grad else None for t in inputs]
+        return (None, None, None, *input_grads, *grads)
+
+
+def selected_pass(
+    run: Callable[[Any], Any], output: torch.Tensor, arguments: Any, parameters: list[torch.Tensor]
+) -> torch.Tensor:
+    """``output`` with a backward that recomputes it as ``run(arguments)``.
+
+    ``arguments`` is any nesting of tuples, lists and dicts; its tensors are kept through ``save_for_backward``
+    (nothing else holds them) and handed back to ``run`` in the same places. ``run`` returns the block's output (a
+    tensor, or a tuple whose first item is the hidden states). The forward's autocast state is restored for it.
+    """
+    skeleton, inputs = _split(arguments)
+    autocast = _autocast_state(output.device.type)
+
+    def recompute(*tensors: torch.Tensor) -> torch.Tensor:
+        with _autocast(autocast):
+            result = run(_fill(skeleton, iter(tensors)))
+        return result[0] if isinstance(result, (tuple, list)) else result
+
+    return SelectedPass.apply(recompute, output, len(inputs), *inputs, *parameters)
+
+
+_SLOT = object()  # where a tensor of the arguments goes back
+
+
+def _split(value: Any) -> tuple[Any, list[torch.Tensor]]:
+    """``value`` with each tensor (nested in tuples, lists and dicts) replaced by ``_SLOT``, and those tensors."""
+    tensors: list[torch.Tensor] = []
+
+    def strip(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            tensors.append(item)
+            return _SLOT
+        if isinstance(item, (tuple, list)):
+            return type(item)(strip(part) for part in item)
+        if isinstance(item, dict):
+            return {key: strip(part) for key, part in item.items()}
+        return item
+
+    return strip(value), tensors
+
+
+def _fill(skeleton: Any, tensors: Iterator[torch.Tensor]) -> Any:
+    """``skeleton`` from ``_split`` with its slots filled, in order, from ``tensors``."""
+    if skeleton is _SLOT:
+        return next(tensors)
+    if isinstance(skeleton, (tuple, list)):
+        return type(skeleton)(_fill(part, tensors) for part in skeleton)
+    if isinstance(skeleton, dict):
+        return {key: _fill(part, tensors) for key, part in skeleton.items()}
+    return skeleton
+
+
+def _autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
+    types = dict.fromkeys([device_type, "cpu"])
+    return [(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in types]
+
+
+class _autocast:
+    """Re-enter the autocast state ``_autocast_state`` recorded (backward runs outside the forward's contexts)."""
+
+    def __init__(self, state: list[tuple[str, bool, torch.dtype]]):
+        self.contexts = [torch.autocast(kind, dtype=dtype, enabled=enabled) for kind, enabled, dtype in state]
+
+    def __enter__(self):
+        for context in self.contexts:
+            context.__enter__()
+
+    def __exit__(self, *exc):
+        for context in reversed(self.contexts):
+            context.__exit__(*exc)
