@@ -152,6 +152,18 @@ class Boolean(Check):
 
 
 @dataclasses.dataclass
+class BooleanOrName(Check):
+    """True, False or a non-empty string (as LoRA's ``init_lora_weights``: PEFT checks the names itself)."""
+
+    expected: str = "True, False or an initialisation's name (e.g. 'gaussian', 'pissa', 'olora', 'loftq', 'corda')"
+
+    def coerce(self, value: Any, where: str) -> bool | str:
+        if isinstance(value, bool) or (isinstance(value, str) and value):
+            return value
+        self.fail(value, where)
+
+
+@dataclasses.dataclass
 class OneOf(Check):
     """One of ``choices`` (strings or ints; an int choice is not matched by a float or a bool)."""
 
@@ -357,6 +369,7 @@ LORA_FIELDS = {
     "rank_pattern": Patterns(Integer(1)),
     "alpha_pattern": Patterns(Real(0.0, math.inf, low_open=True, high_open=True, keep_int=True)),
     "bias": OneOf(("none", "all", "lora_only")),
+    "init_lora_weights": BooleanOrName(),
     "fan_in_fan_out": Boolean(),
     "use_rslora": Boolean(),
     "use_dora": Boolean(),

@@ -160,6 +160,8 @@ _BAD_LORA = [
     ({"layers_to_transform": 1.0}, r"lora\.layers_to_transform must be an int >= 0, or a list of them"),
     ({"use_rslora": "yes"}, r"lora\.use_rslora must be True or False, got 'yes'"),
     ({"bias": "al"}, r"lora\.bias must be one of \('none', 'all', 'lora_only'\), got 'al'"),
+    ({"init_lora_weights": None}, r"lora\.init_lora_weights must be True, False or an initialisation's name"),
+    ({"init_lora_weights": 1}, r"lora\.init_lora_weights must be True, False or an initialisation's name"),
 ]
 
 
