@@ -119,6 +119,7 @@ class Real(Check):
     low_open: bool = False
     high_open: bool = False
     optional: bool = False
+    keep_int: bool = False  # an int given stays an int (as PEFT writes LoRA's lora_alpha)
 
     @property
     def expected(self) -> str:
@@ -135,7 +136,7 @@ class Real(Check):
         below = number < self.high if self.high_open else number <= self.high
         if not (math.isfinite(number) or (number == self.high and not self.high_open)) or not (above and below):
             self.fail(value, where)
-        return number
+        return int(value) if self.keep_int and isinstance(value, numbers.Integral) else number
 
 
 @dataclasses.dataclass
@@ -148,6 +149,18 @@ class Boolean(Check):
                 return bool(value.item())
             self.fail(value, where)
         return value
+
+
+@dataclasses.dataclass
+class BooleanOrName(Check):
+    """True, False or a non-empty string (as LoRA's ``init_lora_weights``: PEFT checks the names itself)."""
+
+    expected: str = "True, False or an initialisation's name (e.g. 'gaussian', 'pissa', 'olora', 'loftq', 'corda')"
+
+    def coerce(self, value: Any, where: str) -> bool | str:
+        if isinstance(value, bool) or (isinstance(value, str) and value):
+            return value
+        self.fail(value, where)
 
 
 @dataclasses.dataclass
@@ -204,11 +217,12 @@ class ModuleNames(Check):
 
     optional: bool = True
     expected: str = "a list of module names or one regex string"
+    allow_empty: bool = False
 
     def coerce(self, value: Any, where: str) -> list[str] | str:
         if isinstance(value, str):
             return _compiled(value, where)
-        return _string_list(value, where, self.expected)
+        return _string_list(value, where, self.expected, self.allow_empty)
 
 
 @dataclasses.dataclass
@@ -279,6 +293,44 @@ class Mapping(Check):
 
 
 @dataclasses.dataclass
+class Patterns(Check):
+    """A dict from module-name patterns (non-empty strings) to values that pass ``values``, in the order given (as
+    LoRA's ``rank_pattern``)."""
+
+    values: Check
+    optional: bool = True
+
+    @property
+    def expected(self) -> str:
+        return f"a dict from module-name patterns to {self.values.expected}"
+
+    def coerce(self, value: Any, where: str) -> dict:
+        if not isinstance(value, dict) or not all(isinstance(key, str) and key for key in value):
+            self.fail(value, where)
+        return {key: self.values(item, f"{where}[{key!r}]") for key, item in value.items()}
+
+
+@dataclasses.dataclass
+class OneOrList(Check):
+    """One value or a list of values, each passing ``item`` (as LoRA's ``layers_to_transform``)."""
+
+    item: Check
+    optional: bool = True
+
+    @property
+    def expected(self) -> str:
+        return f"{self.item.expected}, or a list of them"
+
+    def coerce(self, value: Any, where: str) -> Any:
+        if isinstance(value, (list, tuple)):
+            return [self.item(item, f"{where}[{index}]") for index, item in enumerate(value)]
+        try:
+            return self.item(value, where)
+        except ValueError:
+            self.fail(value, where)
+
+
+@dataclasses.dataclass
 class Nested(Check):
     """A nested peft_slim config: an instance of ``cls``, or its dict (unknown keys: see the module docstring)."""
 
@@ -304,9 +356,45 @@ class Nested(Check):
         return value
 
 
+# The LoraConfig fields PEFT stores unchecked, where a wrong value fails far from the config (a TypeError inside
+# get_peft_model, a str compared with an int at load) or trains wrong (lora_alpha=nan: loss nan). Checked the same
+# way as peft_slim's own fields: a bool is not an int, NaN and inf are refused. Fields this PEFT lacks are skipped.
+LORA_FIELDS = {
+    "r": Integer(1),
+    "lora_alpha": Real(0.0, math.inf, low_open=True, high_open=True, keep_int=True),
+    "lora_dropout": Real(0.0, 1.0, high_open=True),
+    "target_modules": ModuleNames(allow_empty=True),  # empty: only target_parameters
+    "exclude_modules": ModuleNames(allow_empty=True),
+    "layers_to_transform": OneOrList(Integer(0)),
+    "rank_pattern": Patterns(Integer(1)),
+    "alpha_pattern": Patterns(Real(0.0, math.inf, low_open=True, high_open=True, keep_int=True)),
+    "bias": OneOf(("none", "all", "lora_only")),
+    "init_lora_weights": BooleanOrName(),
+    "fan_in_fan_out": Boolean(),
+    "use_rslora": Boolean(),
+    "use_dora": Boolean(),
+    "lora_bias": Boolean(),
+    "inference_mode": Boolean(),
+    "qalora_group_size": Integer(1),
+}
+
+
+def checked_lora_fields(values: dict[str, Any], where: str) -> dict[str, Any]:
+    """``values`` (LoraConfig fields) with those in ``LORA_FIELDS`` checked and coerced; module names are checked
+    but kept as given (LoraConfig holds a list of them as a set)."""
+    checked = dict(values)
+    for name, check in LORA_FIELDS.items():
+        if name in values:
+            value = check(values[name], f"{where}.{name}")
+            if not isinstance(check, ModuleNames):
+                checked[name] = value
+    return checked
+
+
 @dataclasses.dataclass
 class Lora(Check):
-    """A nested ``peft.LoraConfig``, or its dict (as saved). Unknown keys follow the contract above."""
+    """A nested ``peft.LoraConfig``, or its dict (as saved), its fields checked (``LORA_FIELDS``). Unknown keys follow
+    the contract above."""
 
     optional: bool = True
     expected: str = "a peft.LoraConfig or its dict"
@@ -320,9 +408,13 @@ class Lora(Check):
                 raise ValueError(f"{where}: {unknown_keys_message(LoraConfig, unknown)}")
             if unknown:
                 warn_unknown_saved_keys(LoraConfig, unknown, value.get(VERSION_KEY))
-            value = LoraConfig.from_peft_type(**{k: v for k, v in value.items() if k in valid})
+            known = checked_lora_fields({k: v for k, v in value.items() if k in valid}, where)
+            return LoraConfig.from_peft_type(**known)
         if not isinstance(value, LoraConfig):
             self.fail(value, where)
+        given = {name: getattr(value, name) for name in LORA_FIELDS if hasattr(value, name)}
+        for name, checked in checked_lora_fields(given, where).items():
+            setattr(value, name, checked)
         return value
 
 

@@ -12,7 +12,10 @@ import warnings
 import pytest
 import torch
 import transformers
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from peft import LoraConfig, get_peft_model
+from tiny_models import build
 
 import peft_slim
 from peft_slim.cli import main as cli_main
@@ -248,6 +251,90 @@ def test_cli_reports_a_bad_model(tmp_path, capsys):
     path.write_text(json.dumps({"hidden_size": 8}))
     assert cli_main(["plan", "--model", str(path), "--batch-size", "1", "--seq-len", "8"]) == 2
     assert "no 'model_type'" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"vocab_size": 0}, "vocab_size must be an int >= 1, got 0."),
+        ({"hidden_size": 63}, "The hidden size (63) is not a multiple of the number of attention heads (4)"),
+        ({"num_attention_heads": 0}, "num_attention_heads must be an int >= 1, got 0."),
+        ({"num_key_value_heads": 3}, "num_key_value_heads=3: num_attention_heads=4 is not a multiple of it"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers must be an int >= 1, got 0."),
+        ({"intermediate_size": "128"}, "intermediate_size must be an int >= 1, got '128'."),
+    ],
+)
+def test_cli_refuses_a_model_config_it_cannot_size(tmp_path, capsys, fields, message):
+    """Exit 2 (an input it cannot use), not a traceback's exit 1 (which reads as "nothing fits")."""
+    values = {**llama_config().to_dict(), **fields}
+    values.pop("head_dim", None)  # derived from hidden_size and the heads
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(values))
+    argv = ["plan", "--model", str(path), "--batch-size", "1", "--seq-len", "8", "--budget", "1GB"]
+    assert cli_main(argv) == 2
+    out = capsys.readouterr().out
+    assert out.startswith(f"peft-slim plan: model: {path}: ") and message in out
+
+
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(_SIZE_FIELDS),
+    value=st.one_of(st.integers(-(2**40), 0), st.booleans(), st.floats(allow_nan=True), st.text(max_size=3)),
+    as_dict=st.booleans(),
+)
+def test_an_unusable_config_size_is_refused_by_name_before_anything_is_built(name, value, as_dict):
+    values = {**llama_config().to_dict(), name: value}
+    values.pop("head_dim", None)
+    if as_dict:
+        model = values
+    else:  # a config object changed after transformers checked it (a change of type is refused there)
+        assume(type(value) is int)
+        model = llama_config()
+        setattr(model, name, value)
+    with pytest.raises(ValueError, match=re.escape(f"{name} must be an int >= 1, got {value!r}.")):
+        estimate_memory(model, None, 1, 8)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            lambda: estimate_memory(llama_config(), lora(), 1, 8, task="sequence_classification"),
+            "peft_config.task_type='CAUSAL_LM': PEFT would wrap the sequence_classification model for another task; "
+            "expected task_type='SEQ_CLS', or task='causal_lm'.",
+        ),
+        (
+            lambda: estimate_memory(bert_config(), lora(("query",)), 1, 8),
+            "peft_config.task_type='CAUSAL_LM': PEFT would wrap the sequence_classification model",
+        ),
+        (
+            lambda: plan(build("llama"), None, 1, 8, task="sequence_classification"),
+            "task='sequence_classification': the model given is a LlamaForCausalLM, a causal_lm model",
+        ),
+        (lambda: plan(llama_config(), None, 1, 8, target_modules=5), "target_modules must be a list of module"),
+        (lambda: plan(llama_config(), None, 1, 8, target_modules=["q_proj", None]), "target_modules must be"),
+        (lambda: plan(llama_config(), None, 1, 8, checkpointing="no"), "checkpointing must be True or False"),
+        (
+            lambda: estimate_memory(llama_config(), None, 1, 8, gradient_checkpointing="no"),
+            "gradient_checkpointing must be True or False, got 'no'",
+        ),
+        (lambda: estimate_memory(llama_config(), None, 1, 8, dtype=["float32"]), "dtype=['float32']"),
+        (lambda: estimate_memory(llama_config(), None, 1, 8, task=["causal_lm"]), "task=['causal_lm']"),
+    ],
+)
+def test_python_entry_refuses_arguments_that_do_not_fit_together(call, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call()
+
+
+@pytest.mark.parametrize("peft_config", [{"peft_type": "LORA", "r": 4}, "lora", lora().to_dict()])
+def test_a_peft_config_that_is_not_one_is_a_type_error_naming_it(peft_config):
+    for call in (estimate_memory, measure_memory):
+        with pytest.raises(TypeError, match=r"peft_config: expected a peft.PeftConfig .* got (dict|str)"):
+            call(llama_config(), peft_config, 1, 8)
 
 
 @pytest.mark.parametrize("freeze_by", ["count", "bytes"])

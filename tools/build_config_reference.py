@@ -31,6 +31,12 @@ Every config (`TokenTuneConfig`, `SlimFitConfig`, `TokenSelectionConfig`, `Activ
   floats where ints are meant (`bits=4.0`), `True` for a number, `epsilon=inf`, counts and seeds out of range,
   invalid regexes, `None` inside a module list. numpy scalars are converted to Python numbers, and a single
   module name (`modules_to_save="score"`) is one name.
+- The nested `LoraConfig`, given as one or as a dict, or read from a saved file, is checked the same way (PEFT
+  stores these fields unchecked): `r` an int >= 1, `lora_alpha` a finite number > 0, `lora_dropout` in [0, 1),
+  `target_modules` / `exclude_modules` module names or one regex, `rank_pattern` / `alpha_pattern` values as `r` /
+  `lora_alpha`, `layers_to_transform` ints >= 0, `bias` one of 'none', 'all', 'lora_only', `init_lora_weights` a
+  bool or a name, and its flags (`use_rslora`, `use_dora`, `fan_in_fan_out`, `lora_bias`, `inference_mode`) True or
+  False.
 - An unknown key you pass (top level, or inside a nested dict such as `lora={...}`) is an error naming it and the
   nearest valid field. An unknown key in a saved `adapter_config.json` (a newer version wrote it) is a warning
   naming it and the `peft_slim_version` that saved the file, and is ignored.

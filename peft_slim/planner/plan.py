@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import torch
 from peft import LoraConfig
 
-from ..configuration import Integer, OneOf, Real
+from ..configuration import Boolean, Integer, ModuleNames, OneOf, Real
 from ..slimfit import SlimFitConfig
 from ..tokentune import TokenTuneConfig
 from .estimate import MemoryEstimate, estimate_memory
 from .measured import Measurement, measurement_for
-from .setup import MAX_LORA_R, load_config, resolve_workload
+from .setup import MAX_LORA_R, TASK_TYPES, load_config, resolve_workload
 
 TOKEN_RATIOS = (0.5, 0.3, 0.2, 0.1, 0.05)
 FREEZE_RATIO = 0.8
@@ -111,9 +111,11 @@ def plan(
     lora_r = Integer(1, MAX_LORA_R)(lora_r, "lora_r")
     min_token_ratio = Real(0.0, 1.0, low_open=True)(min_token_ratio, "min_token_ratio")
     rank = OneOf(RANKS)(rank, "rank")
+    target_modules = ModuleNames()(target_modules, "target_modules")
+    checkpointing = Boolean()(checkpointing, "checkpointing")
     source = model if isinstance(model, torch.nn.Module) else load_config(model)  # read once, not per setting
     task = resolve_workload(source, None, batch_size, seq_len, optimizer, dtype, task).task
-    task_type = {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS"}.get(task)
+    task_type = TASK_TYPES.get(task)
     steps = ladder(lora_r, min_token_ratio)
     if checkpointing:
         steps += [Candidate(**{**_fields(c), "gradient_checkpointing": True}) for c in steps]

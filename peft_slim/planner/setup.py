@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 from peft import PeftConfig, PeftModel, get_peft_model
 from torch import nn
 
 from ..compat import copy_loading_marks, storage_key
-from ..configuration import Integer
+from ..configuration import Boolean, Integer
 from ..slimfit import SlimFitModel
 
 TASKS = ("causal_lm", "sequence_classification", "image_classification")
@@ -36,7 +37,24 @@ _SUFFIXES = {
     "ForSequenceClassification": "sequence_classification",
 }
 _SUFFIXES["ForImageClassification"] = "image_classification"
-_PEFT_TASKS = {"CAUSAL_LM": "causal_lm", "SEQ_CLS": "sequence_classification"}
+TASK_TYPES = {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS"}  # PEFT has none for images
+_PEFT_TASKS = {task_type: task for task, task_type in TASK_TYPES.items()}
+# The sizes of a model config that the model is built from and the inputs are drawn with: each one the config has
+# must be a positive int (transformers accepts, e.g., vocab_size=0 or num_attention_heads=0, then fails deep inside
+# the build or the step). A list (a per-layer size) is left to the model.
+CONFIG_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "num_labels",
+    "image_size",
+    "patch_size",
+    "num_channels",
+)
 
 # Bounds of the sizes a step is planned for, checked before anything is built (the synthetic inputs are real
 # tensors): far above any real micro-batch, far below what a typo such as seq_len=10**9 asks for.
@@ -72,12 +90,19 @@ def resolve_workload(model, peft_config, batch_size, seq_len, optimizer, dtype, 
             )
     else:
         config = load_config(model)
+    if peft_config is not None and not isinstance(peft_config, PeftConfig):
+        raise TypeError(
+            f"peft_config: expected a peft.PeftConfig (e.g. peft.LoraConfig, peft_slim.TokenTuneConfig) or None "
+            f"(full fine-tuning), got {type(peft_config).__name__}; build the config from a dict with "
+            "peft.LoraConfig(**values) or peft_slim.TokenTuneConfig(**values)."
+        )
     batch_size = Integer(1, MAX_BATCH_SIZE)(batch_size, "batch_size")
-    if optimizer not in OPTIMIZERS:
+    if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}: expected one of {OPTIMIZERS}.")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}.")
     task = infer_task(module, config, peft_config, task)
+    check_config_sizes(config, f"model: {type(config).__name__}.")
     if task == "image_classification":
         if seq_len is not None:
             raise ValueError(
@@ -132,7 +157,7 @@ def load_config(source) -> transformers.PretrainedConfig:
                 raise ValueError(f"model: {path} is not a JSON config file ({error}).") from None
         try:
             return transformers.AutoConfig.from_pretrained(path)
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, StrictDataclassError) as error:
             raise ValueError(
                 f"model: cannot load a transformers config from {path!r} (a config.json file, a folder holding one, "
                 f"or a hub id reachable from here): {error}"
@@ -147,31 +172,60 @@ def _config_from_dict(values: dict, where: str) -> transformers.PretrainedConfig
     if "model_type" not in values:
         raise ValueError(f"model: {where} has no 'model_type', so the architecture is unknown.")
     values = dict(values)
+    check_config_sizes(values, f"model: {where}: ")
     try:
         return transformers.AutoConfig.for_model(values.pop("model_type"), **values)
-    except ValueError as error:
+    except (ValueError, StrictDataclassError) as error:  # transformers' own checks name the field
         raise ValueError(f"model: {where}: {error}") from None
 
 
+def check_config_sizes(config, where: str) -> None:
+    """Refuse a model config (a transformers config, or the dict it is made from) that the planner cannot build and
+    feed, naming the field ``where`` + name (see ``CONFIG_SIZES``)."""
+    values = {
+        name: config.get(name) if isinstance(config, dict) else getattr(config, name, None) for name in CONFIG_SIZES
+    }
+    for name, value in values.items():
+        if value is not None and not isinstance(value, (list, tuple)):
+            Integer(1)(value, f"{where}{name}")
+    heads, groups = values["num_attention_heads"], values["num_key_value_heads"]
+    if isinstance(heads, int) and isinstance(groups, int) and heads % groups:
+        raise ValueError(
+            f"{where}num_key_value_heads={groups}: num_attention_heads={heads} is not a multiple of it; expected a "
+            f"divisor of {heads}."
+        )
+
+
 def infer_task(model: nn.Module | None, config, peft_config: PeftConfig | None, task: str | None) -> str:
-    """The task given, or the one the model's class, the config's architectures or the PEFT task type says."""
-    if task is not None:
-        if task not in TASKS:
-            raise ValueError(f"task={task!r}: expected one of {TASKS}.")
-        return task
-    names = [type(model).__name__] if model is not None else list(getattr(config, "architectures", None) or [])
-    for name in names:
-        for suffix, found in _SUFFIXES.items():
-            if name.endswith(suffix):
-                return found
+    """The task given, or the one the model's class, the config's architectures or the PEFT task type says; refused
+    where the model given as a module, or the PEFT config's task_type, is for another task."""
     peft_task = getattr(peft_config, "task_type", None)
     peft_task = getattr(peft_task, "value", peft_task)
-    if peft_task in _PEFT_TASKS:
-        return _PEFT_TASKS[peft_task]
-    raise ValueError(
-        f"task: cannot tell what {names or 'this model'} is trained for (no known head class, no PEFT task_type "
-        f"CAUSAL_LM/SEQ_CLS); pass task= one of {TASKS}."
-    )
+    names = [type(model).__name__] if model is not None else list(getattr(config, "architectures", None) or [])
+    named = [found for name in names for suffix, found in _SUFFIXES.items() if name.endswith(suffix)]
+    if task is not None:
+        if not isinstance(task, str) or task not in TASKS:
+            raise ValueError(f"task={task!r}: expected one of {TASKS}.")
+        if model is not None and named and named[0] != task:
+            raise ValueError(
+                f"task={task!r}: the model given is a {names[0]}, a {named[0]} model; pass task={named[0]!r} (or "
+                "None), or the model's config, from which the planner builds the model for the task."
+            )
+    else:
+        task = named[0] if named else _PEFT_TASKS.get(peft_task)
+    if task is None:
+        raise ValueError(
+            f"task: cannot tell what {names or 'this model'} is trained for (no known head class, no PEFT task_type "
+            f"CAUSAL_LM/SEQ_CLS); pass task= one of {TASKS}."
+        )
+    if peft_task is not None and _PEFT_TASKS.get(peft_task) != task:
+        wanted = TASK_TYPES.get(task)
+        other = f", or task={_PEFT_TASKS[peft_task]!r}" if peft_task in _PEFT_TASKS else ""
+        raise ValueError(
+            f"peft_config.task_type={peft_task!r}: PEFT would wrap the {task} model for another task; expected "
+            f"task_type={wanted!r}{other}."
+        )
+    return task
 
 
 def base_model(workload: Workload, device: str) -> nn.Module:
@@ -203,7 +257,7 @@ def base_model(workload: Workload, device: str) -> nn.Module:
 
 def trainable_model(base: nn.Module, peft_config: PeftConfig | None, gradient_checkpointing: bool) -> nn.Module:
     """``base`` with the PEFT config applied (None: full fine-tuning), in train mode."""
-    if gradient_checkpointing:
+    if Boolean()(gradient_checkpointing, "gradient_checkpointing"):
         if not getattr(base, "supports_gradient_checkpointing", False):
             raise ValueError(f"gradient_checkpointing: {type(base).__name__} does not support it.")
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
