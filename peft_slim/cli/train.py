@@ -283,8 +283,13 @@ def check_lora_targets(config, args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
     def meta_model():  # the architecture without weights: nothing read, no memory
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
+        try:
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(config)
+        except Exception as error:  # what loading the weights would meet too (an unknown architecture, say)
+            raise models.ModelError(
+                f"--model {config.name_or_path!r}: no causal LM can be built from its {type(config).__name__}: {error}"
+            ) from None
 
     modules = dict(meta_model().named_modules())
     linear = sorted({name.rsplit(".", 1)[-1] for name, layer in modules.items() if isinstance(layer, torch.nn.Linear)})
