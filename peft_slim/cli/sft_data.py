@@ -143,24 +143,20 @@ def _locate_json_error(text: str) -> str | None:
     valid JSON or not a JSON object, or whose field has another type than the same field on an earlier row (a
     column holds one type)."""
     seen: dict[str, tuple[str, int]] = {}
-    values = _json_values(text)
-    number = 1
-    while True:
-        try:
-            number, row = next(values)
-        except StopIteration:
-            return None
-        except json.JSONDecodeError as error:
-            return f"line {error.lineno}: not valid JSON ({error.msg}, column {error.colno})."
-        if not isinstance(row, dict):
-            return f"line {number}: found {type(row).__name__}, expected a JSON object (one row per line)."
-        for field, kind in _paths(row):
-            first = seen.setdefault(field, (kind, number))
-            if first[0] != kind:
-                return (
-                    f"line {number}: column {field!r}: found {kind}, expected {first[0]} as on line {first[1]} "
-                    "(a column holds one type)."
-                )
+    try:
+        for number, row in _json_values(text):
+            if not isinstance(row, dict):
+                return f"line {number}: found {type(row).__name__}, expected a JSON object (one row per line)."
+            for field, kind in _paths(row):
+                first = seen.setdefault(field, (kind, number))
+                if first[0] != kind:
+                    return (
+                        f"line {number}: column {field!r}: found {kind}, expected {first[0]} as on line {first[1]} "
+                        "(a column holds one type)."
+                    )
+    except json.JSONDecodeError as error:
+        return f"line {error.lineno}: not valid JSON ({error.msg}, column {error.colno})."
+    return None
 
 
 def _csv_options(dataset: str, text: str) -> dict:

@@ -166,7 +166,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--seed", type=integer("--seed", 0, MAX_SEED), default=0, help="Seed of data order, LoRA init and selection."
     )
-    train.add_argument("--output", default="peft-slim-output", help="Folder the adapter (or full model) is saved to.")
+    train.add_argument(
+        "--output",
+        default="peft-slim-output",
+        help="Folder the adapter (or full model) is saved to; the model files an earlier run left there are replaced, "
+        "other files stay.",
+    )
 
 
 def check_flags(args: argparse.Namespace) -> None:
