@@ -366,6 +366,26 @@ def test_a_save_replaces_the_model_files_an_earlier_run_of_another_method_left(
     assert not [name for name in os.listdir(tmp_path) if "peft_slim" in name]
 
 
+def test_a_failed_save_leaves_the_earlier_run_as_it_was(tmp_path):
+    """The replacing save is one swap: a save that fails half-way leaves the earlier run's files, nothing beside."""
+    from peft_slim.cli.train import save
+
+    class Failing:
+        def save_pretrained(self, folder, **kwargs):
+            Path(folder, "model.safetensors").write_text("half")
+            raise RuntimeError("disk full")
+
+    output = tmp_path / "out"
+    output.mkdir()
+    earlier = {"adapter_config.json": "{}", "adapter_model.safetensors": "lora", "train.log": "log"}
+    for name, text in earlier.items():
+        (output / name).write_text(text)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save(Failing(), None, output)
+    assert {path.name: path.read_text() for path in output.iterdir()} == earlier
+    assert os.listdir(tmp_path) == ["out"]
+
+
 @pytest.fixture()
 def never_loaded(monkeypatch):
     """Fails the test if the command loads the model's weights."""
