@@ -386,6 +386,48 @@ def test_a_failed_save_leaves_the_earlier_run_as_it_was(tmp_path):
     assert os.listdir(tmp_path) == ["out"]
 
 
+_KILLED_SAVE = """
+import os, signal, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from peft_slim import atomic_folder
+from peft_slim.cli.train import save
+from tiny_models import build
+
+calls = 0
+def reached(stage):
+    global calls
+    calls += 1
+    if calls == {kill_at}:
+        os.kill(os.getpid(), signal.SIGKILL)
+atomic_folder.reached = reached
+save(build("llama"), None, Path({target!r}))
+"""
+EARLIER = {"adapter_config.json": "{}", "adapter_model.safetensors": "lora", "train.log": "log"}
+FULL_FILES = {"config.json", "generation_config.json", "model.safetensors", "train.log"}
+
+
+@pytest.mark.parametrize("kill_at", range(1, 7))
+def test_a_save_killed_at_any_stage_leaves_the_earlier_run_or_the_new_one(kill_at, tmp_path):
+    """A full model saved over an adapter, the process killed at each stage of the two swaps (the staged folder's,
+    then the output's): the folder holds the earlier run's files or the new ones, never a mix, and the next save
+    clears every leftover."""
+    from tiny_models import build
+
+    from peft_slim.cli.train import save
+
+    output = tmp_path / "out"
+    output.mkdir()
+    for name, text in EARLIER.items():
+        (output / name).write_text(text)
+    script = _KILLED_SAVE.format(tests=str(Path(__file__).parent), kill_at=kill_at, target=str(output))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == -9, done.stderr[-4000:]
+    assert set(os.listdir(output)) in (set(EARLIER), FULL_FILES), kill_at
+    save(build("llama"), None, output)
+    assert set(os.listdir(output)) == FULL_FILES and os.listdir(tmp_path) == ["out"]
+
+
 @pytest.fixture()
 def never_loaded(monkeypatch):
     """Fails the test if the command loads the model's weights."""
