@@ -279,6 +279,7 @@ REFUSED = [
     (["--method", "tokentune", "--lora-r", "0", "--lora-alpha", "16"], "--lora-alpha"),
     (["--max-steps", "2", "--num-epochs", "1"], "--num-epochs"),
     (["--gguf-file", "x.gguf"], "--gguf-file"),
+    (["--lora-target-modules", " , "], "--lora-target-modules ' , ' names no module"),
 ]
 
 

@@ -196,7 +196,10 @@ def check_flags(args: argparse.Namespace) -> None:
         if value is not None and not uses_lora:
             raise UsageError(f"{flag} needs LoRA (--lora-r > 0), not --method {method} with --lora-r {args.lora_r}.")
     if args.lora_target_modules is not None and not args.lora_target_modules.replace(",", "").strip():
-        raise UsageError("--lora-target-modules '': names no module; expected comma-separated names, or all-linear.")
+        raise UsageError(
+            f"--lora-target-modules {args.lora_target_modules!r} names no module; expected comma-separated names, or "
+            "all-linear."
+        )
     if args.max_steps is not None and args.num_epochs is not None:
         raise UsageError("give --max-steps or --num-epochs, not both (--max-steps would override --num-epochs).")
     if args.gguf_file is not None and args.model is None:
@@ -279,8 +282,7 @@ def check_lora_targets(config, args: argparse.Namespace) -> None:
     """Each name in --lora-target-modules matches a module LoRA can adapt: PEFT's own matching and injection, one
     name at a time, on the model built from its config on the meta device (no weights read, no memory). PEFT alone
     refuses only after the model has loaded, naming no flag, and skips a name silently when another one matches."""
-    lora = lora_config(args)
-    if args.lora_target_modules is None or lora.target_modules == "all-linear":
+    if args.lora_target_modules in (None, "all-linear"):
         return
     import torch
     from peft import inject_adapter_in_model
@@ -300,6 +302,7 @@ def check_lora_targets(config, args: argparse.Namespace) -> None:
     linear = sorted({name.rsplit(".", 1)[-1] for name, layer in modules.items() if isinstance(layer, torch.nn.Linear)})
     given = f"--lora-target-modules {args.lora_target_modules!r}"
     expected = f"expected comma-separated names of the model's layers, such as {', '.join(linear)}, or all-linear"
+    lora = lora_config(args)
     for target in sorted(lora.target_modules):
         alone = replace(lora, target_modules=[target])
         kinds = {type(module).__name__ for name, module in modules.items() if check_target_module_exists(alone, name)}
