@@ -91,13 +91,52 @@ def test_a_null_text_row_is_refused(tmp_path, capsys):
 def test_csv_and_parquet_rows_are_checked(tmp_path, capsys):
     csv = tmp_path / "pc.csv"
     csv.write_text("prompt,completion\nHi?,Hello.\nHi?,\n")
-    assert "row 2: column 'completion': found nothing" in refused(capsys, csv)
+    assert "row 2: column 'completion': found an empty string" in refused(capsys, csv)
     pyarrow = pytest.importorskip("pyarrow.parquet")
     import pyarrow as pa
 
     parquet = tmp_path / "text.parquet"
     pyarrow.write_table(pa.table({"text": ["fine", None, "fine"]}), parquet)
     assert "row 2: column 'text': found nothing" in refused(capsys, parquet)
+
+
+def test_csv_cells_are_read_as_the_text_they_are(tmp_path):
+    """The bug: pandas' type and NA guessing made `42` an int, `True` a bool and `NA` nothing, so valid answers were
+    refused ("found int 42", "found nothing")."""
+    path = tmp_path / "answers.csv"
+    path.write_text("prompt,completion\nSix times seven?,42\nIs it?,True\nCode?,NA\nNothing?,null\nSkip?,\n")
+    rows = sft_data.read_rows(str(path), "train")
+    assert [row["completion"] for row in rows] == ["42", "True", "NA", "null", ""]
+    sft_data.check_rows(rows[:4], sft_data.find_columns(rows))  # valid answers; the empty one is refused (above)
+
+
+def test_a_csv_naming_a_column_twice_is_refused(tmp_path, capsys):
+    """The bug: pandas renamed the second `completion` to `completion.1` and the run trained on the first."""
+    path = tmp_path / "twice.csv"
+    path.write_text("prompt,completion,completion\nHi?,Hello.,Bye.\n")
+    err = refused(capsys, path)
+    assert f"'{path}', line 1: the header names column(s) 'completion' more than once" in err, err
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "array"])
+def test_a_json_key_given_twice_is_refused_naming_line_and_key(layout, tmp_path, capsys):
+    """The bug: JSON lines failed with "An error occurred while generating the dataset" (no line, no key); a JSON
+    array kept the last value silently."""
+    twice = '{"prompt": "Hi?", "completion": "Hello.", "completion": "Bye."}'
+    if layout == "jsonl":
+        path = tmp_path / "twice.jsonl"
+        path.write_text(f"{json.dumps(GOOD_PC)}\n\n{twice}\n")
+    else:
+        path = tmp_path / "twice.json"
+        path.write_text(f"[\n  {json.dumps(GOOD_PC)},\n\n  {twice}\n]\n")
+    line = 3 if layout == "jsonl" else 4
+    assert f"'{path}', line {line}: key 'completion' appears twice in one object" in refused(capsys, path)
+
+
+def test_json_array_rows_are_named_by_their_line(tmp_path, capsys):
+    path = tmp_path / "rows.json"
+    path.write_text(f"[\n  {json.dumps(GOOD_PC)},\n\n  {json.dumps({'prompt': 'Hi?', 'completion': ''})}\n]\n")
+    assert f"'{path}', line 4: column 'completion': found an empty string" in refused(capsys, path)
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".csv"])

@@ -44,13 +44,15 @@ def test_first_run_prints_no_fault_like_lines(tiny_model, tmp_path):
     for file in tiny_model.iterdir():
         if file.name != "config.json":
             (tmp_path / "model" / file.name).write_bytes(file.read_bytes())
+    # Its config comes from elsewhere (the GGUF file's metadata): here, from the tiny model's folder. The command
+    # reads it once and hands it to the model's loading.
     script = (
         "import sys, transformers\n"
         "from transformers import AutoConfig\n"
         f"config = AutoConfig.from_pretrained({str(tiny_model)!r})\n"
-        "orig = transformers.AutoModelForCausalLM.from_pretrained\n"
-        "transformers.AutoModelForCausalLM.from_pretrained = "
-        "lambda path, **kw: orig(path, config=config, **kw)\n"
+        "orig = transformers.AutoConfig.from_pretrained\n"
+        "transformers.AutoConfig.from_pretrained = "
+        f"lambda path, *a, **kw: config if str(path) == {str(tmp_path / 'model')!r} else orig(path, *a, **kw)\n"
         "from peft_slim.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )

@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -278,6 +279,7 @@ REFUSED = [
     (["--method", "tokentune", "--lora-r", "0", "--lora-alpha", "16"], "--lora-alpha"),
     (["--max-steps", "2", "--num-epochs", "1"], "--num-epochs"),
     (["--gguf-file", "x.gguf"], "--gguf-file"),
+    (["--lora-target-modules", " , "], "--lora-target-modules ' , ' names no module"),
 ]
 
 
@@ -327,6 +329,143 @@ def test_the_tokenizer_is_saved_without_leftovers(trained):
     output, _ = trained["lora"]
     assert (output / "tokenizer.json").is_file()
     assert not [name for name in os.listdir(output) if name.startswith(".peft_slim")]
+
+
+def test_a_save_replaces_the_model_files_an_earlier_run_of_another_method_left(
+    trained, tiny_model, datasets_dir, tmp_path
+):
+    """The bug: --method full into the folder of an earlier LoRA run (two runs without --output share one) left the
+    adapter files there, and AutoModelForCausalLM.from_pretrained(folder) put the old LoRA on the new weights; a
+    LoRA run into a full run's folder left model.safetensors and config.json beside the adapter. Now the folder
+    holds what a save into a new folder holds, plus the files no save owns (logs, runs/, links)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    (tmp_path / "shared.txt").write_text("kept")
+    for earlier, later in (("lora", "full"), ("full", "lora")):
+        output = tmp_path / later
+        shutil.copytree(trained[earlier][0], output)
+        (output / "train.log").write_text("kept")
+        (output / "runs").mkdir()
+        (output / "runs" / "events").write_text("kept")
+        (output / "notes.txt").symlink_to(tmp_path / "shared.txt")
+        code = train(tiny_model, datasets_dir["messages"], output, "--learning-rate", "0.01", *METHOD_FLAGS[later])
+        assert code == 0
+        fresh = set(os.listdir(trained[later][0]))
+        card = {"README.md"} & set(os.listdir(trained[earlier][0]))  # a card is the user's to edit: kept
+        assert set(os.listdir(output)) == fresh | card | {"train.log", "runs", "notes.txt"}, (earlier, later)
+        assert (output / "notes.txt").is_symlink() and (output / "runs" / "events").read_text() == "kept"
+        expected = trained[later][0]  # the same run into a new folder
+        if later == "lora":
+            expected = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), expected)
+        else:
+            expected = AutoModelForCausalLM.from_pretrained(expected)
+        with torch.no_grad():
+            got = AutoModelForCausalLM.from_pretrained(output)(input_ids=ids).logits
+            assert torch.allclose(got, expected(input_ids=ids).logits, atol=1e-6), (earlier, later)
+    assert not [name for name in os.listdir(tmp_path) if "peft_slim" in name]
+
+
+def test_a_failed_save_leaves_the_earlier_run_as_it_was(tmp_path):
+    """The replacing save is one swap: a save that fails half-way leaves the earlier run's files, nothing beside."""
+    from peft_slim.cli.train import save
+
+    class Failing:
+        def save_pretrained(self, folder, **kwargs):
+            Path(folder, "model.safetensors").write_text("half")
+            raise RuntimeError("disk full")
+
+    output = tmp_path / "out"
+    output.mkdir()
+    earlier = {"adapter_config.json": "{}", "adapter_model.safetensors": "lora", "train.log": "log"}
+    for name, text in earlier.items():
+        (output / name).write_text(text)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save(Failing(), None, output)
+    assert {path.name: path.read_text() for path in output.iterdir()} == earlier
+    assert os.listdir(tmp_path) == ["out"]
+
+
+_KILLED_SAVE = """
+import os, signal, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from peft_slim import atomic_folder
+from peft_slim.cli.train import save
+from tiny_models import build
+
+calls = 0
+def reached(stage):
+    global calls
+    calls += 1
+    if calls == {kill_at}:
+        os.kill(os.getpid(), signal.SIGKILL)
+atomic_folder.reached = reached
+save(build("llama"), None, Path({target!r}))
+"""
+EARLIER = {"adapter_config.json": "{}", "adapter_model.safetensors": "lora", "train.log": "log"}
+FULL_FILES = {"config.json", "generation_config.json", "model.safetensors", "train.log"}
+
+
+@pytest.mark.parametrize("kill_at", range(1, 7))
+def test_a_save_killed_at_any_stage_leaves_the_earlier_run_or_the_new_one(kill_at, tmp_path):
+    """A full model saved over an adapter, the process killed at each stage of the two swaps (the staged folder's,
+    then the output's): the folder holds the earlier run's files or the new ones, never a mix, and the next save
+    clears every leftover."""
+    from tiny_models import build
+
+    from peft_slim.cli.train import save
+
+    output = tmp_path / "out"
+    output.mkdir()
+    for name, text in EARLIER.items():
+        (output / name).write_text(text)
+    script = _KILLED_SAVE.format(tests=str(Path(__file__).parent), kill_at=kill_at, target=str(output))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == -9, done.stderr[-4000:]
+    assert set(os.listdir(output)) in (set(EARLIER), FULL_FILES), kill_at
+    save(build("llama"), None, output)
+    assert set(os.listdir(output)) == FULL_FILES and os.listdir(tmp_path) == ["out"]
+
+
+@pytest.fixture()
+def never_loaded(monkeypatch):
+    """Fails the test if the command loads the model's weights."""
+    from peft_slim.cli import models
+
+    monkeypatch.setattr(models, "load_model", lambda *args, **kwargs: pytest.fail("the model was loaded"))
+
+
+@pytest.mark.parametrize("where", ["file", "file/sub"])
+def test_an_output_that_cannot_be_a_folder_is_refused_before_the_model_loads(
+    where, never_loaded, tiny_model, datasets_dir, tmp_path, capsys
+):
+    """The bug: FileExistsError (`--output file`) or NotADirectoryError (`--output file/sub`) from Trainer, with a
+    traceback, after the model had loaded."""
+    (tmp_path / "file").write_text("not a folder")
+    assert train(tiny_model, datasets_dir["text"], tmp_path / where) == 2
+    err = capsys.readouterr().err
+    assert f"--output '{tmp_path / where}'" in err and "a file; expected a folder" in err, err
+
+
+@pytest.mark.parametrize(
+    ("targets", "message"),
+    [
+        ("nonexistent_proj", "the model has no module named 'nonexistent_proj'"),
+        ("q_proj,nonexistent_proj", "the model has no module named 'nonexistent_proj'"),  # PEFT: q_proj alone
+        ("q_proj,layers", "'layers' names ModuleList, not a layer LoRA adapts"),
+    ],
+)
+def test_lora_target_modules_are_checked_before_the_model_loads(
+    targets, message, never_loaded, tiny_model, datasets_dir, tmp_path, capsys
+):
+    """The bug: PEFT's NoMatchingPeftModuleError (naming no flag) after the model had loaded, and a name that
+    matches nothing skipped silently when another name matches."""
+    assert train(tiny_model, datasets_dir["text"], tmp_path / "out", "--lora-target-modules", targets) == 2
+    err = capsys.readouterr().err
+    assert f"--lora-target-modules '{targets}': {message}" in err, err
+    assert "such as down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj, or all-linear" in err
 
 
 def test_help_documents_every_flag(capsys):

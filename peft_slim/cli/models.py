@@ -38,20 +38,19 @@ def _failed(path: str, gguf_file: str | None, error: Exception) -> ModelError:
 def load_config(path: str, gguf_file: str | None):
     """The transformers config of the model ``load_model`` would load (a GGUF file's from its metadata); without
     a GGUF file, anything the planner reads (a config.json file, a folder or a hub id)."""
-    if gguf_file is None:
-        from ..planner.setup import load_config as planner_config
-
-        return planner_config(path)
     from transformers import AutoConfig
 
+    from ..planner.setup import load_config as planner_config
+
     try:
-        return AutoConfig.from_pretrained(path, gguf_file=gguf_file)
+        return planner_config(path) if gguf_file is None else AutoConfig.from_pretrained(path, gguf_file=gguf_file)
     except Exception as error:
         raise _failed(path, gguf_file, error) from error
 
 
-def load_model(path: str, gguf_file: str | None, dtype: str = "float32"):
-    """(causal LM, tokenizer); a GGUF checkpoint is unpacked to plain weights (Trainer refuses GGUF modules)."""
+def load_model(path: str, gguf_file: str | None, dtype: str = "float32", config=None):
+    """(causal LM, tokenizer); a GGUF checkpoint is unpacked to plain weights (Trainer refuses GGUF modules).
+    ``config``: the model's config when already read (``load_config``), so that it is not read again."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -62,6 +61,8 @@ def load_model(path: str, gguf_file: str | None, dtype: str = "float32"):
             from transformers import GgufConfig
 
             extra["quantization_config"] = GgufConfig(dequantize=True)
+        if config is not None:
+            extra["config"] = config
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **extra)
     except Exception as error:
         raise _failed(path, gguf_file, error) from error

@@ -9,6 +9,7 @@ and TokenTune's label-first selection see only the answers.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -84,27 +85,97 @@ def _paths(value, prefix: str = ""):
         yield prefix, type(value).__name__
 
 
-def _locate_jsonl_error(text: str) -> str | None:
-    """Where a JSON lines file the ``json`` builder could not read goes wrong: the first line that is not a JSON
-    object, or whose field has another type than the same field on an earlier line (a column holds one type)."""
-    seen: dict[str, tuple[str, int]] = {}
-    for number, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
-            continue
+class _DuplicateKey(ValueError):
+    """A JSON object naming a key twice (``json`` and the ``json`` builder would keep only one of the values)."""
+
+    def __init__(self, key: str, line: int | None = None):
+        super().__init__(key, line)
+        self.key, self.line = key, line
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen.add(key)
+    return dict(pairs)
+
+
+def _json_values(text: str):
+    """(line, value) of each row of a JSON text: the items of a JSON array, else each top-level value (JSON lines, or
+    one object). ``line`` is the 1-based line the row starts on. A key repeated in an object raises
+    ``_DuplicateKey`` with the row's line, invalid JSON ``json.JSONDecodeError``."""
+    decoder, space = json.JSONDecoder(object_pairs_hook=_unique_keys), re.compile(r"\s*")
+    position, line, counted = space.match(text).end(), 1, 0
+    array = text.startswith("[", position)
+    if array:
+        position = space.match(text, position + 1).end()
+    while position < len(text) and not (array and text.startswith("]", position)):
+        line, counted = line + text.count("\n", counted, position), position
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            return f"line {number}: not valid JSON ({error.msg}, column {error.colno})."
-        if not isinstance(row, dict):
-            return f"line {number}: found {type(row).__name__}, expected a JSON object (one row per line)."
-        for field, kind in _paths(row):
-            first = seen.setdefault(field, (kind, number))
-            if first[0] != kind:
-                return (
-                    f"line {number}: column {field!r}: found {kind}, expected {first[0]} as on line {first[1]} "
-                    "(a column holds one type)."
-                )
+            value, end = decoder.raw_decode(text, position)
+        except _DuplicateKey as error:
+            raise _DuplicateKey(error.key, line) from None
+        yield line, value
+        position = space.match(text, end).end()
+        if array and text.startswith(",", position):
+            position = space.match(text, position + 1).end()
+
+
+def _json_rows(dataset: str, text: str) -> list[int] | None:
+    """The line each row of a JSON or JSON lines file starts on; None where the file is not valid JSON (the ``json``
+    builder's error is located once it fails). A key repeated in one object is refused here, naming the line and
+    the key: the builder would fail without saying where (JSON lines) or keep one of the values (a JSON array)."""
+    try:
+        return [line for line, _ in _json_values(text)]
+    except _DuplicateKey as error:
+        raise DataError(
+            f"--dataset {dataset!r}, line {error.line}: key {error.key!r} appears twice in one object; expected "
+            "each key once (only one of the values would be read): rename or remove the other."
+        ) from None
+    except json.JSONDecodeError:
+        return None
+
+
+def _locate_json_error(text: str) -> str | None:
+    """Where a JSON or JSON lines file the ``json`` builder could not read goes wrong: the first row that is not
+    valid JSON or not a JSON object, or whose field has another type than the same field on an earlier row (a
+    column holds one type)."""
+    seen: dict[str, tuple[str, int]] = {}
+    try:
+        for number, row in _json_values(text):
+            if not isinstance(row, dict):
+                return f"line {number}: found {type(row).__name__}, expected a JSON object (one row per line)."
+            for field, kind in _paths(row):
+                first = seen.setdefault(field, (kind, number))
+                if first[0] != kind:
+                    return (
+                        f"line {number}: column {field!r}: found {kind}, expected {first[0]} as on line {first[1]} "
+                        "(a column holds one type)."
+                    )
+    except json.JSONDecodeError as error:
+        return f"line {error.lineno}: not valid JSON ({error.msg}, column {error.colno})."
     return None
+
+
+def _csv_options(dataset: str, text: str) -> dict:
+    """The ``csv`` builder's options that read every cell as the text it is: each column a string column, no NA
+    guessing (pandas would make ``42`` an int, ``True`` a bool, ``NA`` and an empty cell nothing). A header naming a
+    column twice is refused: pandas would rename the second (``completion.1``) and the run train on the first."""
+    import csv
+    import io
+
+    import datasets
+
+    header = next(csv.reader(io.StringIO(text)), [])
+    repeated = sorted({name for name in header if header.count(name) > 1})
+    if repeated:
+        raise DataError(
+            f"--dataset {dataset!r}, line 1: the header names column(s) {', '.join(map(repr, repeated))} more than "
+            f"once (header: {header}); expected each column name once: rename or remove the repeated column."
+        )
+    return {"features": datasets.Features({name: datasets.Value("string") for name in header}), "na_filter": False}
 
 
 def read_rows(dataset: str | None, split: str) -> Rows:
@@ -121,26 +192,26 @@ def read_rows(dataset: str | None, split: str) -> Rows:
         raise DataError(
             f"--dataset {dataset!r} needs the `datasets` package: pip install 'peft-slim[train]'."
         ) from error
-    lines = None
+    lines, builder = None, FILE_BUILDERS.get(path.suffix.lower()) if path.is_file() else None
     try:
         if path.is_file():
-            builder = FILE_BUILDERS.get(path.suffix.lower())
             if builder is None:
                 raise DataError(
                     f"--dataset {dataset!r}: unknown file type {path.suffix!r}; use one of {sorted(FILE_BUILDERS)}."
                 )
-            if builder != "parquet":
-                data = _check_utf8(path)
-                if path.suffix.lower() == ".jsonl":  # one row per non-blank line, as the json builder reads it
-                    lines = [number for number, line in enumerate(data.split(b"\n"), 1) if line.strip()]
-            loaded = datasets.load_dataset(builder, data_files=str(path), split="train")
+            options = {}
+            if builder == "json":
+                lines = _json_rows(dataset, _check_utf8(path).decode("utf-8"))
+            elif builder == "csv":
+                options = _csv_options(dataset, _check_utf8(path).decode("utf-8-sig"))
+            loaded = datasets.load_dataset(builder, data_files=str(path), split="train", **options)
         else:
             loaded = datasets.load_dataset(dataset, split=split)
     except DataError:
         raise
     except Exception as error:
-        if lines is not None or path.suffix.lower() == ".jsonl":
-            located = _locate_jsonl_error(path.read_bytes().decode("utf-8"))
+        if builder == "json":
+            located = _locate_json_error(path.read_bytes().decode("utf-8"))
             if located is not None:
                 raise DataError(f"--dataset {dataset!r}, {located}") from error
         raise DataError(
@@ -149,7 +220,7 @@ def read_rows(dataset: str | None, split: str) -> Rows:
         ) from error
     source = f"--dataset {dataset!r}" + ("" if path.is_file() else f" (split {split!r})")
     if lines is not None and len(lines) != len(loaded):
-        lines = None  # rows do not map to lines one to one (e.g. a JSON array): rows are numbered instead
+        lines = None  # rows do not map to values one to one (one object of columns): rows are numbered instead
     return Rows(list(loaded), source, lines)
 
 

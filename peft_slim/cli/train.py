@@ -10,8 +10,10 @@ The saved adapter's path is the last line printed.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from ..planner.setup import MAX_BATCH_SIZE, MAX_LORA_R, MAX_SEQ_LEN, MAX_TOKENS, max_positions
@@ -164,7 +166,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--seed", type=integer("--seed", 0, MAX_SEED), default=0, help="Seed of data order, LoRA init and selection."
     )
-    train.add_argument("--output", default="peft-slim-output", help="Folder the adapter (or full model) is saved to.")
+    train.add_argument(
+        "--output",
+        default="peft-slim-output",
+        help="Folder the adapter (or full model) is saved to; the model files an earlier run left there are replaced, "
+        "other files stay.",
+    )
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -188,6 +195,11 @@ def check_flags(args: argparse.Namespace) -> None:
     for flag, value in (("--lora-alpha", args.lora_alpha), ("--lora-target-modules", args.lora_target_modules)):
         if value is not None and not uses_lora:
             raise UsageError(f"{flag} needs LoRA (--lora-r > 0), not --method {method} with --lora-r {args.lora_r}.")
+    if args.lora_target_modules is not None and not args.lora_target_modules.replace(",", "").strip():
+        raise UsageError(
+            f"--lora-target-modules {args.lora_target_modules!r} names no module; expected comma-separated names, or "
+            "all-linear."
+        )
     if args.max_steps is not None and args.num_epochs is not None:
         raise UsageError("give --max-steps or --num-epochs, not both (--max-steps would override --num-epochs).")
     if args.gguf_file is not None and args.model is None:
@@ -241,15 +253,66 @@ def _get_peft_model(model, config):
         return get_peft_model(model, config)
 
 
-def check_model_fits(model, args: argparse.Namespace) -> None:
-    """--max-length within the model's positions and --lora-r within its width, before anything trains."""
-    config = model.config
+def check_output(output: str) -> None:
+    """--output is a folder, or a path where one can be made: neither it nor a folder above it is a file, and the
+    folder that holds it (where the save is staged and swapped in) is writable."""
+    path = Path(output).absolute()
+    for part in (path, *path.parents):
+        if part.is_dir():
+            break
+        if part.exists() or part.is_symlink():  # a file, or a link to nothing
+            what = "is a file" if part == path else f"is under {str(part)!r}, a file"
+            raise UsageError(f"--output {output!r} {what}; expected a folder (new, or one to save into).")
+    holder = next(folder for folder in path.parents if folder.is_dir())
+    if not os.access(holder, os.W_OK | os.X_OK):
+        raise UsageError(f"--output {output!r}: {str(holder)!r} is not writable; expected a folder you can write in.")
+
+
+def check_model_fits(config, args: argparse.Namespace) -> None:
+    """--max-length within the model's positions and --lora-r within its width (from the model's config)."""
     limit = max_positions(config)
     if limit is not None and args.max_length > limit:
         raise UsageError(f"--max-length {args.max_length}: the model has {limit} positions; expected at most {limit}.")
     width = getattr(config, "hidden_size", None)
     if args.lora_r and isinstance(width, int) and args.lora_r > width:
         raise UsageError(f"--lora-r {args.lora_r}: above the model's hidden size {width}; expected at most {width}.")
+
+
+def check_lora_targets(config, args: argparse.Namespace) -> None:
+    """Each name in --lora-target-modules matches a module LoRA can adapt: PEFT's own matching and injection, one
+    name at a time, on the model built from its config on the meta device (no weights read, no memory). PEFT alone
+    refuses only after the model has loaded, naming no flag, and skips a name silently when another one matches."""
+    if args.lora_target_modules in (None, "all-linear"):
+        return
+    import torch
+    from peft import inject_adapter_in_model
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from transformers import AutoModelForCausalLM
+
+    def meta_model():  # the architecture without weights: nothing read, no memory
+        try:
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(config)
+        except Exception as error:  # what loading the weights would meet too (an unknown architecture, say)
+            raise models.ModelError(
+                f"--model {config.name_or_path!r}: no causal LM can be built from its {type(config).__name__}: {error}"
+            ) from None
+
+    modules = dict(meta_model().named_modules())
+    linear = sorted({name.rsplit(".", 1)[-1] for name, layer in modules.items() if isinstance(layer, torch.nn.Linear)})
+    given = f"--lora-target-modules {args.lora_target_modules!r}"
+    expected = f"expected comma-separated names of the model's layers, such as {', '.join(linear)}, or all-linear"
+    lora = lora_config(args)
+    for target in sorted(lora.target_modules):
+        alone = replace(lora, target_modules=[target])
+        kinds = {type(module).__name__ for name, module in modules.items() if check_target_module_exists(alone, name)}
+        if not kinds:
+            raise UsageError(f"{given}: the model has no module named {target!r}; {expected}.")
+        try:
+            inject_adapter_in_model(alone, meta_model(), low_cpu_mem_usage=True)
+        except ValueError:
+            found = ", ".join(sorted(kinds))
+            raise UsageError(f"{given}: {target!r} names {found}, not a layer LoRA adapts; {expected}.") from None
 
 
 def lora_config(args: argparse.Namespace):
@@ -347,6 +410,30 @@ def plain_lora_saved_bytes(model, args: argparse.Namespace, batch: dict) -> int:
         plain.unload()
 
 
+def save(model, tokenizer, output: Path) -> None:
+    """Save the adapter (or the full model) and the tokenizer into ``output``, replacing every model file an earlier
+    save left there, whatever method wrote it: the adapter files, ``peft_slim_config.json``, a transformers model's
+    weights, shards, index and configs. Without that, a full model saved over an adapter would load with the old
+    adapter applied, and an adapter saved over a full model would sit beside its weights. Other files (logs,
+    ``runs/``) stay. Atomic: a reader, or a kill at any point, finds the old folder or the new one.
+
+    The outer swap stages the folder without its model files; ``save_pretrained`` writes this run's files into the
+    staged folder (in a swap of its own, which only the staging sees).
+    """
+    from ..atomic_folder import replaced_folder
+    from ..quiet import warning_silenced
+    from ..tuner.saving import ADAPTER_FILES, MODEL_FILES, save_pretrained
+
+    def model_file(relative: str) -> bool:
+        return relative in ADAPTER_FILES or bool(MODEL_FILES.fullmatch(relative))
+
+    # PEFT warns that a base model folder without config.json (the GGUF default) cannot tell whether the vocabulary
+    # changed; the command never resizes embeddings, so the answer ("not modified") is right.
+    quiet = warning_silenced(UserWarning, "Could not find a config file in")
+    with replaced_folder(str(output), model_file) as staging, quiet:
+        save_pretrained(model, staging, tokenizer=tokenizer)
+
+
 # ------------------------------------------------------------------------------------------------------- training
 def make_trainer(model, tokenizer, examples, args, context):
     import torch
@@ -416,10 +503,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     check_flags(args)
+    check_output(args.output)
     import torch
     from transformers import set_seed
-
-    from ..quiet import warning_silenced
 
     rows = sft_data.read_rows(args.dataset, args.dataset_split)
     columns = sft_data.find_columns(
@@ -427,9 +513,11 @@ def _run(args: argparse.Namespace) -> int:
     )
     sft_data.check_rows(rows, columns)
     path, gguf_file, model_name = models.resolve_model(args.model, args.gguf_file)
+    config = models.load_config(path, gguf_file)
+    check_model_fits(config, args)
+    check_lora_targets(config, args)
     print(f"model: {model_name}\nmethod: {describe(args)}", flush=True)
-    model, tokenizer = models.load_model(path, gguf_file, args.dtype)
-    check_model_fits(model, args)
+    model, tokenizer = models.load_model(path, gguf_file, args.dtype, config)
     examples, dropped = sft_data.tokenize(
         rows, columns, tokenizer, args.max_length, args.completion_only_loss, args.chat_template
     )
@@ -451,12 +539,7 @@ def _run(args: argparse.Namespace) -> int:
     result = trainer.train()
     seconds = time.perf_counter() - start
     output = Path(args.output).resolve()
-    from ..tuner.saving import save_pretrained
-
-    # PEFT warns that a base model folder without config.json (the GGUF default) cannot tell whether the vocabulary
-    # changed; the command never resizes embeddings, so the answer ("not modified") is right.
-    with warning_silenced(UserWarning, "Could not find a config file in"):
-        save_pretrained(model, output, tokenizer=tokenizer)  # atomic: the old files or the new ones, never a mix
+    save(model, tokenizer, output)
 
     steps = result.global_step
     speed = f"{steps / seconds:.3f} steps/s"
