@@ -100,7 +100,7 @@ def test_a_save_keeps_the_folders_links_and_files_it_does_not_write(save, models
     peft_slim.save_pretrained(models[8], target)
     _user_files(target)
     before = _tree(target)
-    assert ("link", "run-1") == before[os.path.join("wandb", "latest-run")]
+    assert before[os.path.join("wandb", "latest-run")] == ("link", "run-1")
 
     if save == "export_lora":
         export_lora(models[64], target)
@@ -191,7 +191,7 @@ def test_a_swap_between_the_opens_is_retried(tmp_path, monkeypatch):
 
     def open_and_swap(path, mode):  # the first open of the first try sees the old folder, the second the new one
         opened.append(path)
-        handle = open(path, mode)
+        handle = open(path, mode)  # noqa: SIM115 (held_files closes it)
         if len(opened) == 1:
             with atomic_folder.replaced_folder(str(target), lambda relative: True) as staging:
                 for name in ("a", "b"):
