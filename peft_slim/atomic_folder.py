@@ -107,24 +107,29 @@ def held_files(directory: str, names: Iterable[str], attempts: int = 20) -> Iter
     paths = {name: os.path.join(directory, name) for name in names}
     for attempt in range(attempts):
         held = {}
-        for name, path in paths.items():
-            with contextlib.suppress(FileNotFoundError):
-                held[name] = open(path, "rb")  # noqa: SIM115 (closed below)
-        if _unchanged(paths, held):
-            break
+        try:
+            for name, path in paths.items():
+                with contextlib.suppress(FileNotFoundError):
+                    held[name] = open(path, "rb")  # noqa: SIM115 (closed below)
+            if _unchanged(paths, held):
+                break
+        except BaseException:
+            _close(held)
+            raise
         _close(held)
         time.sleep(0.005 * (attempt + 1))
     else:
         raise FolderReplaced(f"{directory}: replaced again and again by saves; could not read one version of it.")
+    replaced = f"{directory} was replaced by a save while it was read."
     try:
         yield held
     except BaseException as error:
         if not _unchanged(paths, held):
-            raise FolderReplaced(f"{directory} was replaced by a save while it was read.") from error
+            raise FolderReplaced(replaced) from error
         raise
     else:
         if not _unchanged(paths, held):
-            raise FolderReplaced(f"{directory} was replaced by a save while it was read.")
+            raise FolderReplaced(replaced)
     finally:
         _close(held)
 

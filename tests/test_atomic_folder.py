@@ -206,6 +206,7 @@ def test_a_swap_between_the_opens_is_retried(tmp_path, monkeypatch):
 
 
 def _save_in_turns(target: str, models, stop, saved) -> None:
+    torch.set_num_threads(1)  # a forked child: no use of the parent's thread pool
     for count in range(400):  # bounded: the reader stops it long before
         if stop.is_set():
             break
