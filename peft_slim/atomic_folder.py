@@ -197,22 +197,22 @@ def _exchange(first: str, second: str) -> bool:
 
 def _copy_tree(source: str, target: str, rewritten: Callable[[str], bool]) -> None:
     """Everything of ``source`` into ``target``: folders (empty ones too), symbolic links as links (to files or
-    folders, dangling ones included), files as hard links; but not what ``rewritten`` names."""
-    for folder, folders, files in os.walk(source):
+    folders, dangling ones too), files as hard links; but not what ``rewritten`` names."""
+    for folder, folders, files in os.walk(source):  # lists a link to a folder with the folders, does not enter it
         folders[:] = [name for name in folders if not name.startswith(LEGACY_STAGING)]
         for name in folders + files:
             path = os.path.join(folder, name)
             relative = os.path.relpath(path, source)
             copy = os.path.join(target, relative)
-            if os.path.islink(path):  # os.walk lists a link to a folder with the folders and does not enter it
-                if not rewritten(relative):
-                    os.symlink(os.readlink(path), copy)
-            elif name in folders:
+            if name in folders and not os.path.islink(path):
                 os.mkdir(copy, stat.S_IMODE(os.stat(path).st_mode) | stat.S_IRWXU)  # writable by the save
             elif rewritten(relative) or name.startswith(LEGACY_STAGING):
                 continue
-            elif name == "README.md":
-                shutil.copy2(path, copy)
+            elif name == "README.md":  # a copy (of a link's target too): writers update the card in place
+                if os.path.isfile(path):
+                    shutil.copy2(path, copy)
+            elif os.path.islink(path):
+                os.symlink(os.readlink(path), copy)
             else:
                 try:
                     os.link(path, copy)

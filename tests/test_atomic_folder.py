@@ -75,20 +75,27 @@ def _user_files(folder) -> None:
     (folder / "notes.txt").write_text("kept")
     os.symlink("notes.txt", folder / "notes-link")  # to a file
     os.symlink("gone", folder / "dangling")
+    (folder / "docs").mkdir()  # the card kept elsewhere, linked: a save writes a new card, not through the link
+    (folder / "docs" / "card.md").write_text("# My adapter\n")
+    (folder / "README.md").unlink(missing_ok=True)
+    os.symlink(os.path.join("docs", "card.md"), folder / "README.md")
 
 
 def _tree(folder) -> dict[str, object]:
-    """Every entry under ``folder``: a link's target, a folder, or a file's bytes; the model files left out."""
+    """Every entry under ``folder``: a link's target, a folder, or a file's bytes; the model files and card left
+    out."""
     entries = {}
     for root, folders, files in os.walk(folder):
         for name in folders + files:
             path = os.path.join(root, name)
             relative = os.path.relpath(path, folder)
+            if relative == "README.md":
+                continue
             if os.path.islink(path):
                 entries[relative] = ("link", os.readlink(path))
             elif os.path.isdir(path):
                 entries[relative] = "folder"
-            elif name not in saving.ADAPTER_FILES and name != "README.md":
+            elif name not in saving.ADAPTER_FILES:
                 with open(path, "rb") as handle:
                     entries[relative] = handle.read()
     return entries
@@ -109,6 +116,7 @@ def test_a_save_keeps_the_folders_links_and_files_it_does_not_write(save, models
 
     assert _tree(target) == before
     assert (target / "wandb" / "latest-run" / "files" / "output.log").read_text() == "log"
+    assert not (target / "README.md").is_symlink() and "My adapter" in (target / "README.md").read_text()
     assert _which(PeftModel.from_pretrained(build("llama"), target), models) == "64"
     assert (target / "peft_slim_config.json").exists() == (save == "save_pretrained")
 
