@@ -1,4 +1,4 @@
-"""Replace a whole folder so that a reader, or a process killed at any moment, sees the old folder or the new one.
+"""Replace a whole folder so that a process killed at any moment leaves the old folder or the new one.
 
 The new folder is written beside the target (``.<name>.peft_slim-tmp``), renamed ``.<name>.peft_slim-new`` once
 every file is on disk, then swapped in: on Linux with one ``renameat2(RENAME_EXCHANGE)`` (the target path always
@@ -10,6 +10,10 @@ to ``.<name>.peft_slim-old``, the new folder in). :func:`recover` puts a folder 
 * the target is missing and ``-new`` exists (killed between the two renames): ``-new`` becomes the target;
 * the target exists beside ``-new`` (killed before the swap): the old folder stays, ``-new`` is removed;
 * ``-old`` (killed before its removal): removed.
+
+Every path always leads to a file of one version, but a reader that opens two files by path at different moments
+can get one from each version. :func:`held_files` opens several files as one version and tells whether the folder
+was swapped while the caller read them.
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ import errno
 import glob
 import os
 import shutil
+import stat
 import sys
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import BinaryIO
 
 # What a killed save left inside the folder: peft_slim 0.1.0's adapter staging, and the command line's tokenizer
 # staging of earlier development versions (both superseded by the whole-folder swap).
@@ -56,12 +63,12 @@ def recover(directory: str) -> None:
 
 @contextlib.contextmanager
 def replaced_folder(directory: str, rewritten: Callable[[str], bool] = lambda path: False) -> Iterator[str]:
-    """Yield an empty staging folder holding a copy of ``directory``'s files; on success it replaces ``directory``.
+    """Yield a staging folder holding a copy of ``directory``; on success it replaces ``directory``.
 
-    Files of ``directory`` for which ``rewritten(relative path)`` is true are not copied (the caller writes them
-    anew, so a file the caller no longer writes does not survive); the others are hard-linked (copied where links
-    fail), except ``README.md`` files, which are copied because writers update them in place. On an exception
-    ``directory`` is left as it was.
+    Files and links of ``directory`` for which ``rewritten(relative path)`` is true are not copied (the caller writes
+    them anew, so a file the caller no longer writes does not survive). Everything else is kept: folders (empty ones
+    too), symbolic links as links, files as hard links (copies where links fail; ``README.md`` files are copied
+    because writers update them in place). On an exception ``directory`` is left as it was.
     """
     if os.path.isfile(directory):
         raise ValueError(f"save_pretrained: {directory!r} is a file; give a directory.")
@@ -82,6 +89,70 @@ def replaced_folder(directory: str, rewritten: Callable[[str], bool] = lambda pa
         shutil.rmtree(staging, ignore_errors=True)
         raise
     _swap_in(new, directory)
+
+
+class FolderReplaced(RuntimeError):
+    """A folder was replaced by a save while it was read."""
+
+
+@contextlib.contextmanager
+def held_files(directory: str, names: Iterable[str], attempts: int = 20) -> Iterator[dict[str, BinaryIO]]:
+    """Open the files ``names`` of ``directory`` (those that exist) as one version of the folder and yield them.
+
+    A swap between two of the opens is retried (up to ``attempts`` times). On exit, if a swap came while the caller
+    read them (by path, e.g. through a library), :class:`FolderReplaced` is raised: what the caller read may mix two
+    versions. Files are told apart by inode, size and modification time: a save of this module writes the files
+    it replaces anew, so a path that leads to the held file before and after led to it throughout.
+    """
+    paths = {name: os.path.join(directory, name) for name in names}
+    for attempt in range(attempts):
+        held = {}
+        try:
+            for name, path in paths.items():
+                with contextlib.suppress(FileNotFoundError):
+                    held[name] = open(path, "rb")  # noqa: SIM115 (closed below)
+            if _unchanged(paths, held):
+                break
+        except BaseException:
+            _close(held)
+            raise
+        _close(held)
+        time.sleep(0.005 * (attempt + 1))
+    else:
+        raise FolderReplaced(f"{directory}: replaced again and again by saves; could not read one version of it.")
+    replaced = f"{directory} was replaced by a save while it was read."
+    try:
+        yield held
+    except BaseException as error:
+        if not _unchanged(paths, held):
+            raise FolderReplaced(replaced) from error
+        raise
+    else:
+        if not _unchanged(paths, held):
+            raise FolderReplaced(replaced)
+    finally:
+        _close(held)
+
+
+def _unchanged(paths: dict[str, str], held: dict[str, BinaryIO]) -> bool:
+    """Whether every path still leads to its held file (and the ones that did not exist still do not)."""
+
+    def identity(status: os.stat_result) -> tuple:
+        return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
+
+    for name, path in paths.items():
+        try:
+            now = identity(os.stat(path))
+        except FileNotFoundError:
+            now = None
+        if now != (identity(os.fstat(held[name].fileno())) if name in held else None):
+            return False
+    return True
+
+
+def _close(held: dict[str, BinaryIO]) -> None:
+    for handle in held.values():
+        handle.close()
 
 
 def _swap_in(new: str, directory: str) -> None:
@@ -125,21 +196,28 @@ def _exchange(first: str, second: str) -> bool:
 
 
 def _copy_tree(source: str, target: str, rewritten: Callable[[str], bool]) -> None:
-    for folder, _, files in os.walk(source):
-        for file in files:
-            path = os.path.join(folder, file)
+    """Everything of ``source`` into ``target``: folders (empty ones too), symbolic links as links (to files or
+    folders, dangling ones too), files as hard links; but not what ``rewritten`` names."""
+    for folder, folders, files in os.walk(source):  # lists a link to a folder with the folders, does not enter it
+        folders[:] = [name for name in folders if not name.startswith(LEGACY_STAGING)]
+        for name in folders + files:
+            path = os.path.join(folder, name)
             relative = os.path.relpath(path, source)
-            if rewritten(relative) or any(part.startswith(LEGACY_STAGING) for part in relative.split(os.sep)):
-                continue
             copy = os.path.join(target, relative)
-            os.makedirs(os.path.dirname(copy), exist_ok=True)
-            if file == "README.md":
-                shutil.copy2(path, copy)
+            if name in folders and not os.path.islink(path):
+                os.mkdir(copy, stat.S_IMODE(os.stat(path).st_mode) | stat.S_IRWXU)  # writable by the save
+            elif rewritten(relative) or name.startswith(LEGACY_STAGING):
                 continue
-            try:
-                os.link(path, copy)
-            except OSError:
-                shutil.copy2(path, copy)
+            elif name == "README.md":  # a copy (of a link's target too): writers update the card in place
+                if os.path.isfile(path):
+                    shutil.copy2(path, copy)
+            elif os.path.islink(path):
+                os.symlink(os.readlink(path), copy)
+            else:
+                try:
+                    os.link(path, copy)
+                except OSError:
+                    shutil.copy2(path, copy)
 
 
 def _fsync(path: str) -> None:
@@ -154,5 +232,7 @@ def _fsync(path: str) -> None:
 def _fsync_tree(folder: str) -> None:
     for root, _, files in os.walk(folder):
         for file in files:
-            _fsync(os.path.join(root, file))
+            path = os.path.join(root, file)
+            if stat.S_ISREG(os.lstat(path).st_mode):  # not a link's target, nor a pipe (opening it would block)
+                _fsync(path)
         _fsync(root)

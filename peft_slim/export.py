@@ -7,15 +7,16 @@ import os
 from peft import PeftModel
 
 from .atomic_folder import replaced_folder
-from .tuner.saving import ADAPTER_FILES, RECORD_NAME, is_peft_slim_model
+from .tuner.saving import ADAPTER_FILES, RECORD_NAME, is_peft_slim_model, stamp_weights
 
 
 def export_lora(model: PeftModel, out_dir: str, adapter_name: str = "default") -> str:
     """Write ``model``'s LoRA adapter to ``out_dir`` as vanilla PEFT saves a LoraConfig adapter.
 
     ``save_pretrained`` already writes a plain LoRA adapter (``adapter_config.json`` and the weights); this writes
-    the same files without ``peft_slim_config.json`` (the method's settings) and replaces ``out_dir`` atomically (a
-    failure leaves what it held untouched). Returns ``out_dir``.
+    the same files without ``peft_slim_config.json`` (the method's settings) and replaces ``out_dir`` atomically as
+    ``peft_slim.save_pretrained`` does (a failure leaves what it held untouched; the folder's other files, folders
+    and links stay). Returns ``out_dir``.
     """
     if not isinstance(model, PeftModel) or not is_peft_slim_model(model):
         raise ValueError(f"export_lora expects a peft.PeftModel of a peft_slim method, got {type(model).__name__}.")
@@ -35,4 +36,5 @@ def export_lora(model: PeftModel, out_dir: str, adapter_name: str = "default") -
     with replaced_folder(out_dir, rewritten) as staging:
         model.save_pretrained(staging, selected_adapters=[adapter_name], save_embedding_layers=False)
         os.remove(os.path.join(staging, folder, RECORD_NAME))
+        stamp_weights(os.path.join(staging, folder))
     return out_dir

@@ -8,7 +8,7 @@
   TOKENTUNE / SLIMFIT `adapter_config.json` beside LoRA weights) still load.
 * Every attribute of PEFT's model and config classes is the same object before and after `import peft_slim`.
 * `peft_slim.save_pretrained` under a real SIGKILL at each stage of its folder swap: the folder loads as the old or
-  the new adapter, and the next save leaves no leftovers.
+  the new adapter, keeps its other files, folders and links, and the next save leaves no leftovers.
 """
 
 from __future__ import annotations
@@ -340,7 +340,9 @@ def versions(tmp_path_factory):
 def test_a_save_killed_at_each_stage_leaves_the_old_or_the_new_adapter(versions, stage, no_exchange, tmp_path):
     target = tmp_path / "adapter"
     shutil.copytree(versions["root"] / "v1", target)
-    (target / "notes.txt").write_text("kept")  # another file of the folder
+    (target / "notes.txt").write_text("kept")  # another file of the folder, an empty folder, a link to a folder
+    (target / "runs" / "empty").mkdir(parents=True)
+    os.symlink("runs", target / "latest-run")
     os.mkdir(target / ".peft_slim-save-abc123")  # what a killed save of the previous version left inside
     script = _KILLED_SAVE.format(
         tests=HERE, source=str(versions["root"] / "v2"), target=str(target), stage=stage, no_exchange=no_exchange
@@ -360,6 +362,7 @@ def test_a_save_killed_at_each_stage_leaves_the_old_or_the_new_adapter(versions,
     assert torch.equal(_logits(loaded), versions[expected]), stage
     assert _tokenizer_files(target) == versions["files"][expected], stage
     assert (target / "notes.txt").read_text() == "kept"
+    assert (target / "runs" / "empty").is_dir() and os.readlink(target / "latest-run") == "runs"
 
     # The next save cleans every leftover, beside the folder and inside it.
     peft_slim.save_pretrained(loaded, target)
@@ -367,6 +370,7 @@ def test_a_save_killed_at_each_stage_leaves_the_old_or_the_new_adapter(versions,
     assert not (target / ".peft_slim-save-abc123").exists()
     assert torch.equal(_logits(PeftModel.from_pretrained(build("llama"), target)), versions[expected])
     assert (target / "notes.txt").read_text() == "kept"
+    assert (target / "runs" / "empty").is_dir() and os.readlink(target / "latest-run") == "runs"
 
 
 def test_a_save_that_completes_replaces_the_folder_and_leaves_nothing_beside_it(versions, tmp_path):

@@ -10,7 +10,8 @@ Nothing of PEFT is replaced: what PEFT's methods cannot do for us is done by the
 check at injection, missing and unexpected keys at load) or here:
 
 * :func:`save_pretrained`: PEFT's save into a new sibling folder that replaces the old one whole
-  (``peft_slim.atomic_folder``), with peft_slim's section in the model card; ``peft-slim train`` uses it.
+  (``peft_slim.atomic_folder``), with peft_slim's section in the model card; ``peft-slim train`` uses it. The weights
+  record their config files' digest, which the loads below check (:func:`consistent_read`).
 * :func:`from_pretrained`: ``PeftModel.from_pretrained`` with the config from ``peft_slim_config.json`` (or, for
   adapters written by peft_slim 0.1.0, from ``adapter_config.json``); :func:`load_adapter`: the same for a further
   adapter on a model (``PeftModel.load_adapter`` reads the LoRA config and cannot be given another).
@@ -18,23 +19,30 @@ check at injection, missing and unexpected keys at load) or here:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import IO, Any
 
 import torch
 from torch import nn
 
-from ..atomic_folder import recover, replaced_folder, sibling
+from ..atomic_folder import FolderReplaced, held_files, recover, replaced_folder, sibling
 
 CARD_NAME = "README.md"
 RECORD_NAME = "peft_slim_config.json"
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", RECORD_NAME)
+WEIGHTS_NAME = "adapter_model.safetensors"
+CONFIG_FILES = ("adapter_config.json", RECORD_NAME)
+WEIGHT_FILES = (WEIGHTS_NAME, "adapter_model.bin")
+ADAPTER_FILES = (*CONFIG_FILES, *WEIGHT_FILES)
+# In an adapter's safetensors metadata: the digests of its config files (see stamp_weights).
+STAMP_KEY = "peft_slim.config_blake2b"
 MODEL_FILES = re.compile(
     r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?|(generation_)?config\.json"
 )
@@ -69,15 +77,20 @@ def is_peft_slim_model(peft_model: Any) -> bool:
 # ---------------------------------------------------------------------------------------------- explicit functions
 
 
-def save_pretrained(model: Any, save_directory: str, tokenizer: Any = None, **kwargs) -> None:
+def save_pretrained(
+    model: Any, save_directory: str, tokenizer: Any = None, replace_model_files: bool = False, **kwargs
+) -> None:
     """``model.save_pretrained(save_directory, **kwargs)`` made atomic, with peft_slim's card section for a
     peft_slim adapter. ``model``: a PeftModel (any PEFT type) or a transformers model. ``tokenizer`` (or any
     processor with ``save_pretrained``): saved into the folder in the same swap, replacing the tokenizer files there.
+    ``replace_model_files=True``: every :func:`model_file` of the folder goes too, also those of another kind of
+    model (a full model saved over a LoRA adapter, or the reverse).
 
-    The files are written into a new folder beside ``save_directory`` that holds the folder's other files too
-    (checkpoints, an unrelated file: hard links), then swapped in whole: a reader, or a process killed at any point,
-    finds the old files or the new ones (adapter and tokenizer together), never a mix; leftovers of a killed save are
-    cleaned up by the next one.
+    The files are written into a new folder beside ``save_directory`` that holds everything else of the folder too
+    (files as hard links, sub-folders, symbolic links), then swapped in whole: a process killed at any point leaves
+    the old files or the new ones (adapter and tokenizer together); leftovers of a killed save are cleaned up by the
+    next one. Each adapter's ``adapter_model.safetensors`` records the digest of its config files
+    (:func:`stamp_weights`), which :func:`from_pretrained` and :func:`load_adapter` check.
     """
     if not callable(getattr(model, "save_pretrained", None)):
         raise ValueError(
@@ -86,6 +99,7 @@ def save_pretrained(model: Any, save_directory: str, tokenizer: Any = None, **kw
     if not kwargs.get("is_main_process", True):  # PEFT and transformers write nothing then
         model.save_pretrained(save_directory, **kwargs)
         return
+    folders: set[str] = set()
     if hasattr(model, "peft_config"):
         selected = kwargs.get("selected_adapters") or list(model.peft_config)
         folders = {"" if name == "default" else name for name in selected}
@@ -106,14 +120,25 @@ def save_pretrained(model: Any, save_directory: str, tokenizer: Any = None, **kw
             tokenizer_names = _tokenizer_file_names(tokenizer, tokenizer_files)
 
         def rewritten(relative: str) -> bool:  # written anew by this save: not kept from the old folder
-            return written_by_model(relative) or relative in tokenizer_names
+            replaced = replace_model_files and model_file(relative)
+            return replaced or written_by_model(relative) or relative in tokenizer_names
 
         with replaced_folder(save_directory, rewritten) as staging:
             model.save_pretrained(staging, **kwargs)
+            for folder in folders:
+                stamp_weights(os.path.join(staging, folder))
             if tokenizer is not None:
                 shutil.copytree(tokenizer_files, staging, dirs_exist_ok=True)
             if is_peft_slim_model(model):
                 add_card_section(os.path.join(staging, CARD_NAME), model)
+
+
+def model_file(relative: str) -> bool:
+    """Whether ``relative`` (a path inside a save folder) is a model file at the folder's top level: an adapter's
+    (``adapter_config.json``, its weights, ``peft_slim_config.json``) or a transformers model's (the weights, every
+    shard and the shards' index, ``config.json``, ``generation_config.json``). ``save_pretrained(...,
+    replace_model_files=True)`` removes them all, whatever kind of model it saves."""
+    return os.path.dirname(relative) == "" and (relative in ADAPTER_FILES or bool(MODEL_FILES.fullmatch(relative)))
 
 
 def _tokenizer_file_names(tokenizer: Any, written: str) -> set[str]:
@@ -122,6 +147,101 @@ def _tokenizer_file_names(tokenizer: Any, written: str) -> set[str]:
     names = {os.path.relpath(os.path.join(top, name), written) for top, _, files in os.walk(written) for name in files}
     names |= set(_TOKENIZER_FILES) | {str(name) for name in getattr(tokenizer, "vocab_files_names", {}).values()}
     return names
+
+
+# ---------------------------------------------------------------------------------------------- consistent reads
+
+
+def stamp_weights(folder: str) -> None:
+    """Record in ``folder``'s ``adapter_model.safetensors`` (its metadata, :data:`STAMP_KEY`) the digest of each config
+    file beside it, so that a reader can tell that the config it read is the one saved with these weights. PEFT and
+    other readers ignore the entry. Nothing to do for an adapter without safetensors weights."""
+    weights = os.path.join(folder, WEIGHTS_NAME)
+    if not os.path.isfile(weights):
+        return
+    digests = {}
+    for name in CONFIG_FILES:
+        with contextlib.suppress(FileNotFoundError), open(os.path.join(folder, name), "rb") as handle:
+            digests[name] = _config_digest(handle.read())
+    with open(weights, "rb") as source:
+        header = _safetensors_header(source)
+        if not header:
+            return
+        header["__metadata__"] = {**header.get("__metadata__", {}), STAMP_KEY: json.dumps(digests, sort_keys=True)}
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # safetensors' padding: tensor data stays 8-byte aligned
+        with open(weights + ".stamped", "wb") as target:
+            target.write(len(encoded).to_bytes(8, "little") + encoded)
+            shutil.copyfileobj(source, target)  # the tensor data, unchanged (offsets count from its start)
+    os.replace(weights + ".stamped", weights)
+
+
+def check_stamp(where: str, files: dict[str, IO[bytes]]) -> None:
+    """Raise if the open config ``files`` of an adapter are not the ones :func:`stamp_weights` recorded in its open
+    weights file (an adapter without the record passes)."""
+    if WEIGHTS_NAME not in files:
+        return
+    stamp = _safetensors_header(files[WEIGHTS_NAME]).get("__metadata__", {}).get(STAMP_KEY)
+    if stamp is None:
+        return
+    for name, digest in json.loads(stamp).items():
+        handle = files.get(name)
+        if handle is None or _config_digest(handle.seek(0) or handle.read()) != digest:
+            raise ValueError(
+                f"{where}: {name} is not the config saved with {WEIGHTS_NAME} (its digest differs from the one the "
+                "weights record): the folder mixes two saves (copied during a save?) or the file was edited. Save "
+                "the adapter again, or load the files as they are with peft.PeftModel.from_pretrained."
+            )
+
+
+def consistent_read(load: Callable) -> Callable:
+    """Decorate ``load(model, model_id, ...)`` so that it reads one save of a local folder ``model_id``: the adapter's
+    files are held open as one version of the folder (``atomic_folder.held_files``) and their stamp checked before
+    ``load`` runs; if a save replaces the folder meanwhile, ``atomic_folder.FolderReplaced`` is raised after it."""
+
+    @functools.wraps(load)
+    def load_one_save(model: Any, model_id: str, *args, **kwargs) -> Any:
+        folder = os.fspath(model_id)
+        folder = os.path.join(folder, kwargs["subfolder"]) if kwargs.get("subfolder") else folder
+        if not os.path.isdir(folder):  # a Hub repository: one revision is one commit
+            return load(model, model_id, *args, **kwargs)
+        loading = False
+        try:
+            with held_files(folder, (*CONFIG_FILES, *WEIGHT_FILES)) as files:
+                check_stamp(folder, files)
+                loading = True
+                return load(model, model_id, *args, **kwargs)
+        except FolderReplaced as error:
+            if not loading:
+                raise
+            raise FolderReplaced(
+                f"peft_slim.{load.__name__}: {error} The model may hold parts of both saves: load again, onto a fresh "
+                "base model (from_pretrained) or after delete_adapter (load_adapter)."
+            ) from error
+
+    return load_one_save
+
+
+def _config_digest(data: bytes) -> str:
+    """blake2b of a config file's values, where the base model is left out (users edit that path by hand)."""
+    try:
+        values = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        values = data.decode("latin-1")
+    if isinstance(values, dict):
+        values = {key: value for key, value in values.items() if key not in ("base_model_name_or_path", "revision")}
+    return hashlib.blake2b(json.dumps(values, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+def _safetensors_header(handle: IO[bytes]) -> dict:
+    """The JSON header of the safetensors file open in ``handle`` ({} if it is not one)."""
+    handle.seek(0)
+    length = int.from_bytes(handle.read(8), "little")
+    try:
+        header = json.loads(handle.read(length)) if length <= 100_000_000 else None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        header = None
+    return header if isinstance(header, dict) else {}
 
 
 def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> Any:
@@ -157,6 +277,7 @@ def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> An
     return config
 
 
+@consistent_read
 def from_pretrained(
     model: nn.Module,
     model_id: str,
@@ -184,6 +305,7 @@ def from_pretrained(
     )
 
 
+@consistent_read
 def load_adapter(model: Any, model_id: str, adapter_name: str, is_trainable: bool = False, **kwargs) -> Any:
     """``model.load_adapter`` for a saved peft_slim adapter: a further adapter named ``adapter_name`` on ``model`` (a
     PeftModel of the same peft_slim method), with the saved method and settings. Returns PEFT's load result.
