@@ -64,8 +64,8 @@ def draw_in_every_block(model) -> list:
     def draw(module, args) -> None:
         torch.rand(1)
 
-    _, blocks = find_blocks(model.get_base_model())
-    return [block.register_forward_pre_hook(draw) for block in blocks]
+    _, blocks = find_blocks(model.get_base_model())  # inside the block's forward, where TokenTune looks for draws
+    return [next(block.children()).register_forward_pre_hook(draw) for block in blocks]
 
 
 def measure_task(task: str, base, tokenizer, args) -> list[dict]:

@@ -412,26 +412,19 @@ def plain_lora_saved_bytes(model, args: argparse.Namespace, batch: dict) -> int:
 
 def save(model, tokenizer, output: Path) -> None:
     """Save the adapter (or the full model) and the tokenizer into ``output``, replacing every model file an earlier
-    save left there, whatever method wrote it: the adapter files, ``peft_slim_config.json``, a transformers model's
-    weights, shards, index and configs. Without that, a full model saved over an adapter would load with the old
-    adapter applied, and an adapter saved over a full model would sit beside its weights. Other files (logs,
-    ``runs/``) stay. Atomic: a reader, or a kill at any point, finds the old folder or the new one.
-
-    The outer swap stages the folder without its model files; ``save_pretrained`` writes this run's files into the
-    staged folder (in a swap of its own, which only the staging sees).
+    save left there, whatever method wrote it (``replace_model_files=True``): the adapter files,
+    ``peft_slim_config.json``, a transformers model's weights, shards, index and configs. Without that, a full model
+    saved over an adapter would load with the old adapter applied, and an adapter saved over a full model would sit
+    beside its weights. Other files and folders (logs, ``runs/``, links) stay. One atomic swap: a kill at any point
+    leaves the old folder or the new one.
     """
-    from ..atomic_folder import replaced_folder
     from ..quiet import warning_silenced
-    from ..tuner.saving import ADAPTER_FILES, MODEL_FILES, save_pretrained
-
-    def model_file(relative: str) -> bool:
-        return relative in ADAPTER_FILES or bool(MODEL_FILES.fullmatch(relative))
+    from ..tuner.saving import save_pretrained
 
     # PEFT warns that a base model folder without config.json (the GGUF default) cannot tell whether the vocabulary
     # changed; the command never resizes embeddings, so the answer ("not modified") is right.
-    quiet = warning_silenced(UserWarning, "Could not find a config file in")
-    with replaced_folder(str(output), model_file) as staging, quiet:
-        save_pretrained(model, staging, tokenizer=tokenizer)
+    with warning_silenced(UserWarning, "Could not find a config file in"):
+        save_pretrained(model, str(output), tokenizer=tokenizer, replace_model_files=True)
 
 
 # ------------------------------------------------------------------------------------------------------- training
