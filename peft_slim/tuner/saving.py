@@ -191,20 +191,21 @@ def _check_same_lora(config: Any, record: str, model_id: str, subfolder: str | N
         return  # nothing else to load it from
     adapter = PeftConfig.from_pretrained(model_id, subfolder=subfolder, **hub_kwargs)
     ours = to_json_value(config.lora_export_config())
-    theirs = (
-        to_json_value(adapter) if isinstance(adapter, LoraConfig) else {"peft_type": to_json_value(adapter.peft_type)}
-    )
-    keys = sorted(ours.keys() | theirs.keys()) if isinstance(adapter, LoraConfig) else ["peft_type"]
-    differ = [key for key in keys if key not in _NAMING_FIELDS and ours.get(key) != theirs.get(key)]
+    if isinstance(adapter, LoraConfig):
+        theirs = to_json_value(adapter)
+        keys = sorted((ours.keys() | theirs.keys()) - set(_NAMING_FIELDS))
+    else:
+        theirs, keys = {"peft_type": to_json_value(adapter.peft_type)}, ["peft_type"]
+    differ = [key for key in keys if ours.get(key) != theirs.get(key)]
     if differ:
         listed = "; ".join(
             f"{key} is {theirs.get(key)!r} in {CONFIG_NAME} and {ours.get(key)!r} in {RECORD_NAME}" for key in differ
         )
         raise ValueError(
             f"{os.path.dirname(record)}: {CONFIG_NAME} and {RECORD_NAME} describe different LoRA adapters: {listed} "
-            f"(its `lora`, and task_type). Vanilla PEFT loads the first and peft_slim the second: two different models "
-            "from one folder, so one of the files was edited after saving. Make them agree (edit either file), or "
-            "save the adapter again."
+            f"(its `lora`, and task_type). Vanilla PEFT loads the first and peft_slim the second: two different "
+            "models from one folder, so one of the files was edited after saving. Make them agree (edit either "
+            "file), or save the adapter again."
         )
 
 
