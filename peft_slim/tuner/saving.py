@@ -174,9 +174,9 @@ def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> An
 
 
 # Fields of adapter_config.json that name things rather than define the adapter: PEFT sets `inference_mode` at load,
-# `peft_version` says who wrote the file, and the base model's name and revision are used only where no base model
-# is given.
-_NAMING_FIELDS = ("inference_mode", "peft_version", "base_model_name_or_path", "revision")
+# `peft_version` says who wrote the file; the base model's name, revision and class (`auto_mapping`, for AutoPeftModel)
+# are used only where no base model is given.
+_NAMING_FIELDS = ("inference_mode", "peft_version", "base_model_name_or_path", "revision", "auto_mapping")
 
 
 def _check_same_lora(config: Any, record: str, model_id: str, subfolder: str | None, hub_kwargs: dict) -> None:
