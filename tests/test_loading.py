@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import re
 import shutil
@@ -81,6 +82,7 @@ def _plain_loss(model) -> torch.Tensor:
 
 def _snapshot(model) -> dict:
     """Everything a load may change on ``model``."""
+    gc.collect()  # SlimFit's optimizer hooks of models discarded earlier go when these are collected
     return {
         "modules": [(name, type(module).__name__) for name, module in model.named_modules()],
         "hooks": [
@@ -200,6 +202,18 @@ def test_a_refused_load_adapter_leaves_the_model_as_it_was(saved, name, refusal,
     assert torch.equal(ours[0], theirs[0]) and ours[2] == theirs[2] and torch.equal(ours[1], theirs[1])
     peft_slim.load_adapter(model, good, "second", is_trainable=True)  # a retry works
     assert list(model.peft_config) == ["default", "second"]
+
+
+def test_a_refused_add_adapter_leaves_the_model_as_it_was():
+    model = get_peft_model(build("llama"), _config("full_stack"))
+    before = _snapshot(model)
+    config = _config("full_stack")
+    config.units = ["no_such_parameter"]  # refused by SlimFit's set-up, after LoRA is injected
+    with pytest.raises(ValueError, match=r"units: regex\(es\) \['no_such_parameter'\] matched no"):
+        model.add_adapter("second", config)
+    _assert_same(before, _snapshot(model))
+    assert list(model.peft_config) == ["default"] and model.active_adapters == ["default"]
+    model.add_adapter("second", _config("full_stack"))  # a retry works
 
 
 def test_a_refused_get_peft_model_leaves_the_model_as_it_was():

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from peft.tuners.lora import LoraLayer
-from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, delete_adapter
 from torch import nn
 
 from ..compat import active_saved_tensors_pack, lora_adapter_state_dict, lora_state_dict_for_load
@@ -278,6 +278,8 @@ class MethodTuner(BaseTuner):
         except BaseException:
             self._park(adapter_name)  # off the model: whatever hooks the failed set-up installed
             del self._parked[adapter_name]
+            BaseTuner.set_adapter(self, live)  # then its LoRA out again (not active: deleted without a warning)
+            delete_adapter(model, adapter_name, prefix="lora_", layer_cls=self.tuner_layer_cls)
             raise
         else:
             self._park(adapter_name)

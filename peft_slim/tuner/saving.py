@@ -202,10 +202,9 @@ def _check_same_lora(config: Any, record: str, model_id: str, subfolder: str | N
             f"{key} is {theirs.get(key)!r} in {CONFIG_NAME} and {ours.get(key)!r} in {RECORD_NAME}" for key in differ
         )
         raise ValueError(
-            f"{os.path.dirname(record)}: {CONFIG_NAME} and {RECORD_NAME} describe different LoRA adapters: {listed} "
-            f"(its `lora`, and task_type). Vanilla PEFT loads the first and peft_slim the second: two different "
-            "models from one folder, so one of the files was edited after saving. Make them agree (edit either "
-            "file), or save the adapter again."
+            f"{os.path.dirname(record)}: {CONFIG_NAME} and {RECORD_NAME} describe different LoRA adapters: {listed}. "
+            "Vanilla PEFT loads the first and peft_slim the second: two different models from one folder, so one of "
+            "the files was edited after saving. Make them agree (edit either file), or save the adapter again."
         )
 
 
@@ -221,7 +220,8 @@ def from_pretrained(
 
     ``PeftModel.from_pretrained`` alone loads a LoRA-stacked adapter as the plain LoRA adapter it is (same outputs,
     no token selection, freezing or compression). ``ignore_base_mismatch=True`` loads a standalone adapter onto a
-    base model other than the one it was trained on. ``kwargs`` go to ``PeftModel.from_pretrained``.
+    base model other than the one it was trained on. ``kwargs`` go to ``PeftModel.from_pretrained``. A load that
+    raises leaves ``model`` as it was given. ``is_trainable=False`` sets up no method: training it is refused.
     """
     from peft import PeftModel
 
