@@ -3,7 +3,9 @@
 ``PeftCommonTester`` is what PEFT runs on every tuner type; "works as for LoRA" means passing its checks. It is not
 installed with PEFT: set ``PEFT_SDIST_TESTS`` to the ``tests`` folder of the unpacked sdist of the installed PEFT
 version (``pip download peft==<version> --no-binary :all: --no-deps -d DIR`` and unpack it), else this file skips.
-The base model is a tiny random Llama saved to a local folder (PEFT's checks take a model id and load it).
+The base model is a tiny random Llama saved to a local folder (PEFT's checks take a model id and load it); PEFT's
+``test_delete_adapter_properly_cleans_up_after_itself`` (of ``test_custom_models.py``) also runs on a tiny text and
+image classifier.
 """
 
 from __future__ import annotations
@@ -117,6 +119,17 @@ def model_id(tmp_path_factory):
     return str(folder)
 
 
+@pytest.fixture(scope="module")
+def model_ids(tmp_path_factory, model_id):
+    """A saved tiny model of each kind: causal LM, text classifier, image classifier."""
+    ids = {"llama": model_id}
+    for arch in ("bert", "vit"):
+        folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+        build(arch).save_pretrained(folder)
+        ids[arch] = str(folder)
+    return ids
+
+
 class _Suite(PeftCommonTester):
     from transformers import AutoModelForCausalLM as transformers_class  # noqa: N813
 
@@ -153,3 +166,31 @@ def test_peft_common_tester(model_id, name, check):
             getattr(_Suite(), check)(model_id, config_cls, config_kwargs, **extra)
         pytest.xfail(REFUSED_BY_PEFT[check])
     getattr(_Suite(), check)(model_id, config_cls, config_kwargs, **extra)
+
+
+# PEFT's generic check that delete_adapter leaves no per-adapter state behind (in test_custom_models.py, run there on
+# PEFT's own types), on each model kind. A standalone adapter (no `lora`) trains the base weights in place: deleting
+# it cannot give the model back without it, and is refused, as a standalone adapter beside another is.
+KINDS = {
+    "llama": ("AutoModelForCausalLM", "CAUSAL_LM"),
+    "bert": ("AutoModelForSequenceClassification", "SEQ_CLS"),
+    "vit": ("AutoModelForImageClassification", None),
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "name"), [(kind, "slimfit_standalone") for kind in KINDS] + [("llama", name) for name in CONFIGS]
+)
+def test_delete_adapter_properly_cleans_up_after_itself(model_ids, kind, name):
+    import transformers
+
+    check = importlib.import_module("peft_upstream_tests.test_custom_models").TestPeftCustomModel
+    check = check.test_delete_adapter_properly_cleans_up_after_itself
+    class_name, task_type = KINDS[kind]
+    suite = types.SimpleNamespace(transformers_class=getattr(transformers, class_name), torch_device="cpu")
+    if name in CONFIGS:  # LoRA-stacked: deleted, nothing left behind
+        check(suite, name, model_ids[kind], *CONFIGS[name])
+        return
+    config_kwargs = {"task_type": task_type, "freeze_ratio": 0.5}
+    with pytest.raises(ValueError, match=r"cannot delete adapter 'foobar': it has no `lora`, it trains the base"):
+        check(suite, name, model_ids[kind], SlimFitConfig, config_kwargs)

@@ -122,10 +122,10 @@ class SlimFitModel(MethodTuner):
         return self.scheduler.trained[index]
 
     def _remove_method_hooks(self) -> None:
-        for handle in self._handles:
+        for handle in getattr(self, "_handles", []):  # none yet when an injection refused before `_setup`
             handle.remove()
-        self._handles.clear()
-        if self._observer is not None:
+        self._handles = []
+        if getattr(self, "_observer", None) is not None:
             self._observer.remove()
 
     def _restore_method_hooks(self) -> None:

@@ -15,11 +15,14 @@ A method subclasses :class:`MethodTuner` and fills in the hooks it needs:
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
 from peft.tuners.lora import LoraLayer
-from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, delete_adapter
 from torch import nn
 
 from ..compat import active_saved_tensors_pack, lora_adapter_state_dict, lora_state_dict_for_load
@@ -59,6 +62,16 @@ class BaseWeightsSwitch(nn.Module, BaseTunerLayer):
     def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device: Any = None) -> None:
         """Nothing to move (PEFT calls it after a ``low_cpu_mem_usage`` load): this layer has no base layer and no
         weights, and BaseTunerLayer's own would look for a base layer's weight forever."""
+
+    # BaseTunerLayer's `weight` and `bias` are its base layer's, and this layer is its own base layer: it has none
+    # (read through BaseTunerLayer's, they would recurse forever).
+    @property
+    def weight(self) -> torch.Tensor:
+        raise AttributeError(f"{type(self).__name__} holds no weight: the base weights are trained in place.")
+
+    @property
+    def bias(self) -> torch.Tensor:
+        raise AttributeError(f"{type(self).__name__} holds no bias: the base weights are trained in place.")
 
 
 class TrainingCompression:
@@ -101,6 +114,38 @@ class TrainingCompression:
         self._handles.clear()
 
 
+class InferenceOnly:
+    """Refuse a training forward of ``model`` that would train an adapter loaded for inference (``is_trainable=False``:
+    its method's hooks were not set up). PEFT's ``set_adapter`` makes an adapter trainable however it was loaded."""
+
+    def __init__(self, model: nn.Module, method_name: str, adapter_name: str):
+        self.model = model
+        self.method_name = method_name
+        self.adapter_name = adapter_name
+        self._handle = None
+        self.reattach()
+
+    def reattach(self) -> None:
+        if self._handle is None:
+            self._handle = self.model.register_forward_pre_hook(self._refuse_training)
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _refuse_training(self, model: nn.Module, args: tuple) -> None:
+        if model.training and torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()):
+            raise ValueError(
+                f"{self.method_name}: adapter {self.adapter_name!r} was loaded for inference (is_trainable=False), "
+                f"so {self.method_name}'s token selection, schedule and compression are not set up for it, and "
+                "this training forward would train it without them (PEFT's set_adapter makes an adapter trainable "
+                "however it was loaded). To train it, load it with is_trainable=True: peft_slim.from_pretrained("
+                f"base, folder, is_trainable=True) or peft_slim.load_adapter(model, folder, {self.adapter_name!r}, "
+                "is_trainable=True). For inference, call model.eval() or run under torch.no_grad()."
+            )
+
+
 def _names_adapter(parameter_name: str, adapter_name: str) -> bool:
     """Whether a parameter name is one of adapter ``adapter_name``'s (PEFT puts the name as one dotted part)."""
     return f".{adapter_name}." in parameter_name or parameter_name.endswith(f".{adapter_name}")
@@ -125,6 +170,25 @@ def refuse_outer_saved_tensor_hooks() -> None:
     )
 
 
+# (model, tuners): the tuners created on `model` inside `unchanged_if_raises(model)`.
+_NEW_TUNERS: ContextVar[tuple[nn.Module, list] | None] = ContextVar("peft_slim_new_tuners", default=None)
+
+
+@contextmanager
+def unchanged_if_raises(model: nn.Module) -> Iterator[None]:
+    """Run a wrap or load of ``model`` (a transformers model, e.g. ``PeftModel.from_pretrained``): if it raises, the
+    peft_slim tuners it put on ``model`` are taken off again, and the model is the one given."""
+    token = _NEW_TUNERS.set((model, []))
+    try:
+        yield
+    except BaseException:
+        for tuner in reversed(_NEW_TUNERS.get()[1]):
+            tuner._take_off()
+        raise
+    finally:
+        _NEW_TUNERS.reset(token)
+
+
 class MethodTuner(BaseTuner):
     """PEFT's ``BaseTuner`` for a peft_slim method: no replaced modules, hooks instead.
 
@@ -140,12 +204,18 @@ class MethodTuner(BaseTuner):
     tuner_layer_cls = LoraLayer
     target_module_mapping: dict = {}
     # The attributes that hold one adapter's method state; a method adds its own (those its ``_setup`` sets).
-    _adapter_state: tuple[str, ...] = ("_selector", "_compression")
+    _adapter_state: tuple[str, ...] = ("_selector", "_compression", "_inference_only")
 
     def _pre_injection_hook(self, model: nn.Module, config: MethodConfig, adapter_name: str) -> None:
         self._selector: TokenSelector | None = None
         self._compression: TrainingCompression | None = None
+        self._inference_only: InferenceOnly | None = None
         self._parked: dict[str, dict[str, Any]] = {}  # the method state of every adapter but the active one
+        # What taking the tuner off again restores (a get_peft_model or load that raised: `_take_off`).
+        self._given_requires_grad = {name: param.requires_grad for name, param in model.named_parameters()}
+        watched = _NEW_TUNERS.get()
+        if watched is not None and watched[0] is model:
+            watched[1].append(self)
         if config.lora is not None:
             # What `prefix` tells PEFT and its users (TRL's vLLM weight sync, PEFT's own checks): the marker of the
             # adapter's parameter names, which are LoRA's. The class keeps the registered, unique one.
@@ -189,7 +259,11 @@ class MethodTuner(BaseTuner):
     ) -> None:
         others = [name for name in self.peft_config if name != adapter_name]
         if not others or not self.active_adapters:
-            self._inject(model, adapter_name, low_cpu_mem_usage, state_dict)
+            try:
+                self._inject(model, adapter_name, low_cpu_mem_usage, state_dict)
+            except BaseException:
+                self._take_off()  # get_peft_model refused: the model as it was given
+                raise
             return
         # Another adapter (PeftModel.add_adapter / load_adapter): set it up as if it were active, park its state,
         # and leave the model as it was: the same adapter active, every existing parameter's requires_grad kept
@@ -204,6 +278,8 @@ class MethodTuner(BaseTuner):
         except BaseException:
             self._park(adapter_name)  # off the model: whatever hooks the failed set-up installed
             del self._parked[adapter_name]
+            BaseTuner.set_adapter(self, live)  # then its LoRA out again (not active: deleted without a warning)
+            delete_adapter(model, adapter_name, prefix="lora_", layer_cls=self.tuner_layer_cls)
             raise
         else:
             self._park(adapter_name)
@@ -232,10 +308,11 @@ class MethodTuner(BaseTuner):
             if len(self.peft_config) > 1:  # only this adapter's LoRA trainable while it is set up, as PEFT sets it
                 BaseTuner.set_adapter(self, adapter_name)
         self._mark_only_adapters_as_trainable(model)
-        self._selector, self._compression = None, None
+        self._selector, self._compression, self._inference_only = None, None, None
         self._setup(model, config)
-        if config.inference_mode:
+        if config.inference_mode:  # the method's hooks are not set up: a forward that would train it is refused
             model.requires_grad_(False)
+            self._inference_only = InferenceOnly(model, self.method_name, adapter_name)
             return
         if selection is not None:
             self._selector = TokenSelector.attach(model, selection)
@@ -277,6 +354,8 @@ class MethodTuner(BaseTuner):
             self._selector.detach()
         if self._compression is not None:
             self._compression.remove()
+        if self._inference_only is not None:
+            self._inference_only.remove()
         self._remove_method_hooks()
         self._parked[adapter_name] = {attribute: getattr(self, attribute) for attribute in self._adapter_state}
 
@@ -289,6 +368,8 @@ class MethodTuner(BaseTuner):
             self._selector.reattach()
         if self._compression is not None:
             self._compression.reattach()
+        if self._inference_only is not None:
+            self._inference_only.reattach()
 
     def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
         """PEFT's ``set_adapter``; switching to another adapter switches the method state with it. One name only."""
@@ -322,6 +403,13 @@ class MethodTuner(BaseTuner):
         had the adapter. Deleting the active one makes the adapter PEFT activates next live."""
         if adapter_name not in self.peft_config:
             raise ValueError(f"Adapter {adapter_name} does not exist")
+        if self.peft_config[adapter_name].lora is None:
+            raise ValueError(
+                f"{self.method_name}: cannot delete adapter {adapter_name!r}: it has no `lora`, it trains the base "
+                "weights in place, and deleting it would leave the model with those weights and no adapter. Use "
+                "merge_and_unload() for the tuned model as a plain model, or load the base model again (SlimFit "
+                "with keep_base_weights=True: unload() returns it)."
+            )
         if adapter_name in self._parked:
             parked = self._parked.pop(adapter_name)
             observer = parked.get("_observer")
@@ -331,7 +419,7 @@ class MethodTuner(BaseTuner):
             return
         self.remove_hooks()
         super().delete_adapter(adapter_name)
-        self._selector, self._compression = None, None
+        self._selector, self._compression, self._inference_only = None, None, None
         if len(self.active_adapters) == 1 and self.active_adapters[0] in self._parked:
             self._unpark(self.active_adapters[0])
             self._after_set_adapter()
@@ -375,7 +463,18 @@ class MethodTuner(BaseTuner):
             self._selector.detach()
         if self._compression is not None:
             self._compression.remove()
+        if self._inference_only is not None:
+            self._inference_only.remove()
         self._remove_method_hooks()
+
+    def _take_off(self) -> None:
+        """Undo this tuner's wrapping of a get_peft_model or load that raised: the method's hooks off, LoRA layers
+        and PEFT's wrappers out (as ``unload()``, which a standalone method may refuse), every parameter's
+        requires_grad as given. Nothing of the base model's values changed: a load refuses before it writes."""
+        self.remove_hooks()
+        BaseTuner._unload_and_optionally_merge(self, merge=False)
+        for name, param in self.model.named_parameters():
+            param.requires_grad = self._given_requires_grad.get(name, param.requires_grad)
 
     def _unload_and_optionally_merge(self, *args, **kwargs):
         self.remove_hooks()
@@ -429,10 +528,30 @@ class MethodTuner(BaseTuner):
             if record is not False:
                 ignore = getattr(config, "_ignore_base_mismatch", False)
                 tuner._check_base_model(record, config.base_model_name_or_path, loaded_from, ignore)
+            tuner._check_shapes(model, config, remapped)
             tuner._report_keys(model, config, adapter_name, set(remapped), record or None)
         elif isinstance(tuner, MethodTuner):
+            tuner._check_shapes(model, config, remapped)
             tuner._report_keys(model, config, adapter_name, set(remapped), None)
         return remapped
+
+    def _check_shapes(self, peft_model: nn.Module, config: MethodConfig, loaded: dict[str, torch.Tensor]) -> None:
+        """Refuse an adapter file with tensors of other shapes than this model's, before any is loaded (torch would
+        load the others first, base tensors of a standalone adapter or LoRA's biases among them)."""
+        state_dict = peft_model.state_dict()
+        wrong = [key for key, value in loaded.items() if key in state_dict and value.shape != state_dict[key].shape]
+        if not wrong:
+            return
+        where = getattr(config, "_loaded_from", None)
+        listed = ", ".join(
+            f"{key}: {list(loaded[key].shape)} in the file, {list(state_dict[key].shape)} here" for key in wrong[:3]
+        )
+        raise ValueError(
+            f"{self.method_name} adapter{f' {where!r}' if where else ''}: {len(wrong)} tensor(s) of the adapter file "
+            f"do not fit this model ({listed}{', ...' if len(wrong) > 3 else ''}). It was saved from a model of other "
+            f"shapes ({config.base_model_name_or_path or 'name not recorded'}): load it onto that model. Nothing was "
+            "loaded."
+        )
 
     @classmethod
     def _convert_state_dict_for_initial_model(cls, model, peft_config, *args, **kwargs):

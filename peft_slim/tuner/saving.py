@@ -246,7 +246,11 @@ def _safetensors_header(handle: IO[bytes]) -> dict:
 
 def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> Any:
     """The peft_slim config of the adapter at ``model_id``: from ``peft_slim_config.json`` (LoRA-stacked adapters),
-    else from ``adapter_config.json`` (standalone adapters, and every adapter peft_slim 0.1.0 wrote)."""
+    else from ``adapter_config.json`` (standalone adapters, and every adapter peft_slim 0.1.0 wrote).
+
+    A LoRA-stacked adapter's LoRA is written twice, in ``adapter_config.json`` (what vanilla PEFT loads) and in
+    ``peft_slim_config.json``: where the two differ (one was edited), the adapter is refused, naming the fields.
+    """
     from peft import PeftConfig
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
@@ -264,7 +268,14 @@ def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> An
         config._loaded_from = str(model_id)
         return config
     with open(record) as handle:
-        values = json.load(handle)
+        text = handle.read()
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{record} is not valid JSON ({error}; {len(text)} characters): the file is cut short or was edited by "
+            "hand. Save the adapter again (peft_slim.save_pretrained replaces the folder whole), or restore the file."
+        ) from None
     config_cls = PEFT_TYPE_TO_CONFIG_MAPPING.get(values.get("peft_type")) if isinstance(values, dict) else None
     if config_cls is None or not issubclass(config_cls, MethodConfig):
         found = values.get("peft_type") if isinstance(values, dict) else values
@@ -272,9 +283,49 @@ def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> An
             f"{record}: peft_type {found!r} is not a peft_slim method (expected one of "
             f"{sorted(str(t) for t, c in PEFT_TYPE_TO_CONFIG_MAPPING.items() if issubclass(c, MethodConfig))})."
         )
-    config = config_cls(**values)
+    try:
+        config = config_cls(**values)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{record}: {error}") from None
+    if config.lora is not None:
+        _check_same_lora(config, record, model_id, subfolder, hub_kwargs)
     config._loaded_from = str(model_id)
     return config
+
+
+# Fields of adapter_config.json that name things rather than define the adapter: PEFT sets `inference_mode` at load,
+# `peft_version` says who wrote the file; the base model's name, revision and class (`auto_mapping`, for AutoPeftModel)
+# are used only where no base model is given.
+_NAMING_FIELDS = ("inference_mode", "peft_version", "base_model_name_or_path", "revision", "auto_mapping")
+
+
+def _check_same_lora(config: Any, record: str, model_id: str, subfolder: str | None, hub_kwargs: dict) -> None:
+    """Refuse a LoRA-stacked adapter whose ``adapter_config.json`` (vanilla PEFT's) and ``peft_slim_config.json``
+    (``record``, read into ``config``) describe different LoRA adapters: one folder, one model."""
+    from peft import LoraConfig, PeftConfig
+    from peft.utils import CONFIG_NAME
+
+    from ..configuration import to_json_value
+
+    if _adapter_file(model_id, CONFIG_NAME, subfolder, **hub_kwargs) is None:
+        return  # nothing else to load it from
+    adapter = PeftConfig.from_pretrained(model_id, subfolder=subfolder, **hub_kwargs)
+    ours = to_json_value(config.lora_export_config())
+    if isinstance(adapter, LoraConfig):
+        theirs = to_json_value(adapter)
+        keys = sorted((ours.keys() | theirs.keys()) - set(_NAMING_FIELDS))
+    else:
+        theirs, keys = {"peft_type": to_json_value(adapter.peft_type)}, ["peft_type"]
+    differ = [key for key in keys if ours.get(key) != theirs.get(key)]
+    if differ:
+        listed = "; ".join(
+            f"{key} is {theirs.get(key)!r} in {CONFIG_NAME} and {ours.get(key)!r} in {RECORD_NAME}" for key in differ
+        )
+        raise ValueError(
+            f"{os.path.dirname(record)}: {CONFIG_NAME} and {RECORD_NAME} describe different LoRA adapters: {listed}. "
+            "Vanilla PEFT loads the first and peft_slim the second: two different models from one folder, so one of "
+            "the files was edited after saving. Make them agree (edit either file), or save the adapter again."
+        )
 
 
 @consistent_read
@@ -290,9 +341,12 @@ def from_pretrained(
 
     ``PeftModel.from_pretrained`` alone loads a LoRA-stacked adapter as the plain LoRA adapter it is (same outputs,
     no token selection, freezing or compression). ``ignore_base_mismatch=True`` loads a standalone adapter onto a
-    base model other than the one it was trained on. ``kwargs`` go to ``PeftModel.from_pretrained``.
+    base model other than the one it was trained on. ``kwargs`` go to ``PeftModel.from_pretrained``. A load that
+    raises leaves ``model`` as it was given. ``is_trainable=False`` sets up no method: training it is refused.
     """
     from peft import PeftModel
+
+    from .model import unchanged_if_raises
 
     model_id = os.fspath(model_id)
     if not os.path.exists(model_id) and os.path.isdir(sibling(model_id, "new")):
@@ -300,9 +354,10 @@ def from_pretrained(
     hub_kwargs = {key: kwargs[key] for key in ("subfolder", "revision", "cache_dir", "token") if key in kwargs}
     config = load_config(model_id, **hub_kwargs)
     config._ignore_base_mismatch = ignore_base_mismatch  # read by the tuner at injection
-    return PeftModel.from_pretrained(
-        model, model_id, adapter_name=adapter_name, is_trainable=is_trainable, config=config, **kwargs
-    )
+    with unchanged_if_raises(model):  # a refused load leaves the model as it was given
+        return PeftModel.from_pretrained(
+            model, model_id, adapter_name=adapter_name, is_trainable=is_trainable, config=config, **kwargs
+        )
 
 
 @consistent_read
