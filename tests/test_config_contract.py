@@ -79,7 +79,7 @@ def test_configs_saved_by_0_1_0_load_unchanged():
     slimfit = PeftConfig.from_pretrained(_copy("slimfit"))
     assert isinstance(slimfit, SlimFitConfig) and slimfit.freeze_ratio == 0.8
     # 0.1.0 nested a whole TokenTuneConfig; its selection fields are what SlimFit uses.
-    assert slimfit.tokentune == TokenSelectionConfig(num_tokens=8, seed=1)
+    assert slimfit.tokentune == TokenSelectionConfig(num_tokens=8, seed=1, selection="random")
     assert slimfit.lora.r == 4
 
 

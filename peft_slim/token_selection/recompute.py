@@ -91,7 +91,8 @@ class RandomOps(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.found is None and draws_random_numbers(func, args, kwargs):
-            self.found = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+            name = getattr(func, "__name__", repr(func))
+            self.found = f"Tensor.{name}" if getattr(torch.Tensor, name, None) is func else f"torch {name}"
         return func(*args, **kwargs)
 
 
