@@ -496,6 +496,7 @@ PRIVATE_ATTRIBUTES = {
     "_is_hf_initialized",
     "_cdata",
     "_cast_input_dtype",
+    "find_packed_sequence_indices",
 }
 PRIVATE_MODULES = {
     "peft.utils.other",
@@ -577,6 +578,32 @@ def test_torch_dispatch_mode_sees_every_operator():
     with Spy():
         torch.ones(2).sin()
     assert torch.ops.aten.sin.default in seen, moved("torch.utils._python_dispatch.TorchDispatchMode")
+
+
+def test_one_sequence_per_row_leaves_sdpa_its_causal_mask_on_fake_position_ids():
+    """Real position ids of one sequence per row: no packing found, no mask built (SDPA's is_causal). Fake ones
+    have no values, so transformers keeps a packed-sequence tensor and builds a mask unless the planner says."""
+    api = "transformers.masking_utils.find_packed_sequence_indices (called through the module by create_causal_mask)"
+    masking = transformers.masking_utils
+    config = transformers.LlamaConfig(hidden_size=8, num_attention_heads=2, num_hidden_layers=1)
+    config._attn_implementation = "sdpa"
+    find = masking.find_packed_sequence_indices
+
+    def causal_mask():
+        embeds, positions = torch.zeros(2, 6, 8), torch.arange(6)[None]
+        return masking.create_causal_mask(config, embeds, None, None, position_ids=positions)
+
+    assert find(torch.arange(6)[None].expand(2, 6)) is None, moved(api)
+    assert find(torch.tensor([[0, 1, 2, 0, 1, 2]])).tolist() == [[0, 0, 0, 1, 1, 1]], moved(api)
+    assert causal_mask() is None, moved(api)
+    with fake.fake_tensor_mode():
+        assert causal_mask() is not None, moved(f"{api}: a fake trace now finds no packing by itself")
+        with fake.one_sequence_per_row():
+            assert causal_mask() is None, moved(api)
+    with fake.one_sequence_per_row():  # real position ids are still read
+        packed = masking.find_packed_sequence_indices(torch.tensor([[0, 1, 0, 1]]))
+        assert packed.tolist() == [[0, 0, 1, 1]]
+    assert masking.find_packed_sequence_indices is find
 
 
 def test_tree_leaves_are_the_nested_values():

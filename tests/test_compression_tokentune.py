@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import json
 
 import pytest
@@ -110,3 +111,25 @@ def test_a_failing_training_forward_leaves_no_hook_behind():
     x = torch.randn(64, 64, requires_grad=True)
     (x.exp() * 2).sum().backward()
     assert torch.equal(x.grad, 2 * x.detach().exp()), "a saved-tensor hook was left installed"
+
+
+def test_the_uncompressed_inputs_of_the_selected_pass_go_when_the_forward_returns():
+    """Compressed, each block keeps its selected pass's inputs (every token's keys and values) packed: the
+    originals must be freed as soon as the forward is over, not at some later garbage collection (as a reference
+    cycle holding them did, so that what a forward left allocated depended on when the collector ran)."""
+    model = _peft_model(build("llama"), _config()).train()
+    batch = make_batch("llama")
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds is kept in gc.garbage instead of freed
+    try:
+        loss = model(**batch).loss
+        gc.collect()
+        cyclic = [tuple(o.shape) for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert model.base_model.last_compression_stats.compressed > 0
+    assert cyclic == []
+    loss.backward()

@@ -19,9 +19,12 @@ from tiny_models import build
 
 import peft_slim
 from peft_slim.cli import main as cli_main
+from peft_slim.compat import is_fake_tensor, outside_fake_mode
 from peft_slim.memory import peak_memory_bytes
 from peft_slim.planner import estimate_memory, measure_memory, plan
+from peft_slim.planner.fake import fake_tensor_mode
 from peft_slim.planner.plan import ladder
+from peft_slim.planner.trace import LiveBytes
 
 COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations")
 
@@ -62,6 +65,13 @@ CASES = {
         ),
         96,
     ),
+    # No compression, 192 tokens: every token's keys/values kept, and no causal mask built (in the real step SDPA
+    # masks by is_causal; a fake trace must not build the [batch, 1, seq, seq] mask transformers cannot rule out).
+    "llama tokentune 192 tokens": (
+        llama_config,
+        lambda: peft_slim.TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.25, lora=lora()),
+        192,
+    ),
     "bert slimfit": (
         bert_config,
         lambda: peft_slim.SlimFitConfig(task_type="SEQ_CLS", freeze_ratio=0.75),
@@ -83,6 +93,21 @@ def test_estimate_matches_the_allocator(case):
     for name in COMPONENTS:
         real, guess = getattr(measured, name), getattr(estimate, name)
         assert abs(guess - real) <= 0.15 * real, (name, estimate, measured)
+
+
+def test_a_real_tensor_viewed_by_fake_operators_is_counted_once():
+    """The token selection's index is drawn for real inside the trace and counted then; a fake operator that views
+    it sees a fake copy (fake tensor mode converts real arguments), and a view allocates nothing."""
+    with fake_tensor_mode():
+        live = LiveBytes()
+        with live:
+            with outside_fake_mode():
+                index = torch.zeros(2, 96, dtype=torch.long)
+            assert live.total == index.untyped_storage().nbytes()
+            viewed = index.view(2, 96, 1).expand(2, 96, 4)
+            assert is_fake_tensor(viewed) and live.total == index.untyped_storage().nbytes()
+            summed = viewed.sum()
+            assert live.total == index.untyped_storage().nbytes() + summed.untyped_storage().nbytes()
 
 
 def test_parameters_and_optimizer_state_from_first_principles():

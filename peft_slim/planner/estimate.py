@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 from peft import PeftConfig
 
-from .fake import fake_tensor_mode
+from .fake import fake_tensor_mode, one_sequence_per_row
 from .setup import (
     base_model,
     gradient_bytes,
@@ -80,7 +80,7 @@ def estimate_memory(
         held = weight_bytes(trained)
         _create_optimizer_state(trained, optimizer)
         live = LiveBytes()
-        with live, warnings.catch_warnings():
+        with live, one_sequence_per_row(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="SlimFit: an optimizer stepped twice")
             loss = trained(**inputs).loss
             activations = live.total

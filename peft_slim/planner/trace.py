@@ -37,11 +37,16 @@ class LiveBytes(TorchDispatchMode):
                 continue
             key = storage_key(tensor)
             if key not in self._live:
-                if inputs is None:  # storages the operator was given: an output on one of them is a view
+                # A view allocates nothing. Its storage is untracked when it views a tensor from before the trace (a
+                # weight), or the fake copy of a real tensor (the token selection's index, drawn for real from the
+                # real inputs and counted as such): fake tensor mode converts real arguments to fake ones.
+                if func.is_view:
+                    continue
+                if inputs is None:  # storages the operator was given: an in-place result on one of them
                     leaves = tree_leaves((args, kwargs))
                     inputs = {storage_key(t) for t in leaves if isinstance(t, torch.Tensor)}
                 if key in inputs:
-                    continue  # a view of a tensor from before the trace (a weight): nothing allocated or freed
+                    continue  # an in-place change of a tensor from before the trace: nothing allocated or freed
             self._track(tensor, key)
         return out
 

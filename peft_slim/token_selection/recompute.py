@@ -152,18 +152,24 @@ _SLOT = object()  # where a tensor of the arguments goes back
 def _split(value: Any) -> tuple[Any, list[torch.Tensor]]:
     """``value`` with each tensor (nested in tuples, lists and dicts) replaced by ``_SLOT``, and those tensors."""
     tensors: list[torch.Tensor] = []
+    return _strip(value, tensors), tensors
 
-    def strip(item: Any) -> Any:
-        if isinstance(item, torch.Tensor):
-            tensors.append(item)
-            return _SLOT
-        if isinstance(item, (tuple, list)):
-            return type(item)(strip(part) for part in item)
-        if isinstance(item, dict):
-            return {key: strip(part) for key, part in item.items()}
-        return item
 
-    return strip(value), tensors
+def _strip(item: Any, tensors: list[torch.Tensor]) -> Any:
+    """``item`` with its tensors replaced by ``_SLOT`` and appended to ``tensors``.
+
+    A module-level function, not a closure: a recursive closure is a reference cycle (the function, its cell) that
+    would hold ``tensors`` until the garbage collector runs, keeping every uncompressed input of the selected pass
+    alive after activation compression has stored its own copy.
+    """
+    if isinstance(item, torch.Tensor):
+        tensors.append(item)
+        return _SLOT
+    if isinstance(item, (tuple, list)):
+        return type(item)(_strip(part, tensors) for part in item)
+    if isinstance(item, dict):
+        return {key: _strip(part, tensors) for key, part in item.items()}
+    return item
 
 
 def _fill(skeleton: Any, tensors: Iterator[torch.Tensor]) -> Any:
