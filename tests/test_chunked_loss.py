@@ -187,7 +187,7 @@ def _reference(model, batch: dict, mask: torch.Tensor) -> tuple[torch.Tensor, di
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(chunked_loss, "CHUNK_BYTES", 4 * VOCAB * 3)  # 3 rows per chunk: several chunks per batch
+    monkeypatch.setattr(chunked_loss, "MIN_CHUNK_ROWS", 1)  # rows / ceil(vocab / hidden) rows: several chunks a batch
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])

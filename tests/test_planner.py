@@ -298,7 +298,7 @@ def test_cli_refuses_a_model_config_it_cannot_size(tmp_path, capsys, fields, mes
     argv = ["plan", "--model", str(path), "--batch-size", "1", "--seq-len", "8", "--budget", "1GB"]
     assert cli_main(argv) == 2
     out = capsys.readouterr().out
-    assert out.startswith(f"peft-slim plan: model: {path}: ") and message in out
+    assert out.startswith(f"peft-slim plan: --model '{path}' could not be loaded: ") and message in out
 
 
 _SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")

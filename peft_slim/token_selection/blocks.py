@@ -215,13 +215,18 @@ class BlockRunner:
         parameters = [p for p in block.parameters() if p.requires_grad]
         config = self.config
         attention = get_attn_implementation(config) if config is not None else None
-        key, value = block_pass.key, block_pass.value
-        block_pass.key = block_pass.value = None  # kept by the autograd node only
+        # Every token's keys and values enter the recomputed attention, but the selected ones are recomputed there:
+        # only the unselected ones are kept (by the autograd node only).
+        selection, shapes = block_pass.selection, (block_pass.key.shape, block_pass.value.shape)
+        key, value = selection.unselected_part(block_pass.key, 2), selection.unselected_part(block_pass.value, 2)
+        block_pass.key = block_pass.value = None
         block_ref = weakref.ref(block)
 
         def run(arguments: tuple) -> Any:
             block = block_ref()
-            args, kwargs, block_pass.key, block_pass.value = arguments
+            args, kwargs, key, value = arguments
+            block_pass.key = selection.with_unselected(key, shapes[0], 2)
+            block_pass.value = selection.with_unselected(value, shapes[1], 2)
             forward = _unwrapped_forward(block)
             try:
                 with checkpointing_paused(block):

@@ -14,6 +14,7 @@ draws the same mask).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -21,14 +22,16 @@ import torch.nn.functional as F
 
 from .loss import IGNORE_INDEX
 
-# fp32 logits of one chunk: 32 MiB is 64 rows of a 128k vocabulary (a [64, hidden] x [hidden, 128k] matmul still
-# keeps a GPU busy), 170 of a 49k one; small next to the materialised logits of thousands of selected rows.
-CHUNK_BYTES = 32 << 20
+# Each chunk reads the whole head weight: fewer rows than this would spend more time reading it than computing.
+MIN_CHUNK_ROWS = 16
 
 
-def chunk_rows(vocab: int) -> int:
-    """Rows per chunk for a vocabulary of ``vocab``: about ``CHUNK_BYTES`` of fp32 logits."""
-    return max(1, CHUNK_BYTES // (4 * vocab))
+def chunk_rows(vocab: int, hidden_size: int, total_rows: int) -> int:
+    """Rows per chunk: the rows split into about ``vocab / hidden_size`` chunks, so that one chunk's fp32 logits
+    take about the bytes of all the rows' hidden states in fp32 (what the loss keeps anyway), and never fewer than
+    ``MIN_CHUNK_ROWS`` rows."""
+    chunks = max(1, math.ceil(vocab / hidden_size))
+    return max(MIN_CHUNK_ROWS, math.ceil(total_rows / chunks))
 
 
 def chunked_head_loss(

@@ -8,6 +8,7 @@ unselected positions up to the widest row, so all rows have the same width and n
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ class TokenSelection:
     index: torch.Tensor  # [B, n] long, selected positions first, then distinct unselected ones
     valid: torch.Tensor  # [B, n] bool, True for slots that hold a selected position
     all_valid: bool = False  # every row selects the same number of positions: no padded slots
+    unselected: torch.Tensor | None = None  # [n_unselected] long: the unselected positions of the flattened [B * L]
     _memo: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -39,7 +41,23 @@ class TokenSelection:
         order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices
         index = order[:, :width]
         valid = torch.arange(width, device=mask.device)[None, :] < counts[:, None]
-        return cls(mask=mask, index=index, valid=valid, all_valid=bool(valid.all()))
+        unselected = (~mask).flatten().nonzero().flatten()
+        return cls(mask=mask, index=index, valid=valid, all_valid=bool(valid.all()), unselected=unselected)
+
+    def unselected_part(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """``tensor``'s entries at the unselected positions along ``dim`` (batch is dim 0), packed: ``[n_unselected,
+        ...the other dims]``. What the selected pass needs of a tensor whose selected positions it recomputes."""
+        moved = tensor.movedim(dim, 1)
+        return moved.reshape(-1, *moved.shape[2:]).index_select(0, self.unselected.to(tensor.device))
+
+    def with_unselected(self, part: torch.Tensor, like_shape: tuple[int, ...], dim: int) -> torch.Tensor:
+        """A tensor of shape ``like_shape`` holding ``part`` (from ``unselected_part``) at the unselected positions
+        along ``dim`` and zeros at the selected ones (which the selected pass overwrites)."""
+        moved_shape = list(like_shape)
+        moved_shape.insert(1, moved_shape.pop(dim))
+        flat = part.new_zeros((moved_shape[0] * moved_shape[1], *moved_shape[2:]))
+        flat.index_copy_(0, self.unselected.to(part.device), part)
+        return flat.view(moved_shape).movedim(1, dim)
 
     def gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """``tensor`` at the slot positions along ``dim`` (batch is dim 0).
@@ -81,11 +99,14 @@ class TokenSelection:
 
         Blocks receive the same mask and rotary tensors; deriving them once means autograd saves one
         copy for the whole model instead of one per layer. ``source`` (the tensor the result is derived
-        from) is kept alive with it, so that keying on ``id(source)`` stays sound.
+        from, keyed by ``id(source)``) is held weakly: a result is reused only while its source lives, so an id
+        reused by a later tensor is never mistaken for it, and the source (a full ``[B, 1, L, L]`` mask, say) is not
+        kept for backward when only its cut rows are needed.
         """
-        if key not in self._memo:
-            self._memo[key] = (source, make())
-        return self._memo[key][1]
+        entry = self._memo.get(key)
+        if entry is None or (entry[0] is not None and entry[0]() is not source):
+            entry = self._memo[key] = (None if source is None else weakref.ref(source), make())
+        return entry[1]
 
 
 def _expand_index(index: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:

@@ -358,7 +358,7 @@ class TokenSelector:
             parameters,
             hidden.reshape(-1, hidden.shape[-1]),
             targets.reshape(-1),
-            chunk_rows(logits.shape[-1]),
+            chunk_rows(logits.shape[-1], hidden.shape[-1], hidden.shape[0] * hidden.shape[1]),
         )
         loss = labelled_mean(total, targets, labels, True, state.num_items_in_batch)
         return with_loss(output, loss, drop_logits=True)
