@@ -54,7 +54,8 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 LORA = bench_sft.LORA
 CKPT = ["--gradient-checkpointing"]
 REFERENCE = "lora"  # its perplexity after --steps steps is the quality to reach
-BUDGET = "lora+ckpt"  # its training CPU time for --steps steps is the time budget; its step peak the memory budget
+DEFAULT_BUDGET = "lora+ckpt"  # its CPU time for --steps steps is the time budget, its step peak the memory one
+BUDGET = DEFAULT_BUDGET  # the run's (--budget-method)
 # name -> ``peft-slim train`` flags, in the order the parts run (CPU is scarce: the questions first).
 METHODS: dict[str, list[str]] = {
     "lora": ["--method", "lora", *LORA],
@@ -87,6 +88,12 @@ TASK_DEFAULTS = {
 }
 
 
+def use_budget_method(name: str) -> None:
+    """Make ``name`` the method whose time and step peak are the budget (every part and the merge of a run)."""
+    global BUDGET
+    BUDGET = name
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
@@ -116,6 +123,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--budget-seconds", type=float, help="the time budget given (default: read from the lora+ckpt part)"
     )
     parser.add_argument("--out", help="default benchmarks/results/budget (quick: benchmarks/results/quick/budget)")
+    parser.add_argument(
+        "--budget-method",
+        default=DEFAULT_BUDGET,
+        help=f"the method whose --steps steps set the time and memory budget (default {DEFAULT_BUDGET!r}; "
+        "'lora+ckpt+trl-head': LoRA + checkpointing with TRL's fused LM head); give it to every command of a run",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny: 3 steps, 2 methods, 1 seed, 8 held-out examples")
     parser.add_argument("--part", nargs=3, metavar=("TASK", "METHOD", "SEED"), help="run one part in this process")
     parser.add_argument("--merge", action="store_true", help="no training: merge the parts under --out")
@@ -125,6 +138,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if "--quick" in (sys.argv[1:] if argv is None else argv):  # tiny defaults; flags given still win
         parser.set_defaults(steps=3, eval_every=2, held_out=8, train_examples=40, seeds=[0])
     args = parser.parse_args(argv)
+    if args.budget_method not in METHODS:
+        parser.error(f"--budget-method {args.budget_method!r}: not a method; known: {', '.join(METHODS)}")
+    use_budget_method(args.budget_method)
     for entry in args.add_method:
         name, sep, flags = entry.partition("=")
         if not sep or not name or not flags.split():
@@ -624,7 +640,7 @@ def markdown(report: dict) -> str:
             markdown_table(header, rows),
             f"Untrained held-out answer perplexity {info['untrained_perplexity']:.2f}; LoRA after {steps} steps "
             f"{mean_spread(info['reference_perplexity'], 2)}{reference_note(info)}; "
-            f"budget (LoRA + checkpointing, {steps} steps) "
+            f"budget ({report.get('budget_method', 'lora+ckpt')}, {steps} steps) "
             f"{mean_spread(info['budget_seconds'], 0)} CPU s of training. "
             + "".join(
                 f"`{m}`: TokenTune {ratio} whose prompt tokens are chosen by the `{probe}` probe "
@@ -731,15 +747,16 @@ def merge(args) -> dict:
     any_part = next(iter(next(iter(parts.values())).values()))[0]
     report = {
         "config": config,
+        "budget_method": BUDGET,
         "machine": any_part["environment"]["machine"] + f", torch {any_part['environment']['torch']}",
         "protocol": (
             f"{any_part['model']}, completion-only; AdamW (adapters lr {config['learning_rate']}, base weights "
             f"{config['base_learning_rate']}, no decay), batch {config['batch_size']}, max length "
             + ", ".join(f"{c['max_length']} ({task})" for task, c in task_configs.items())
-            + ", LoRA r=8 alpha 16 on all linear layers. Budget = LoRA + checkpointing's "
+            + f", LoRA r=8 alpha 16 on all linear layers. Budget = {BUDGET}'s "
             f"training CPU time for {config['steps']} steps, same seed; every method trains at least "
             f"{config['steps']} steps, then until it reaches the budget (at most {config['cap']:g}x the steps). "
-            f"Held-out answer perplexity every {config['eval_every']} steps; 'ckpt' = LoRA + checkpointing, same "
+            f"Held-out answer perplexity every {config['eval_every']} steps; 'ckpt' = {BUDGET}, same "
             "seed; ratios per seed, then mean ± std over seeds. Each (method, seed) a separate single-thread "
             "process, methods interleaved seed by seed."
         ),
