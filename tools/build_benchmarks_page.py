@@ -66,12 +66,13 @@ def _sft_report() -> dict:
     return json.loads((RESULTS / "sft.json").read_text())
 
 
-def _budget_tables() -> str:
+def _budget_tables(folder: str = "budget") -> str:
+    """The tables of ``results/<folder>/budget.json`` (an equal-budget run's merge), plots linked from the page."""
     from benchmarks.bench_budget import markdown
 
-    text = markdown(json.loads((RESULTS / "budget" / "budget.json").read_text()))
+    text = markdown(json.loads((RESULTS / folder / "budget.json").read_text()))
     text = re.sub(r"^### ", "#### ", text, flags=re.M)
-    return re.sub(r"\]\((budget_[\w-]+\.png)\)", r"](../benchmarks/results/budget/\1)", text)
+    return re.sub(r"\]\((budget_[\w-]+\.png)\)", rf"](../benchmarks/results/{folder}/\1)", text)
 
 
 def _include(relative: str) -> str:
@@ -100,8 +101,8 @@ def render_page() -> str:
             out.append(line)
         elif match.group(1) == "sft.json":
             out.append(markdown(_sft_report()).replace("### ", "#### ", 1))
-        elif match.group(1) == "budget.json":
-            out.append(_budget_tables())
+        elif re.fullmatch(r"budget(_\w+)?\.json", match.group(1)):  # budget.json: results/budget/, budget_x: its own
+            out.append(_budget_tables(match.group(1).removesuffix(".json")))
         else:
             out.append(_include(match.group(1).removeprefix("results/")))
     return "\n".join(out).rstrip("\n") + "\n"
