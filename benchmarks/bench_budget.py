@@ -56,6 +56,7 @@ CKPT = ["--gradient-checkpointing"]
 REFERENCE = "lora"  # its perplexity after --steps steps is the quality to reach
 DEFAULT_BUDGET = "lora+ckpt"  # its CPU time for --steps steps is the time budget, its step peak the memory one
 BUDGET = DEFAULT_BUDGET  # the run's (--budget-method)
+BUDGET_NAMES = {"lora+ckpt": "LoRA + checkpointing", "lora+ckpt+trl-head": "LoRA + checkpointing, TRL's fused LM head"}
 # name -> ``peft-slim train`` flags, in the order the parts run (CPU is scarce: the questions first).
 METHODS: dict[str, list[str]] = {
     "lora": ["--method", "lora", *LORA],
@@ -640,7 +641,7 @@ def markdown(report: dict) -> str:
             markdown_table(header, rows),
             f"Untrained held-out answer perplexity {info['untrained_perplexity']:.2f}; LoRA after {steps} steps "
             f"{mean_spread(info['reference_perplexity'], 2)}{reference_note(info)}; "
-            f"budget ({report.get('budget_method', 'lora+ckpt')}, {steps} steps) "
+            f"budget ({BUDGET_NAMES.get(report.get('budget_method', DEFAULT_BUDGET))}, {steps} steps) "
             f"{mean_spread(info['budget_seconds'], 0)} CPU s of training. "
             + "".join(
                 f"`{m}`: TokenTune {ratio} whose prompt tokens are chosen by the `{probe}` probe "
