@@ -22,7 +22,7 @@ from packaging.version import Version
 # GPU reference setup); the registry has no CPU build of it for CI, which tests 2.13.
 MINIMUM = {"torch": "2.11", "transformers": "5.23", "peft": "0.21"}
 # The oldest and newest releases CI runs the suite on (torch: the registry's only CPU build, see README).
-TESTED = {"torch": ("2.13.0", "2.13.0"), "transformers": ("5.23.0", "5.24.0"), "peft": ("0.21.0", "0.21.2")}
+TESTED = {"torch": ("2.13.0", "2.13.0"), "transformers": ("5.23.0", "5.25.0"), "peft": ("0.21.0", "0.21.2")}
 
 
 def installed_version(package: str) -> str:
