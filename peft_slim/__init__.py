@@ -10,6 +10,7 @@ from . import (
     quiet,  # noqa: F401  (then: imports peft with bitsandbytes' CPU probe warning silenced)
     versions,  # noqa: F401  (first: refuses unsupported torch / transformers / peft with a clear message)
 )
+from ._version import __version__
 from .compression import ActivationCompressionConfig, compress_activations
 from .export import export_lora
 from .planner import MemoryEstimate, estimate_memory, plan
@@ -17,8 +18,6 @@ from .slimfit import SlimFitCallback, SlimFitConfig, SlimFitModel
 from .token_selection import TokenSelectionConfig
 from .tokentune import TokenTuneCallback, TokenTuneConfig, TokenTuneModel
 from .tuner.saving import from_pretrained, load_adapter, load_config, save_pretrained
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ActivationCompressionConfig",

@@ -28,6 +28,8 @@ from typing import Any
 
 from peft import LoraConfig
 
+from ._version import __version__
+
 VERSION_KEY = "peft_slim_version"
 
 
@@ -54,8 +56,6 @@ def unknown_keys_message(cls: type, unknown: list[str]) -> str:
 
 def warn_unknown_saved_keys(cls: type, unknown: list[str], version: Any) -> None:
     saved_by = f"peft_slim {version}" if version else "another version of peft_slim"
-    from . import __version__
-
     warnings.warn(
         f"{cls.__name__}: the saved config has field(s) {sorted(unknown)} that this version of peft_slim "
         f"({__version__}) does not know; they are ignored. It was written by {saved_by}: upgrade peft_slim to "

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 from peft import LoraConfig, PeftConfig
 from peft.utils import CONFIG_NAME
 
+from .._version import __version__
 from ..compression import ActivationCompressionConfig
 from ..configuration import (
     VERSION_KEY,
@@ -146,8 +147,6 @@ class MethodConfig(PeftConfig, ValidatedConfig):
         return self.lora.runtime_config
 
     def to_dict(self) -> dict[str, Any]:
-        from .. import __version__
-
         values = {spec.name: to_json_value(getattr(self, spec.name)) for spec in dataclasses.fields(self)}
         values[VERSION_KEY] = __version__
         return values
