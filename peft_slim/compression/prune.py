@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .format import move
 from .packing import pack_bits, unpack_bits
-from .quant import move
 
 
 @dataclass(eq=False)

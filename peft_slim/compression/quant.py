@@ -17,48 +17,12 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from dataclasses import dataclass, replace
 
 import torch
 
-from ..compat import is_fake_tensor, outside_fake_mode, rowwise_byte_kernels, storage_key
+from ..compat import is_fake_tensor, outside_fake_mode, rowwise_byte_kernels
+from .format import Quantized, row_stats
 from .packing import pack_bits, unpack_bits
-
-
-@dataclass(eq=False)
-class Quantized:
-    """A flat tensor of ``numel`` values as 8/4/2-bit codes plus one scale and one minimum per group.
-
-    Two layouts: packed codes (``8 // bits`` per byte) beside separate ``scale`` and ``low`` tensors, or
-    (``rowwise``: 8 bits on the CPU) one ``[groups, group_size + 8]`` byte tensor whose rows hold a group's
-    codes, then its fp32 scale and minimum, as torch's fused row-wise kernels lay them out; ``scale`` and
-    ``low`` are then views into it.
-    """
-
-    codes: torch.Tensor  # uint8
-    scale: torch.Tensor  # [groups]
-    low: torch.Tensor  # [groups]
-    bits: int
-    group_size: int
-    numel: int
-    rowwise: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        storages = {storage_key(t): t.untyped_storage() for t in (self.codes, self.scale, self.low)}
-        return sum(storage.nbytes() for storage in storages.values())
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
-
-    def to(self, device: torch.device, non_blocking: bool = False) -> Quantized:
-        if self.rowwise:
-            codes = move(self.codes, device, non_blocking)
-            scale, low = _row_stats(codes, self.group_size)
-        else:
-            codes, scale, low = (move(t, device, non_blocking) for t in (self.codes, self.scale, self.low))
-        return replace(self, codes=codes, scale=scale, low=low)
 
 
 def quantize(values: torch.Tensor, bits: int, group_size: int, row: int | None = None) -> Quantized | None:
@@ -178,7 +142,7 @@ def _quantize_rowwise(values: torch.Tensor, group_size: int) -> Quantized | None
     if not _representable(high.float(), low.float(), values):
         return None
     rows = _prepack(values, group_size)
-    scale, low = _row_stats(rows, group_size)
+    scale, low = row_stats(rows, group_size)
     steps = scale.clone()  # (the views are strided: read them once)
     # (a fake tensor, in a memory estimate, has no values: redoing narrow groups would change values, not sizes)
     narrow = None if is_fake_tensor(values) else ((steps > 0) & (steps < _ROWWISE_MIN_RANGE / 255)).nonzero().view(-1)
@@ -233,12 +197,6 @@ def _fake_prepack(block: torch.Tensor, group_size: int) -> torch.Tensor:
     return torch.empty(block.shape[0], group_size + 8, dtype=torch.uint8, device=block.device)
 
 
-def _row_stats(rows: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of the fp32 scale and minimum that end each row of the row-wise layout."""
-    stats = rows[:, group_size:].view(torch.float32)
-    return stats[:, 0], stats[:, 1]
-
-
 def _fused_kernels(device: torch.device):
     """The Triton kernels (``triton_kernels``) for a CUDA tensor when Triton imports; else None (the torch path)."""
     return _triton_kernels() if device.type == "cuda" else None
@@ -247,7 +205,7 @@ def _fused_kernels(device: torch.device):
 @functools.cache
 def _triton_kernels():
     try:
-        from . import triton_kernels
+        from . import triton_kernels  # here: Triton is optional (and slow to import)
     except ImportError:  # no Triton (e.g. a CPU-only or non-Linux PyTorch build)
         return None
     return triton_kernels
@@ -357,7 +315,7 @@ def _checked_rowwise_kernels():
         prepack, unpack = kernels
         values = torch.linspace(-1.5, 2.0, 16).view(2, 8) ** 3
         rows = prepack(values)
-        scale, low = _row_stats(rows, 8)
+        scale, low = row_stats(rows, 8)
         span = values.amax(dim=1) - values.amin(dim=1)
         codes = torch.round((values - low[:, None]) * (255 / (span[:, None] + _ROWWISE_EPSILON)))
         decoded = unpack(rows)
@@ -402,13 +360,3 @@ def row_aligned_group(row: int, group_size: int) -> int:
         if row % size == 0:
             return size
     return group_size  # no divisor within a factor of 2: keep the size, a few groups straddle rows
-
-
-def move(tensor: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
-    """``tensor`` on ``device``; a copy to the CPU goes to pinned memory so that it can run asynchronously."""
-    if tensor.device == torch.device(device):
-        return tensor
-    if torch.device(device).type == "cpu" and non_blocking:
-        target = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        return target.copy_(tensor, non_blocking=True)
-    return tensor.to(device, non_blocking=non_blocking)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 from ..compat import storage_key
+from .format import Quantized, move
 from .prune import Positions, prune, unprune
-from .quant import Quantized, dequantize, move, quantize
+from .quant import dequantize, quantize
 
 
 class CompressedTensor:

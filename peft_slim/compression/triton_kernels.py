@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .format import Quantized
+
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 MAX_GROUP = 4096  # one group lives in one program's registers
 _TILE = 2048  # values per program: several small groups at once
@@ -42,8 +44,6 @@ def _tiling(group_size: int) -> tuple[int, int]:
 
 def quantize(values: torch.Tensor, bits: int, group_size: int):
     """``quant._quantize_packed(values, bits, group_size)``, in one kernel (plus the same finiteness check)."""
-    from .quant import Quantized
-
     numel = values.numel()
     groups = -(-numel // group_size)
     block, per_program = _tiling(group_size)
