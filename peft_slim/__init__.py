@@ -19,6 +19,9 @@ from .token_selection import TokenSelectionConfig
 from .tokentune import TokenTuneCallback, TokenTuneConfig, TokenTuneModel
 from .tuner.saving import from_pretrained, load_adapter, load_config, save_pretrained
 
+# isort: split
+from . import distributed  # noqa: F401  (public: peft_slim.distributed.save_pretrained after `import peft_slim`)
+
 __all__ = [
     "ActivationCompressionConfig",
     "MemoryEstimate",

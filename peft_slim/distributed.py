@@ -7,17 +7,11 @@ first, on every rank, and lets rank 0 write the usual PEFT files, which then loa
 
 from __future__ import annotations
 
-import os
-
 import torch.distributed as dist
 from torch import nn
 
-
-def rank() -> int:
-    """This process's rank: from the process group once initialised, else torchrun's ``RANK`` variable."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", 0))
+from .process_rank import rank
+from .tuner.saving import save_pretrained as atomic_save_pretrained
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -42,8 +36,6 @@ def save_pretrained(model: nn.Module, save_directory: str, **kwargs) -> None:
     Keys of the gathered state dict are those of the unwrapped PeftModel, which is what PEFT expects. Rank 0 saves
     through :func:`peft_slim.save_pretrained`: the folder holds the old adapter or the new one, never a mix.
     """
-    from .tuner.saving import save_pretrained as atomic_save_pretrained
-
     state_dict = full_state_dict(model)
     if rank() == 0:
         atomic_save_pretrained(unwrap(model), save_directory, state_dict=state_dict, **kwargs)

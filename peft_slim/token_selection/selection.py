@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..distributed import rank
+from ..process_rank import rank
 from .config import ANSWER_RULES, TokenSelectionConfig
 
 # Tiers added to a uniform [0, 1) draw: a position of a higher tier is always chosen before a lower one.

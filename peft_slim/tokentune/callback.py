@@ -11,7 +11,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from ..compat import ExportableState
-from ..distributed import rank
+from ..process_rank import rank
 from ..token_selection import TokenSelector
 from ..trainer_state import stored_callback_attribute
 from ..tuner import MethodTuner
