@@ -7,7 +7,8 @@ import os
 from peft import PeftModel
 
 from .atomic_folder import replaced_folder
-from .tuner.saving import ADAPTER_FILES, RECORD_NAME, is_peft_slim_model, stamp_weights
+from .tuner.config import RECORD_NAME
+from .tuner.saving import ADAPTER_FILES, is_peft_slim_model, stamp_weights
 
 
 def export_lora(model: PeftModel, out_dir: str, adapter_name: str = "default") -> str:

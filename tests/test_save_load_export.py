@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 import peft_slim
 from peft_slim import TokenTuneConfig, TokenTuneModel, export_lora
-from peft_slim.tuner.saving import RECORD_KEY
+from peft_slim.tuner.record import RECORD_KEY
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PREFIX = "base_model.model."

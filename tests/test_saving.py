@@ -30,7 +30,8 @@ import peft_slim
 import peft_slim.export
 import peft_slim.tuner.config
 from peft_slim import SlimFitConfig, SlimFitModel, TokenTuneConfig, compat, export_lora
-from peft_slim.tuner import saving
+from peft_slim.tuner.card import CARD_END, CARD_START
+from peft_slim.tuner.record import RECORD_KEY
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -470,8 +471,8 @@ def test_the_card_keeps_the_users_text_and_holds_one_section(tmp_path):
     peft_slim.save_pretrained(model, tmp_path)
     card = huggingface_hub.ModelCard.load(tmp_path / "README.md")
     assert card.data.license == "mit" and "My own notes." in card.text
-    assert card.text.count(saving.CARD_START) == 1 and card.text.count(saving.CARD_END) == 1
-    assert card.text.index("# My adapter") < card.text.index(saving.CARD_START)
+    assert card.text.count(CARD_START) == 1 and card.text.count(CARD_END) == 1
+    assert card.text.index("# My adapter") < card.text.index(CARD_START)
     assert "**SlimFit** adapter" in card.text and "exact base model it was trained from" in card.text
     assert {"peft_slim", "slimfit"} <= set(card.data.tags)
 
@@ -496,14 +497,14 @@ def test_push_to_hub_of_vanilla_lora_is_transformers_own(offline_hub):
 
 
 def _record(folder) -> dict:
-    """The base-model record a standalone adapter's file holds (JSON bytes under saving.RECORD_KEY)."""
-    return json.loads(load_file(folder / "adapter_model.safetensors")[saving.RECORD_KEY].numpy().tobytes())
+    """The base-model record a standalone adapter's file holds (JSON bytes under RECORD_KEY)."""
+    return json.loads(load_file(folder / "adapter_model.safetensors")[RECORD_KEY].numpy().tobytes())
 
 
 def _old_format(folder) -> None:
     """The folder as peft_slim wrote it before the record moved into the file: the record in adapter_config.json."""
     tensors = load_file(folder / "adapter_model.safetensors")
-    record = json.loads(tensors.pop(saving.RECORD_KEY).numpy().tobytes())
+    record = json.loads(tensors.pop(RECORD_KEY).numpy().tobytes())
     save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
     config = json.loads((folder / "adapter_config.json").read_text())
     config["base_weights"] = record
@@ -521,9 +522,7 @@ def test_a_standalone_adapter_loads_exactly_onto_its_base_and_refuses_another(na
     assert model.peft_config["default"].base_weights is None
     assert json.loads((tmp_path / "adapter_config.json").read_text())["base_weights"] is None
     held = sorted(
-        key.removeprefix(PREFIX)
-        for key in load_file(tmp_path / "adapter_model.safetensors")
-        if key != saving.RECORD_KEY
+        key.removeprefix(PREFIX) for key in load_file(tmp_path / "adapter_model.safetensors") if key != RECORD_KEY
     )
     # ...every tensor the file holds but PEFT's own modules_to_save copies (the classifier of a SEQ_CLS model).
     assert set(record["saved"]) <= set(held)
@@ -607,7 +606,7 @@ def test_resume_from_checkpoint_loads_without_missing_keys_and_checks_the_base_m
         _trainer(tmp_path / "run", other, max_steps=3).train(resume_from_checkpoint=checkpoint)
     # A tensor missing from the checkpoint is reported, in PEFT's words.
     tensors = load_file(os.path.join(checkpoint, "adapter_model.safetensors"))
-    dropped = sorted(key for key in tensors if key != saving.RECORD_KEY)[0]
+    dropped = sorted(key for key in tensors if key != RECORD_KEY)[0]
     del tensors[dropped]
     save_file(tensors, os.path.join(checkpoint, "adapter_model.safetensors"), metadata={"format": "pt"})
     with pytest.warns(UserWarning, match=rf"Found missing adapter keys.*{re.escape(dropped)}"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..tuner.saving import tensor_digest
+from ..tuner.record import tensor_digest
 
 __all__ = ["BaseWeights", "tensor_digest"]
 

@@ -1,20 +1,24 @@
-"""What every peft_slim method's config has: a nested LoRA, saved modules, activation compression, one contract."""
+"""What every peft_slim method's config has: a nested LoRA, saved modules, activation compression, one contract;
+and reading a saved adapter's config back (:func:`load_config`, from a folder or a Hub repository)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import field
 from typing import Any, ClassVar
 
+from huggingface_hub import hf_hub_download
+from huggingface_hub.errors import EntryNotFoundError
 from peft import LoraConfig, PeftConfig
+from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 from peft.utils import CONFIG_NAME
 
 from .._version import __version__
 from ..compression import ActivationCompressionConfig
 from ..configuration import (
     VERSION_KEY,
-    Check,
     Lora,
     NameList,
     Nested,
@@ -26,40 +30,15 @@ from ..configuration import (
 )
 from ..nested_lora import check_lora_fields, lora_export_config, merged_modules_to_save
 from ..registry import add_peft_type
+from .record import BaseWeightsRecord
 
+RECORD_NAME = "peft_slim_config.json"  # a LoRA-stacked adapter's method and settings
+MISMATCH_FLAG = "ignore_base_mismatch"  # the loading keyword that accepts another base model
 _HUB_KEYWORDS = ("revision", "cache_dir", "token", "local_files_only", "force_download")
 
 
 def _has_record(model_id: str, subfolder: str | None, hub_kwargs: dict) -> bool:
-    from .saving import RECORD_NAME, _adapter_file
-
-    return _adapter_file(model_id, RECORD_NAME, subfolder, **hub_kwargs) is not None
-
-
-@dataclasses.dataclass
-class BaseWeightsRecord(Check):
-    """What ``save_pretrained`` records of a standalone adapter's base model (see ``MethodConfig.base_weights``)."""
-
-    optional: bool = True
-    expected: str = (
-        "the record save_pretrained writes: {'saved': [parameter names], 'others': {'count': int, 'dtypes': "
-        "[str], 'blake2b': str}} (leave it None)"
-    )
-
-    def coerce(self, value: Any, where: str) -> dict:
-        if not isinstance(value, dict) or set(value) != {"saved", "others"}:
-            self.fail(value, where)
-        saved, others = value["saved"], value["others"]
-        if not isinstance(saved, (list, tuple)) or not all(isinstance(name, str) and name for name in saved):
-            self.fail(value, where)
-        if not isinstance(others, dict) or set(others) != {"count", "dtypes", "blake2b"}:
-            self.fail(value, where)
-        count, dtypes, digest = others["count"], others["dtypes"], others["blake2b"]
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0 or not isinstance(digest, str):
-            self.fail(value, where)
-        if not isinstance(dtypes, (list, tuple)) or not all(isinstance(d, str) for d in dtypes):
-            self.fail(value, where)
-        return {"saved": sorted(saved), "others": {"count": count, "dtypes": sorted(dtypes), "blake2b": digest}}
+    return adapter_file(model_id, RECORD_NAME, subfolder, **hub_kwargs) is not None
 
 
 @config_dataclass
@@ -159,8 +138,6 @@ class MethodConfig(PeftConfig, ValidatedConfig):
         ``peft_slim.from_pretrained`` reads to continue with the method); the record is written first, so the file
         PEFT writes last stays last. Without `lora`: ``adapter_config.json`` is this config.
         """
-        from .saving import RECORD_NAME
-
         if os.path.isfile(save_directory):
             raise ValueError(f"save_pretrained: {save_directory!r} is a file; give a directory.")
         auto_mapping = kwargs.pop("auto_mapping_dict", None)
@@ -183,8 +160,6 @@ class MethodConfig(PeftConfig, ValidatedConfig):
         """The saved config: ``peft_slim_config.json`` where the folder has one (a LoRA-stacked adapter), else
         ``adapter_config.json``. ``ignore_base_mismatch`` (from ``PeftModel.from_pretrained``'s keywords) is kept
         for the base-model check of a standalone adapter."""
-        from .saving import MISMATCH_FLAG, load_config
-
         ignore_mismatch = bool(kwargs.pop(MISMATCH_FLAG, False))
         hub_kwargs = {key: value for key, value in kwargs.items() if key in _HUB_KEYWORDS}
         if _has_record(pretrained_model_name_or_path, subfolder, hub_kwargs):
@@ -198,3 +173,92 @@ class MethodConfig(PeftConfig, ValidatedConfig):
     def lora_export_config(self) -> LoraConfig:
         """The plain LoraConfig equivalent of this adapter, as vanilla PEFT would save it."""
         return lora_export_config(self.lora, self)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> Any:
+    """The peft_slim config of the adapter at ``model_id``: from ``peft_slim_config.json`` (LoRA-stacked adapters),
+    else from ``adapter_config.json`` (standalone adapters, and every adapter peft_slim 0.1.0 wrote).
+
+    A LoRA-stacked adapter's LoRA is written twice, in ``adapter_config.json`` (what vanilla PEFT loads) and in
+    ``peft_slim_config.json``: where the two differ (one was edited), the adapter is refused, naming the fields.
+    """
+    record = adapter_file(model_id, RECORD_NAME, subfolder, **hub_kwargs)
+    if record is None:
+        config = PeftConfig.from_pretrained(model_id, subfolder=subfolder, **hub_kwargs)
+        if not isinstance(config, MethodConfig):
+            raise ValueError(
+                f"{model_id!r} holds a {getattr(config.peft_type, 'value', config.peft_type)} adapter without "
+                f"peft_slim's {RECORD_NAME}: it was not saved from a peft_slim method. Load it with "
+                "peft.PeftModel.from_pretrained."
+            )
+        config._loaded_from = str(model_id)
+        return config
+    with open(record) as handle:
+        text = handle.read()
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{record} is not valid JSON ({error}; {len(text)} characters): the file is cut short or was edited by "
+            "hand. Save the adapter again (peft_slim.save_pretrained replaces the folder whole), or restore the file."
+        ) from None
+    config_cls = PEFT_TYPE_TO_CONFIG_MAPPING.get(values.get("peft_type")) if isinstance(values, dict) else None
+    if config_cls is None or not issubclass(config_cls, MethodConfig):
+        found = values.get("peft_type") if isinstance(values, dict) else values
+        raise ValueError(
+            f"{record}: peft_type {found!r} is not a peft_slim method (expected one of "
+            f"{sorted(str(t) for t, c in PEFT_TYPE_TO_CONFIG_MAPPING.items() if issubclass(c, MethodConfig))})."
+        )
+    try:
+        config = config_cls(**values)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{record}: {error}") from None
+    if config.lora is not None:
+        _check_same_lora(config, record, model_id, subfolder, hub_kwargs)
+    config._loaded_from = str(model_id)
+    return config
+
+
+# Fields of adapter_config.json that name things rather than define the adapter: PEFT sets `inference_mode` at load,
+# `peft_version` says who wrote the file; the base model's name, revision and class (`auto_mapping`, for AutoPeftModel)
+# are used only where no base model is given.
+_NAMING_FIELDS = ("inference_mode", "peft_version", "base_model_name_or_path", "revision", "auto_mapping")
+
+
+def _check_same_lora(config: Any, record: str, model_id: str, subfolder: str | None, hub_kwargs: dict) -> None:
+    """Refuse a LoRA-stacked adapter whose ``adapter_config.json`` (vanilla PEFT's) and ``peft_slim_config.json``
+    (``record``, read into ``config``) describe different LoRA adapters: one folder, one model."""
+    if adapter_file(model_id, CONFIG_NAME, subfolder, **hub_kwargs) is None:
+        return  # nothing else to load it from
+    adapter = PeftConfig.from_pretrained(model_id, subfolder=subfolder, **hub_kwargs)
+    ours = to_json_value(config.lora_export_config())
+    if isinstance(adapter, LoraConfig):
+        theirs = to_json_value(adapter)
+        keys = sorted((ours.keys() | theirs.keys()) - set(_NAMING_FIELDS))
+    else:
+        theirs, keys = {"peft_type": to_json_value(adapter.peft_type)}, ["peft_type"]
+    differ = [key for key in keys if ours.get(key) != theirs.get(key)]
+    if differ:
+        listed = "; ".join(
+            f"{key} is {theirs.get(key)!r} in {CONFIG_NAME} and {ours.get(key)!r} in {RECORD_NAME}" for key in differ
+        )
+        raise ValueError(
+            f"{os.path.dirname(record)}: {CONFIG_NAME} and {RECORD_NAME} describe different LoRA adapters: {listed}. "
+            "Vanilla PEFT loads the first and peft_slim the second: two different models from one folder, so one of "
+            "the files was edited after saving. Make them agree (edit either file), or save the adapter again."
+        )
+
+
+def adapter_file(model_id: str, name: str, subfolder: str | None = None, **hub_kwargs) -> str | None:
+    """Local path of file ``name`` of the adapter at ``model_id`` (a folder or a Hub repository); None if absent."""
+    folder = os.path.join(model_id, subfolder) if subfolder else model_id
+    if os.path.isdir(folder):
+        path = os.path.join(folder, name)
+        return path if os.path.isfile(path) else None
+    try:
+        return hf_hub_download(model_id, name, subfolder=subfolder, **hub_kwargs)
+    except EntryNotFoundError:
+        return None

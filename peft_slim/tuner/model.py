@@ -31,10 +31,9 @@ from ..lora_inputs import keep_lora_inputs_narrow
 from ..memory import SavedActivationBytes
 from ..nested_lora import inject_lora
 from ..token_selection import TokenSelectionConfig, TokenSelector
-from .config import MethodConfig
+from .config import MISMATCH_FLAG, MethodConfig
 from .model_kinds import check_model_kind
-from .saving import (
-    MISMATCH_FLAG,
+from .record import (
     RECORD_KEY,
     _under,
     base_parameter_names,

@@ -12,9 +12,12 @@ check at injection, missing and unexpected keys at load) or here:
 * :func:`save_pretrained`: PEFT's save into a new sibling folder that replaces the old one whole
   (``peft_slim.atomic_folder``), with peft_slim's section in the model card; ``peft-slim train`` uses it. The weights
   record their config files' digest, which the loads below check (:func:`consistent_read`).
-* :func:`from_pretrained`: ``PeftModel.from_pretrained`` with the config from ``peft_slim_config.json`` (or, for
-  adapters written by peft_slim 0.1.0, from ``adapter_config.json``); :func:`load_adapter`: the same for a further
-  adapter on a model (``PeftModel.load_adapter`` reads the LoRA config and cannot be given another).
+* :func:`from_pretrained`: ``PeftModel.from_pretrained`` with the config ``tuner.config.load_config`` reads (from
+  ``peft_slim_config.json`` or, for adapters written by peft_slim 0.1.0, from ``adapter_config.json``);
+  :func:`load_adapter`: the same for a further adapter on a model (``PeftModel.load_adapter`` reads the LoRA config
+  and cannot be given another).
+
+The model card's section is ``tuner.card``'s; the record of a standalone adapter's base model, ``tuner.record``'s.
 """
 
 from __future__ import annotations
@@ -27,16 +30,17 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import IO, Any
 
-import torch
+from peft import PeftModel
 from torch import nn
 
 from ..atomic_folder import FolderReplaced, held_files, recover, replaced_folder, sibling
+from .card import CARD_NAME, add_card_section
+from .config import RECORD_NAME, load_config
+from .model import MethodTuner, unchanged_if_raises
 
-CARD_NAME = "README.md"
-RECORD_NAME = "peft_slim_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_FILES = ("adapter_config.json", RECORD_NAME)
 WEIGHT_FILES = (WEIGHTS_NAME, "adapter_model.bin")
@@ -46,9 +50,6 @@ STAMP_KEY = "peft_slim.config_blake2b"
 MODEL_FILES = re.compile(
     r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?|(generation_)?config\.json"
 )
-CARD_START = "<!-- peft_slim: loading (written by peft_slim.save_pretrained; kept up to date on every save) -->"
-CARD_END = "<!-- /peft_slim -->"
-MISMATCH_FLAG = "ignore_base_mismatch"
 _TOKENIZER_FILES = (  # what transformers' tokenizers and processors write, common vocabulary files included
     "tokenizer_config.json",
     "tokenizer.json",
@@ -64,13 +65,9 @@ _TOKENIZER_FILES = (  # what transformers' tokenizers and processors write, comm
     "tokenizer.model",
     "spiece.model",
 )
-# The key under which a standalone adapter's file holds the record of its base model (a uint8 tensor of JSON).
-RECORD_KEY = "peft_slim.base_weights"
 
 
 def is_peft_slim_model(peft_model: Any) -> bool:
-    from .model import MethodTuner
-
     return isinstance(getattr(peft_model, "base_model", None), MethodTuner)
 
 
@@ -244,90 +241,6 @@ def _safetensors_header(handle: IO[bytes]) -> dict:
     return header if isinstance(header, dict) else {}
 
 
-def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> Any:
-    """The peft_slim config of the adapter at ``model_id``: from ``peft_slim_config.json`` (LoRA-stacked adapters),
-    else from ``adapter_config.json`` (standalone adapters, and every adapter peft_slim 0.1.0 wrote).
-
-    A LoRA-stacked adapter's LoRA is written twice, in ``adapter_config.json`` (what vanilla PEFT loads) and in
-    ``peft_slim_config.json``: where the two differ (one was edited), the adapter is refused, naming the fields.
-    """
-    from peft import PeftConfig
-    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
-
-    from .config import MethodConfig
-
-    record = _adapter_file(model_id, RECORD_NAME, subfolder, **hub_kwargs)
-    if record is None:
-        config = PeftConfig.from_pretrained(model_id, subfolder=subfolder, **hub_kwargs)
-        if not isinstance(config, MethodConfig):
-            raise ValueError(
-                f"{model_id!r} holds a {getattr(config.peft_type, 'value', config.peft_type)} adapter without "
-                f"peft_slim's {RECORD_NAME}: it was not saved from a peft_slim method. Load it with "
-                "peft.PeftModel.from_pretrained."
-            )
-        config._loaded_from = str(model_id)
-        return config
-    with open(record) as handle:
-        text = handle.read()
-    try:
-        values = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(
-            f"{record} is not valid JSON ({error}; {len(text)} characters): the file is cut short or was edited by "
-            "hand. Save the adapter again (peft_slim.save_pretrained replaces the folder whole), or restore the file."
-        ) from None
-    config_cls = PEFT_TYPE_TO_CONFIG_MAPPING.get(values.get("peft_type")) if isinstance(values, dict) else None
-    if config_cls is None or not issubclass(config_cls, MethodConfig):
-        found = values.get("peft_type") if isinstance(values, dict) else values
-        raise ValueError(
-            f"{record}: peft_type {found!r} is not a peft_slim method (expected one of "
-            f"{sorted(str(t) for t, c in PEFT_TYPE_TO_CONFIG_MAPPING.items() if issubclass(c, MethodConfig))})."
-        )
-    try:
-        config = config_cls(**values)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{record}: {error}") from None
-    if config.lora is not None:
-        _check_same_lora(config, record, model_id, subfolder, hub_kwargs)
-    config._loaded_from = str(model_id)
-    return config
-
-
-# Fields of adapter_config.json that name things rather than define the adapter: PEFT sets `inference_mode` at load,
-# `peft_version` says who wrote the file; the base model's name, revision and class (`auto_mapping`, for AutoPeftModel)
-# are used only where no base model is given.
-_NAMING_FIELDS = ("inference_mode", "peft_version", "base_model_name_or_path", "revision", "auto_mapping")
-
-
-def _check_same_lora(config: Any, record: str, model_id: str, subfolder: str | None, hub_kwargs: dict) -> None:
-    """Refuse a LoRA-stacked adapter whose ``adapter_config.json`` (vanilla PEFT's) and ``peft_slim_config.json``
-    (``record``, read into ``config``) describe different LoRA adapters: one folder, one model."""
-    from peft import LoraConfig, PeftConfig
-    from peft.utils import CONFIG_NAME
-
-    from ..configuration import to_json_value
-
-    if _adapter_file(model_id, CONFIG_NAME, subfolder, **hub_kwargs) is None:
-        return  # nothing else to load it from
-    adapter = PeftConfig.from_pretrained(model_id, subfolder=subfolder, **hub_kwargs)
-    ours = to_json_value(config.lora_export_config())
-    if isinstance(adapter, LoraConfig):
-        theirs = to_json_value(adapter)
-        keys = sorted((ours.keys() | theirs.keys()) - set(_NAMING_FIELDS))
-    else:
-        theirs, keys = {"peft_type": to_json_value(adapter.peft_type)}, ["peft_type"]
-    differ = [key for key in keys if ours.get(key) != theirs.get(key)]
-    if differ:
-        listed = "; ".join(
-            f"{key} is {theirs.get(key)!r} in {CONFIG_NAME} and {ours.get(key)!r} in {RECORD_NAME}" for key in differ
-        )
-        raise ValueError(
-            f"{os.path.dirname(record)}: {CONFIG_NAME} and {RECORD_NAME} describe different LoRA adapters: {listed}. "
-            "Vanilla PEFT loads the first and peft_slim the second: two different models from one folder, so one of "
-            "the files was edited after saving. Make them agree (edit either file), or save the adapter again."
-        )
-
-
 @consistent_read
 def from_pretrained(
     model: nn.Module,
@@ -344,10 +257,6 @@ def from_pretrained(
     base model other than the one it was trained on. ``kwargs`` go to ``PeftModel.from_pretrained``. A load that
     raises leaves ``model`` as it was given. ``is_trainable=False`` sets up no method: training it is refused.
     """
-    from peft import PeftModel
-
-    from .model import unchanged_if_raises
-
     model_id = os.fspath(model_id)
     if not os.path.exists(model_id) and os.path.isdir(sibling(model_id, "new")):
         recover(model_id)  # a save was killed between its two renames: the new folder is complete
@@ -388,155 +297,3 @@ def load_adapter(model: Any, model_id: str, adapter_name: str, is_trainable: boo
     except BaseException:
         model.delete_adapter(adapter_name)
         raise
-
-
-def _adapter_file(model_id: str, name: str, subfolder: str | None = None, **hub_kwargs) -> str | None:
-    """Local path of file ``name`` of the adapter at ``model_id`` (a folder or a Hub repository); None if absent."""
-    folder = os.path.join(model_id, subfolder) if subfolder else model_id
-    if os.path.isdir(folder):
-        path = os.path.join(folder, name)
-        return path if os.path.isfile(path) else None
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
-    try:
-        return hf_hub_download(model_id, name, subfolder=subfolder, **hub_kwargs)
-    except EntryNotFoundError:
-        return None
-
-
-# ---------------------------------------------------------------------------------------------- model card
-
-
-def card_section(peft_model: Any, adapter_ref: str | None = None) -> str:
-    """The card's "how to load" section: with plain PEFT (LoRA) or with peft_slim (standalone), and how to
-    continue training with the method."""
-    tuner = peft_model.base_model
-    config = tuner._config
-    base_cls = type(peft_model.get_base_model())
-    base_ref = config.base_model_name_or_path or "<the base model it was trained from>"
-    adapter_ref = adapter_ref or "<the folder or Hub id of this adapter>"
-    base_lines = [
-        f"from {_public_module(base_cls)} import {base_cls.__name__}",
-        "",
-        f'base = {base_cls.__name__}.from_pretrained("{base_ref}")',
-    ]
-    if config.lora is not None:
-        lines = [
-            f"This is a plain PEFT **LoRA** adapter, trained with peft_slim's **{tuner.method_name}** (its settings "
-            f"are in `{RECORD_NAME}`). It loads without peft_slim:",
-            "",
-            "```python",
-            "from peft import PeftModel",
-            *base_lines,
-            f'model = PeftModel.from_pretrained(base, "{adapter_ref}")',
-            "```",
-            "",
-            f"To continue training with {tuner.method_name} and the same settings: "
-            f'`peft_slim.from_pretrained(base, "{adapter_ref}", is_trainable=True)`.',
-        ]
-    else:
-        peft_type = str(getattr(config.peft_type, "value", config.peft_type))
-        lines = [
-            f"This is a standalone **{tuner.method_name}** adapter (PEFT type `{peft_type}`) made with peft_slim: it "
-            "holds only the base tensors training changed. PEFT knows this type once `peft_slim` is imported; load "
-            "it onto the exact base model it was trained from (peft_slim checks this and refuses another one):",
-            "",
-            "```python",
-            "import peft_slim  # registers TokenTune and SlimFit with PEFT",
-            "from peft import PeftModel",
-            *base_lines,
-            f'model = PeftModel.from_pretrained(base, "{adapter_ref}")',
-            "```",
-            "",
-            "`model.merge_and_unload()` gives the tuned model as a plain transformers model.",
-        ]
-    return "\n".join([CARD_START, "## Loading this adapter (peft_slim)", "", *lines, CARD_END])
-
-
-def _public_module(cls: type) -> str:
-    """``transformers`` for a class it exports (the usual case), else the module that defines ``cls``."""
-    import transformers
-
-    return "transformers" if getattr(transformers, cls.__name__, None) is cls else cls.__module__
-
-
-def add_card_section(path: str, peft_model: Any, adapter_ref: str | None = None, tags: Iterable[str] = ()) -> None:
-    """Add peft_slim's tags and loading section to the model card at ``path`` (replacing an older section)."""
-    from huggingface_hub import ModelCard
-
-    card = ModelCard.load(path)
-    tuner = peft_model.base_model
-    lora_tag = ["lora"] if tuner._config.lora is not None else []
-    card.data.tags = list(
-        dict.fromkeys([*(card.data.tags or []), *lora_tag, "peft_slim", tuner.method_name.lower(), *tags])
-    )
-    section = card_section(peft_model, adapter_ref)
-    pattern = re.compile(re.escape(CARD_START) + r".*?" + re.escape(CARD_END), re.DOTALL)
-    legacy = re.compile(r"<!-- peft_slim: loading \(written by save_pretrained.*?" + re.escape(CARD_END), re.DOTALL)
-    text = card.text
-    if pattern.search(text) or legacy.search(text):
-        text = (pattern if pattern.search(text) else legacy).sub(lambda _: section, text, count=1)
-    else:  # after the title, if the card starts with one
-        head, newline, rest = text.lstrip("\n").partition("\n")
-        text = f"{head}\n\n{section}\n{rest}" if head.startswith("# ") else f"{section}\n\n{text}"
-    card.text = text
-    card.save(path)
-
-
-# ---------------------------------------------------------------------------------------------- base identity
-
-
-def record_tensor(record: dict) -> torch.Tensor:
-    """``record`` (JSON-ready) as a uint8 tensor, to travel in the adapter file with the tensors it describes."""
-    return torch.frombuffer(bytearray(json.dumps(record, sort_keys=True).encode()), dtype=torch.uint8).clone()
-
-
-def record_from_tensor(tensor: torch.Tensor, where: str) -> dict:
-    """The record ``record_tensor`` stored, checked as ``MethodConfig.base_weights`` is."""
-    from .config import BaseWeightsRecord
-
-    try:
-        value = json.loads(bytes(tensor.cpu().numpy().tobytes()).decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{where}: the adapter file's {RECORD_KEY!r} is not a peft_slim record ({error}).") from None
-    return BaseWeightsRecord().coerce(value, f"{where}: {RECORD_KEY}")
-
-
-def tensor_digest(tensor: torch.Tensor) -> bytes:
-    """blake2b (16 bytes) of a tensor's bytes; of its dtype and shape alone for a tensor without data (the meta
-    device, e.g. a model built for a memory estimate: it is never saved)."""
-    if tensor.device.type == "meta":
-        return hashlib.blake2b(f"meta {tensor.dtype} {list(tensor.shape)}".encode(), digest_size=16).digest()
-    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
-    return hashlib.blake2b(data.numpy(), digest_size=16).digest()
-
-
-def identity(entries: Iterable[tuple[str, str, tuple, bytes]]) -> dict[str, Any]:
-    """One record of many tensors given as ``(name, dtype, shape, digest)``: count, dtypes and a joint blake2b."""
-    joint = hashlib.blake2b(digest_size=16)
-    count, dtypes = 0, set()
-    for name, dtype, shape, digest in sorted(entries):
-        joint.update(f"{name}\0{dtype}\0{list(shape)}\0".encode() + digest)
-        count += 1
-        dtypes.add(dtype)
-    return {"count": count, "dtypes": sorted(dtypes), "blake2b": joint.hexdigest()}
-
-
-def wrapper_module_names(model: nn.Module) -> list[str]:
-    """Names of the modules PEFT wraps (``modules_to_save``, trainable tokens) in ``model``."""
-    from ..compat import auxiliary_training_wrapper_cls
-
-    wrapper_cls = auxiliary_training_wrapper_cls()
-    return [name for name, module in model.named_modules() if isinstance(module, wrapper_cls)]
-
-
-def _under(name: str, modules: list[str]) -> bool:
-    return any(name == module or name.startswith(module + ".") for module in modules)
-
-
-def base_parameter_names(model: nn.Module) -> list[str]:
-    """The base model's parameters that an adapter may rely on: all but those under PEFT's wrappers (whose trained
-    copies PEFT saves itself) and LoRA's own."""
-    wrapped = wrapper_module_names(model)
-    return [name for name, _ in model.named_parameters() if ".lora_" not in name and not _under(name, wrapped)]

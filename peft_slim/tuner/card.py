@@ -1,0 +1,88 @@
+"""peft_slim's section of a saved adapter's model card (``README.md``): its tags and how to load the adapter."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import transformers
+from huggingface_hub import ModelCard
+
+from .config import RECORD_NAME
+
+CARD_NAME = "README.md"
+CARD_START = "<!-- peft_slim: loading (written by peft_slim.save_pretrained; kept up to date on every save) -->"
+CARD_END = "<!-- /peft_slim -->"
+
+
+def card_section(peft_model: Any, adapter_ref: str | None = None) -> str:
+    """The card's "how to load" section: with plain PEFT (LoRA) or with peft_slim (standalone), and how to
+    continue training with the method."""
+    tuner = peft_model.base_model
+    config = tuner._config
+    base_cls = type(peft_model.get_base_model())
+    base_ref = config.base_model_name_or_path or "<the base model it was trained from>"
+    adapter_ref = adapter_ref or "<the folder or Hub id of this adapter>"
+    base_lines = [
+        f"from {_public_module(base_cls)} import {base_cls.__name__}",
+        "",
+        f'base = {base_cls.__name__}.from_pretrained("{base_ref}")',
+    ]
+    if config.lora is not None:
+        lines = [
+            f"This is a plain PEFT **LoRA** adapter, trained with peft_slim's **{tuner.method_name}** (its settings "
+            f"are in `{RECORD_NAME}`). It loads without peft_slim:",
+            "",
+            "```python",
+            "from peft import PeftModel",
+            *base_lines,
+            f'model = PeftModel.from_pretrained(base, "{adapter_ref}")',
+            "```",
+            "",
+            f"To continue training with {tuner.method_name} and the same settings: "
+            f'`peft_slim.from_pretrained(base, "{adapter_ref}", is_trainable=True)`.',
+        ]
+    else:
+        peft_type = str(getattr(config.peft_type, "value", config.peft_type))
+        lines = [
+            f"This is a standalone **{tuner.method_name}** adapter (PEFT type `{peft_type}`) made with peft_slim: it "
+            "holds only the base tensors training changed. PEFT knows this type once `peft_slim` is imported; load "
+            "it onto the exact base model it was trained from (peft_slim checks this and refuses another one):",
+            "",
+            "```python",
+            "import peft_slim  # registers TokenTune and SlimFit with PEFT",
+            "from peft import PeftModel",
+            *base_lines,
+            f'model = PeftModel.from_pretrained(base, "{adapter_ref}")',
+            "```",
+            "",
+            "`model.merge_and_unload()` gives the tuned model as a plain transformers model.",
+        ]
+    return "\n".join([CARD_START, "## Loading this adapter (peft_slim)", "", *lines, CARD_END])
+
+
+def _public_module(cls: type) -> str:
+    """``transformers`` for a class it exports (the usual case), else the module that defines ``cls``."""
+    return "transformers" if getattr(transformers, cls.__name__, None) is cls else cls.__module__
+
+
+def add_card_section(path: str, peft_model: Any, adapter_ref: str | None = None, tags: Iterable[str] = ()) -> None:
+    """Add peft_slim's tags and loading section to the model card at ``path`` (replacing an older section)."""
+    card = ModelCard.load(path)
+    tuner = peft_model.base_model
+    lora_tag = ["lora"] if tuner._config.lora is not None else []
+    card.data.tags = list(
+        dict.fromkeys([*(card.data.tags or []), *lora_tag, "peft_slim", tuner.method_name.lower(), *tags])
+    )
+    section = card_section(peft_model, adapter_ref)
+    pattern = re.compile(re.escape(CARD_START) + r".*?" + re.escape(CARD_END), re.DOTALL)
+    legacy = re.compile(r"<!-- peft_slim: loading \(written by save_pretrained.*?" + re.escape(CARD_END), re.DOTALL)
+    text = card.text
+    if pattern.search(text) or legacy.search(text):
+        text = (pattern if pattern.search(text) else legacy).sub(lambda _: section, text, count=1)
+    else:  # after the title, if the card starts with one
+        head, newline, rest = text.lstrip("\n").partition("\n")
+        text = f"{head}\n\n{section}\n{rest}" if head.startswith("# ") else f"{section}\n\n{text}"
+    card.text = text
+    card.save(path)
