@@ -25,6 +25,7 @@ def full_state_dict(model: nn.Module) -> dict:
     """The full, unsharded state dict on rank 0 (on CPU), ``{}`` on other ranks. Call it on every rank."""
     if not (dist.is_available() and dist.is_initialized()):
         return unwrap(model).state_dict()
+    # torch.distributed.checkpoint is slow to import, and needed only under a process group
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -7,12 +7,11 @@ from transformers import TrainerCallback
 
 from ..compat import ExportableState
 from ..trainer_state import stored_callback_attribute
+from .model import SlimFitModel
 
 
 def find_slimfit(model: nn.Module):
     """The SlimFit tuner inside ``model`` (a PeftModel, possibly wrapped by DDP/accelerate), or None."""
-    from .model import SlimFitModel
-
     return next((module for module in model.modules() if isinstance(module, SlimFitModel)), None)
 
 
