@@ -325,15 +325,6 @@ def eager_attention_function(module: nn.Module) -> Callable | None:
 # ---------------------------------------------------------------------------------------------- PEFT
 
 
-def base_model_class(peft_model: Any) -> type:
-    """The class of the transformers model inside ``peft_model``, as ``PeftModel.save_pretrained`` records it.
-
-    Private API: ``PeftModel._get_base_model_class()``. ``export_lora`` writes the same ``auto_mapping`` as PEFT so
-    that ``AutoPeftModel*`` can load the export.
-    """
-    return peft_model._get_base_model_class()
-
-
 def auxiliary_training_wrapper_cls() -> type:
     """The base class of the wrappers PEFT puts on ``modules_to_save`` (and trainable token embeddings).
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import transformers
 import transformers.trainer_callback
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, get_peft_model
 from peft.utils.peft_types import PeftType
 from tiny_models import build, make_batch
 from torch import nn
@@ -348,14 +348,6 @@ def _peft_llama(**lora):
     return get_peft_model(build("llama"), LoraConfig(r=2, target_modules=["q_proj"], **lora))
 
 
-def test_base_model_class_is_what_peft_records():
-    api = "PeftModel._get_base_model_class"
-    model = _peft_llama()
-    assert hasattr(PeftModel, "_get_base_model_class"), moved(api)
-    assert compat.base_model_class(model) is transformers.LlamaForCausalLM, moved(api)
-    assert compat.base_model_class(model) is model._get_base_model_class()
-
-
 def test_lora_input_cast_is_what_a_lora_layer_casts_its_input_through():
     api = "LoraLayer._cast_input_dtype"
     model = _peft_llama()
@@ -483,7 +475,6 @@ PRIVATE_ATTRIBUTES = {
     "_gradient_checkpointing_func",
     "_base",
     "_version",
-    "_get_base_model_class",
     "_member_map_",
     "_value2member_map_",
     "_member_names_",
