@@ -9,19 +9,13 @@ is taken; when it is larger, every answer position and a uniformly random subset
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from peft import PeftConfig
 
 from peft_slim import TokenTuneConfig
 from peft_slim.token_selection.selection import draw_selection, forced_positions
-
-DATA = os.path.join(os.path.dirname(__file__), "data", "v0.1.0")
 
 
 def _bools(batch, length):
@@ -57,9 +51,6 @@ def test_answer_rule_against_its_definition(case):
             assert not (free_answer & ~mask[row]).any()
         else:  # the answer does not fit: nothing outside it
             assert not (taken & ~free_answer).any()
-    # "supervised" (0.1.0's name) is the same rule: the same draw from the same generator state.
-    old = TokenTuneConfig(num_tokens=budget, selection="supervised")
-    assert torch.equal(mask, draw_selection(old, real, forced, answer, torch.Generator().manual_seed(seed)))
 
 
 def _frequencies(config, real, forced, answer, draws=4000):
@@ -96,23 +87,8 @@ def test_budget_larger_than_the_answer_fills_the_rest_uniformly_from_the_prompt(
     assert (freq[0, 1:12] - p).abs().max() < 5 * (p * (1 - p) / 4000) ** 0.5
 
 
-def test_saved_0_1_0_config_with_supervised_loads_and_is_the_answer_rule(tmp_path):
-    shutil.copy(os.path.join(DATA, "tokentune_adapter_config.json"), tmp_path / "adapter_config.json")
-    config = PeftConfig.from_pretrained(str(tmp_path))
-    assert isinstance(config, TokenTuneConfig) and config.selection == "supervised"
-    real = torch.ones(2, 12, dtype=torch.bool)
-    answer = torch.zeros_like(real)
-    answer[:, 6:10] = True
-    forced = forced_positions(real, keep_first=True, keep_last=True)
-    answer_config = TokenTuneConfig(token_ratio=config.token_ratio, selection="answer")
-    for seed in range(5):
-        a = draw_selection(config, real, forced, answer, torch.Generator().manual_seed(seed))
-        b = draw_selection(answer_config, real, forced, answer, torch.Generator().manual_seed(seed))
-        assert torch.equal(a, b)
-
-
 def test_unknown_selection_names_the_field_and_the_rules():
-    with pytest.raises(ValueError, match=r"selection.*'random', 'answer', 'supervised'"):
+    with pytest.raises(ValueError, match=r"selection.*\('random', 'answer'\)"):
         TokenTuneConfig(selection="answers_first")
 
 

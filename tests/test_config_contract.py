@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import warnings
 
 import numpy as np
@@ -18,7 +17,6 @@ from peft import LoraConfig, PeftConfig
 import peft_slim
 from peft_slim import ActivationCompressionConfig, SlimFitConfig, TokenSelectionConfig, TokenTuneConfig
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "v0.1.0")
 CONFIGS = [TokenTuneConfig, SlimFitConfig, TokenSelectionConfig, ActivationCompressionConfig]
 
 
@@ -53,8 +51,9 @@ def test_unknown_key_in_slimfit_tokentune_dict_is_an_error():
 
 
 def test_unknown_keys_in_a_saved_config_warn_and_name_the_saving_version(tmp_path):
-    with open(os.path.join(DATA, "tokentune_adapter_config.json")) as handle:
-        config = json.load(handle)
+    compression = ActivationCompressionConfig(bits=4)
+    TokenTuneConfig(token_ratio=0.25, activation_compression=compression).save_pretrained(str(tmp_path))
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
     config["future_field"] = 1
     config["activation_compression"]["future_bits"] = 3
     config["peft_slim_version"] = "9.9.9"
@@ -66,34 +65,12 @@ def test_unknown_keys_in_a_saved_config_warn_and_name_the_saving_version(tmp_pat
     assert isinstance(loaded, TokenTuneConfig) and loaded.activation_compression.bits == 4
 
 
-# ---------------------------------------------------------------------------------------------- old files
-
-
-def test_configs_saved_by_0_1_0_load_unchanged():
-    tokentune = PeftConfig.from_pretrained(_copy("tokentune"))
-    assert isinstance(tokentune, TokenTuneConfig)
-    assert (tokentune.token_ratio, tokentune.selection) == (0.25, "supervised")
-    assert isinstance(tokentune.lora, LoraConfig) and set(tokentune.lora.target_modules) == {"q_proj", "v_proj"}
-    assert tokentune.activation_compression.bits == 4
-
-    slimfit = PeftConfig.from_pretrained(_copy("slimfit"))
-    assert isinstance(slimfit, SlimFitConfig) and slimfit.freeze_ratio == 0.8
-    # 0.1.0 nested a whole TokenTuneConfig; its selection fields are what SlimFit uses.
-    assert slimfit.tokentune == TokenSelectionConfig(num_tokens=8, seed=1, selection="random")
-    assert slimfit.lora.r == 4
-
-
-def _copy(name: str) -> str:
-    import tempfile
-
-    folder = tempfile.mkdtemp()
-    shutil.copy(os.path.join(DATA, f"{name}_adapter_config.json"), os.path.join(folder, "adapter_config.json"))
-    return folder
+# ---------------------------------------------------------------------------------------------- nested selection
 
 
 def test_a_tokentune_config_in_slimfit_gives_its_selection_fields():
-    config = SlimFitConfig(tokentune=TokenTuneConfig(num_tokens=8, selection="supervised", seed=3))
-    assert config.tokentune == TokenSelectionConfig(num_tokens=8, selection="supervised", seed=3)
+    config = SlimFitConfig(tokentune=TokenTuneConfig(num_tokens=8, selection="answer", seed=3))
+    assert config.tokentune == TokenSelectionConfig(num_tokens=8, selection="answer", seed=3)
 
 
 # ---------------------------------------------------------------------------------------------- coercion
@@ -214,16 +191,6 @@ def test_a_bad_field_in_a_saved_nested_lora_is_refused_at_load(tmp_path):
         peft_slim.load_config(str(tmp_path))
     with pytest.raises(ValueError, match=message):
         TokenTuneConfig.from_pretrained(str(tmp_path))
-    # The 0.1.0 layout: the LoRA nested in adapter_config.json, read by PEFT's own loader.
-    folder = _copy("tokentune")
-    path = os.path.join(folder, "adapter_config.json")
-    with open(path) as handle:
-        values = json.load(handle)
-    values["lora"]["lora_alpha"] = float("nan")
-    with open(path, "w") as handle:
-        json.dump(values, handle)
-    with pytest.raises(ValueError, match=r"TokenTuneConfig\.lora\.lora_alpha must be a finite float > 0, got nan"):
-        PeftConfig.from_pretrained(folder)
 
 
 # ---------------------------------------------------------------------------------------------- round trips
@@ -235,7 +202,7 @@ _ratios = st.one_of(st.none(), st.floats(0.01, 1.0))
 @given(
     ratio=_ratios,
     count=st.one_of(st.none(), st.integers(1, 4096)),
-    rule=st.sampled_from(["random", "answer", "supervised"]),
+    rule=st.sampled_from(["random", "answer"]),
     seed=st.one_of(st.none(), st.integers(0, 2**62)),
     bits=st.sampled_from([None, 2, 4, 8]),
     freeze=st.floats(0.0, 0.99),

@@ -51,7 +51,7 @@ _FIELD_VALUES = [
     ("num_tokens", 2**70, False),
     ("seed", 2**64, False),
     ("seed", -3, False),
-    ("selection", "supervised", True),
+    ("selection", "supervised", False),
     ("selection", "answer", True),
     ("selection", "importance", False),
     ("modules_to_save", ["score", None], False),

@@ -4,8 +4,7 @@
   TokenTune + LoRA, SlimFit + LoRA and the full stack (SlimFit + token selection + LoRA + compression), and a
   Trainer checkpoint, without a warning, to the trained model's eval logits. (`peft-slim train`:
   tests/test_cli_train.py; resuming from such checkpoints: tests/test_tokentune_resume.py.)
-* The method and its settings come back from `peft_slim_config.json`; adapters in the format of peft_slim 0.1.0 (a
-  TOKENTUNE / SLIMFIT `adapter_config.json` beside LoRA weights) still load.
+* The method and its settings come back from `peft_slim_config.json`.
 * Every attribute of PEFT's model and config classes is the same object before and after `import peft_slim`.
 * `peft_slim.save_pretrained` under a real SIGKILL at each stage of its folder swap: the folder loads as the old or
   the new adapter, keeps its other files, folders and links, and the next save leaves no leftovers.
@@ -37,7 +36,6 @@ from peft_slim import (
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DATA = os.path.join(HERE, "data", "v0.1.0")
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 
 
@@ -193,39 +191,6 @@ def test_peft_slim_continues_with_the_method_and_its_settings(saved, name):
     _train(model, steps=1, seed=20)  # it trains with the method: token selection where the config has it
     if name != "slimfit_lora":
         assert model.base_model.last_token_mask is not None
-
-
-def _old_format(folder, target) -> None:
-    """The folder as peft_slim 0.1.0 and its successors up to this change wrote it: the whole method config as
-    adapter_config.json (peft_type TOKENTUNE / SLIMFIT), beside the same LoRA weights."""
-    shutil.copytree(folder, target)
-    os.replace(os.path.join(target, "peft_slim_config.json"), os.path.join(target, "adapter_config.json"))
-
-
-@pytest.mark.parametrize("name", METHODS)
-def test_adapters_in_the_old_format_still_load_with_their_method(saved, name, tmp_path):
-    _old_format(saved["folders"][name], tmp_path / "old")
-    expected = _logits(saved["models"][name])
-    for loaded in (
-        PeftModel.from_pretrained(build("llama"), tmp_path / "old"),
-        peft_slim.from_pretrained(build("llama"), tmp_path / "old"),
-    ):
-        assert type(loaded.base_model) is type(saved["models"][name].base_model)
-        assert torch.equal(_logits(loaded), expected)
-
-
-@pytest.mark.parametrize("method", ["tokentune", "slimfit"])
-def test_a_config_file_written_by_0_1_0_loads_with_lora_weights(method, tmp_path):
-    with open(os.path.join(DATA, f"{method}_adapter_config.json")) as handle:
-        values = json.load(handle)
-    config = (TokenTuneConfig if method == "tokentune" else SlimFitConfig)(**values)  # as the file was read
-    model = _train(get_peft_model(build("llama"), config), steps=1)
-    model.save_pretrained(tmp_path / "new")
-    _old_format(tmp_path / "new", tmp_path / "old")
-    shutil.copy(os.path.join(DATA, f"{method}_adapter_config.json"), tmp_path / "old" / "adapter_config.json")
-    loaded = peft_slim.from_pretrained(build("llama"), tmp_path / "old")
-    assert loaded.peft_config["default"].peft_type == method.upper()
-    assert torch.equal(_logits(loaded), _logits(model))
 
 
 # ---------------------------------------------------------------------------------------------- nothing replaced

@@ -211,7 +211,7 @@ _CONFIGS = {
     "standalone_defaults": lambda: TokenTuneConfig(),
     "standalone_trainable_modules": lambda: TokenTuneConfig(
         num_tokens=4,
-        selection="supervised",
+        selection="answer",
         seed=3,
         trainable_modules={"q_proj", "down_proj"},
         modules_to_save=["score"],
@@ -226,7 +226,7 @@ _CONFIGS = {
     ),
     "lora_seq_cls": lambda: TokenTuneConfig(
         num_tokens=5,
-        selection="supervised",
+        selection="answer",
         task_type="SEQ_CLS",
         modules_to_save=["classifier"],
         lora=LoraConfig(

@@ -199,7 +199,7 @@ def test_num_tokens_counts(arch, num_tokens):
     assert mask.sum(dim=1).tolist() == [max(min(num_tokens, n), n_forced) for n in n_real]
 
 
-def test_supervised_selection_picks_labelled_positions_first():
+def test_answer_selection_picks_labelled_positions_first():
     """Causal LM: position i is labelled when labels[i+1] != -100; those are drawn before the others."""
     batch = make_batch("llama", batch=3, length=20)
     labels = batch["labels"].clone()
@@ -213,13 +213,13 @@ def test_supervised_selection_picks_labelled_positions_first():
     forced[torch.arange(3), first] = True
     forced[torch.arange(3), last] = True
 
-    supervised = tokentune_model("llama", num_tokens=6, selection="supervised")
+    answer = tokentune_model("llama", num_tokens=6, selection="answer")
     random = tokentune_model("llama", num_tokens=6, selection="random")
-    for mask in _masks(supervised, batch, 5):
+    for mask in _masks(answer, batch, 5):
         assert not (mask & ~forced & ~labelled).any(), "an unlabelled position was drawn before labelled ones"
         assert (mask & labelled).sum() >= 3 * 4
     # With more tokens than labelled positions, every labelled position is taken, the rest filled randomly.
-    big = tokentune_model("llama", num_tokens=14, selection="supervised")
+    big = tokentune_model("llama", num_tokens=14, selection="answer")
     for mask in _masks(big, batch, 3):
         assert not (labelled & real & ~mask).any()
         assert mask.sum(dim=1).tolist() == [14, min(14, int(real[1].sum())), 14]
@@ -256,7 +256,7 @@ def _bool_matrix(batch: int, length: int):
 def _selection_case(draw):
     batch, length = draw(st.integers(1, 4)), draw(st.integers(1, 12))
     real, labelled = draw(_bool_matrix(batch, length)), draw(_bool_matrix(batch, length))
-    selection = draw(st.sampled_from(["random", "answer", "supervised"]))
+    selection = draw(st.sampled_from(["random", "answer"]))
     if draw(st.booleans()):
         config = TokenTuneConfig(token_ratio=draw(st.floats(0.01, 1.0)), selection=selection)
     else:
@@ -281,7 +281,7 @@ def test_draw_selection_properties(case):
         else:
             wanted = min(max(math.ceil(config.token_ratio * n_real), 1), n_real)
         assert int(mask[row].sum()) == max(wanted, int(forced[row].sum()))
-        if config.selection in ("answer", "supervised"):
+        if config.selection == "answer":
             free = real[row] & ~forced[row]
             skipped_labelled = (free & labelled[row] & ~mask[row]).any()
             took_unlabelled = (free & ~labelled[row] & mask[row]).any()

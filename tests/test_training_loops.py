@@ -306,7 +306,7 @@ def test_trainer_with_collator_and_gradient_accumulation(tmp_path):
     assert all(not torch.equal(lora_before[n], lora_after[n]) for n in lora_before)
 
 
-@pytest.mark.parametrize("selection", ["random", "supervised"])
+@pytest.mark.parametrize("selection", ["random", "answer"])
 def test_trainer_logged_loss_and_applied_gradient_are_the_selected_token_mean(tmp_path, selection):
     """Equal-length micro-batches, every position labelled: both micro-batches have the same counts, so the
     loss of the accumulated step is the plain mean of the two micro-batches' selected-token means."""

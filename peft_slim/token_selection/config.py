@@ -6,8 +6,7 @@ from dataclasses import field
 
 from ..configuration import Boolean, Integer, OneOf, Real, ValidatedConfig, config_dataclass
 
-SELECTION_RULES = ("random", "answer", "supervised")  # "supervised": 0.1.0's name of "answer"
-ANSWER_RULES = ("answer", "supervised")
+SELECTION_RULES = ("random", "answer")
 DEFAULT_TOKEN_RATIO = 0.3
 MAX_TOKENS = 2**31 - 1  # more positions than any sequence holds; keeps the count an int32/int64 everywhere
 MAX_SEED = 2**62  # the generator is seeded with seed + rank, which must stay a valid 64-bit seed
@@ -44,9 +43,9 @@ class TokenSelectionConfig(ValidatedConfig):
             "position t when labels[t+1] != -100: the completion, or the assistant turns, of SFT data), uniformly "
             "among them when the budget is smaller, and the rest of the budget uniformly among the other real tokens "
             "(the prompt); without labels, or where every position is labelled, the same as 'random'. 'random': "
-            "uniform per sequence, redrawn every forward (the paper). 'supervised': 0.1.0's name of 'answer', still "
-            "accepted. The positions the head reads, the first real token and a decoder LM's last real token are "
-            "always selected and count toward the budget; padding only where the head reads it.",
+            "uniform per sequence, redrawn every forward (the paper). The positions the head reads, the first real "
+            "token and a decoder LM's last real token are always selected and count toward the budget; padding only "
+            "where the head reads it.",
             "check": OneOf(SELECTION_RULES),
         },
     )

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..process_rank import rank
-from .config import ANSWER_RULES, TokenSelectionConfig
+from .config import TokenSelectionConfig
 
 # Tiers added to a uniform [0, 1) draw: a position of a higher tier is always chosen before a lower one.
 _FORCED, _LABELLED, _OTHER = 3.0, 2.0, 1.0
@@ -175,7 +175,7 @@ def draw_selection(
     candidates = real | forced
     draw = torch.rand(real.shape, generator=generator, device=generator.device).to(real.device)
     tier = torch.full(real.shape, _OTHER, device=real.device)
-    if config.selection in ANSWER_RULES and labelled is not None:
+    if config.selection == "answer" and labelled is not None:
         tier = torch.where(labelled & real, _LABELLED, tier)
     tier = torch.where(forced, _FORCED, tier)
     score = torch.where(candidates, tier + draw, -math.inf)
