@@ -28,8 +28,8 @@ from .tasks import SMALL_TASKS, TASKS
 ALL_TASKS = {**SMALL_TASKS, **TASKS}
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ablation")
-# The paper's rule (0.1.0's).
-PAPER = {"freeze_by": "count", "catch_up": False, "always_train_norms": False, "train_new_weights": False}
+# The paper's rule.
+PAPER = {"freeze_by": "count", "catch_up": "none", "always_train_norms": False, "train_new_weights": False}
 BYTES = {**PAPER, "freeze_by": "bytes"}
 NORMS = {**BYTES, "always_train_norms": True}
 # name -> (freeze ratio, SlimFitConfig fields): what each variant sets apart from the current defaults.
@@ -37,16 +37,17 @@ VARIANTS: dict[str, tuple[float, dict]] = {
     **{f"paper-{r:g}": (r, PAPER) for r in (0.5, 0.8, 0.9, 0.95)},
     **{f"bytes-{r:g}": (r, BYTES) for r in (0.8, 0.9, 0.95)},
     "paper-0.9+norms": (0.9, {**PAPER, "always_train_norms": True}),
-    "paper-0.9+catchup": (0.9, {**PAPER, "catch_up": True}),
+    "paper-0.9+catchup": (0.9, {**PAPER, "catch_up": "linear"}),
     "paper-0.9+minshare": (0.9, {**PAPER, "max_frozen_steps": 10}),
     "paper-0.9+keepstate": (0.9, {**PAPER, "release_frozen_optimizer_state": False}),
-    "bytes-0.9+catchup": (0.9, {**BYTES, "catch_up": True}),
-    "bytes-0.9+norms+catchup": (0.9, {**BYTES, "always_train_norms": True, "catch_up": True}),
+    "bytes-0.9+catchup": (0.9, {**BYTES, "catch_up": "linear"}),
+    "bytes-0.9+norms+catchup": (0.9, {**BYTES, "always_train_norms": True, "catch_up": "linear"}),
     "bytes-0.9+minshare": (0.9, {**BYTES, "max_frozen_steps": 10}),
     **{
-        f"bytes-{r:g}+norms+catchup": (r, {**BYTES, "always_train_norms": True, "catch_up": True}) for r in (0.8, 0.95)
+        f"bytes-{r:g}+norms+catchup": (r, {**BYTES, "always_train_norms": True, "catch_up": "linear"})
+        for r in (0.8, 0.95)
     },
-    "stack-0.9+catchup": (0.9, {**BYTES, "catch_up": True, "stack": True}),  # + TokenTune 0.2 + LoRA
+    "stack-0.9+catchup": (0.9, {**BYTES, "catch_up": "linear", "stack": True}),  # + TokenTune 0.2 + LoRA
     # The trade-off curves: freeze ratio 0.5 -> 0.95, with the paper's update and with catch-up by sqrt(k).
     **{f"bytes-{r:g}+norms": (r, NORMS) for r in (0.5, 0.7, 0.8, 0.9, 0.95)},
     **{f"bytes-{r:g}+norms+sqrt": (r, {**NORMS, "catch_up": "sqrt"}) for r in (0.5, 0.7, 0.8, 0.9, 0.95)},

@@ -63,8 +63,12 @@ def minilm_l6_shape(layers: int = 6) -> BertConfig:
     )
 
 
+# The paper's rule: count units, no catch-up, norms and new weights scheduled like every other weight.
+PAPER_RULE = {"freeze_by": "count", "catch_up": "none", "always_train_norms": False, "train_new_weights": False}
+
+
 def bert_methods(layers: int, ratios: list[float], rule: dict | None = None) -> dict[str, torch.nn.Module]:
-    """``rule``: SlimFitConfig fields of every SlimFit row (``--rule paper``: the paper's, as in 0.1.0)."""
+    """``rule``: SlimFitConfig fields of every SlimFit row (``--rule paper``: the paper's, ``PAPER_RULE``)."""
     rule = rule or {}
     torch.manual_seed(0)
     base = BertForSequenceClassification(minilm_l6_shape(layers))
@@ -246,7 +250,7 @@ def main() -> None:
         write_report(args.out, f"slimfit_scoring{suffix}", {"machine": machine, **result}, text)
         return
     if args.part in ("bert", "all"):
-        rule = dict(peft_slim.SlimFitConfig.saved_before_defaults) if args.rule == "paper" else {}
+        rule = dict(PAPER_RULE) if args.rule == "paper" else {}
         bert = bert_methods(args.bert_layers, [0.8, 0.9, 0.95], rule)
         vocab = bert["full"].config.vocab_size
         batch, warmup = batch_of(vocab, args.bert_batch, args.bert_seq, "class"), batch_of(vocab, 2, 16, "class")

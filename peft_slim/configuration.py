@@ -169,17 +169,12 @@ class OneOf(Check):
 
     choices: tuple
     optional: bool = False
-    # The choices that False and True stand for, where the field was a bool in an earlier release (files saved
-    # then still load); None: a bool is refused.
-    from_bool: tuple[Any, Any] | None = None
 
     @property
     def expected(self) -> str:
         return f"one of {self.choices}"
 
     def coerce(self, value: Any, where: str) -> Any:
-        if isinstance(value, bool) and self.from_bool is not None:
-            return self.from_bool[value]
         if isinstance(value, numbers.Integral) and not isinstance(value, bool):
             value = int(value)
         elif not isinstance(value, str):
@@ -466,9 +461,7 @@ def _suggest_on_unknown_keyword(init: Callable) -> Callable:
     """Wrap a dataclass ``__init__``: a misspelt keyword names the nearest field (still a TypeError, as Python's).
 
     Keywords that carry ``peft_type`` come from a saved ``adapter_config.json`` (users never pass it; PEFT's
-    loaders pass the whole file): there unknown keys warn and are dropped, nested dicts are read as saved, and
-    fields the file lacks take the class's ``saved_before_defaults`` (what files written before those fields
-    existed meant), not the current defaults.
+    loaders pass the whole file): there unknown keys warn and are dropped, and nested dicts are read as saved.
     """
 
     @functools.wraps(init)
@@ -476,8 +469,6 @@ def _suggest_on_unknown_keyword(init: Callable) -> Callable:
         valid = [f.name for f in dataclasses.fields(self) if f.init]
         unknown = sorted(key for key in kwargs if key not in valid)
         if "peft_type" in kwargs:
-            # A field a saved file lacks was added after it was written: it means what that version did.
-            kwargs = {**getattr(type(self), "saved_before_defaults", {}), **kwargs}
             if unknown:
                 warn_unknown_saved_keys(type(self), unknown, kwargs.get(VERSION_KEY))
             kwargs = {k: SavedDict(v) if isinstance(v, dict) else v for k, v in kwargs.items() if k not in unknown}

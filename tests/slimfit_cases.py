@@ -9,7 +9,8 @@ from tiny_models import LORA_TARGETS, build, make_batch
 from peft_slim import SlimFitConfig
 
 TASK = {"bert": "SEQ_CLS", "vit": None, "gpt2": "CAUSAL_LM", "llama": "CAUSAL_LM"}
-PAPER = dict(SlimFitConfig.saved_before_defaults)  # freeze_by="count", no catch-up: the paper's rule
+# The paper's rule: count units, no catch-up, norms and new weights scheduled like every other weight.
+PAPER = {"freeze_by": "count", "catch_up": "none", "always_train_norms": False, "train_new_weights": False}
 
 
 def slimfit_model(arch: str, lora: bool = False, seed: int = 0, base_seed: int | None = None, **fields):

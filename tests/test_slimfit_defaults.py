@@ -1,26 +1,20 @@
 """SlimFit's rules beyond the paper's: byte-aware freezing, the catch-up update, norms that always train, scores
-computed on the device, and configs saved by 0.1.0 keeping the paper's rule."""
+computed on the device."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from peft import PeftConfig
 from slimfit_cases import loss_of, slimfit_model
 from tiny_models import make_batch
 
-import peft_slim
 from peft_slim import SlimFitConfig
 from peft_slim.slimfit.config import rotation_steps
 from peft_slim.slimfit.scheduler import FreezeScheduler
-
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "v0.1.0")
 
 
 def unit_bytes(unit) -> int:
@@ -106,15 +100,14 @@ CATCH_UP_FACTOR = {"linear": lambda k: k, "sqrt": math.sqrt, "none": lambda k: 1
 
 
 @pytest.mark.parametrize("metric", ["relative_change", "gradient"])
-@pytest.mark.parametrize("catch_up", ["linear", "sqrt", "none", True, False])
+@pytest.mark.parametrize("catch_up", ["linear", "sqrt", "none"])
 def test_catch_up_scales_the_update_by_the_missed_steps(catch_up, metric):
     """With plain SGD the optimizer's update is -lr * grad: a unit that trains after f frozen steps moves by
-    -lr * grad * g(k), k = min(f + 1, 1 / (1 - ratio)), g(k) = k ('linear', or True as 0.1.x wrote it), sqrt(k)
-    ('sqrt'), 1 ('none', False); frozen units do not move at all (bit-identical)."""
+    -lr * grad * g(k), k = min(f + 1, 1 / (1 - ratio)), g(k) = k ('linear'), sqrt(k) ('sqrt'), 1 ('none'); frozen
+    units do not move at all (bit-identical)."""
     ratio, lr = 0.75, 0.1
-    rule = {True: "linear", False: "none"}.get(catch_up, catch_up)
     model = slimfit_model("bert", freeze_ratio=ratio, freeze_by="count", catch_up=catch_up, metric=metric)
-    assert model.peft_config["default"].catch_up == rule
+    assert model.peft_config["default"].catch_up == catch_up
     tuner = model.base_model
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     model.train()
@@ -127,7 +120,7 @@ def test_catch_up_scales_the_update_by_the_missed_steps(catch_up, metric):
         trained = list(tuner.scheduler.trained)
         optimizer.step()
         for index, unit in enumerate(tuner._units):
-            factor = CATCH_UP_FACTOR[rule](min(frozen_for[index] + 1, 1 / (1 - ratio)))
+            factor = CATCH_UP_FACTOR[catch_up](min(frozen_for[index] + 1, 1 / (1 - ratio)))
             for p, old, grad in zip(unit.params, before[index], grads[index]):
                 if not trained[index]:
                     assert torch.equal(p, old), unit.name
@@ -136,7 +129,7 @@ def test_catch_up_scales_the_update_by_the_missed_steps(catch_up, metric):
                     torch.testing.assert_close(p.detach(), old - lr * factor * grad, rtol=1e-5, atol=1e-6)
         optimizer.zero_grad()
         model.slimfit_step()
-    assert seen_factors == {CATCH_UP_FACTOR[rule](k) for k in (1.0, 2.0, 3.0, 4.0)}
+    assert seen_factors == {CATCH_UP_FACTOR[catch_up](k) for k in (1.0, 2.0, 3.0, 4.0)}
 
 
 def test_catch_up_does_not_change_the_scores():
@@ -248,35 +241,9 @@ def test_the_model_waits_what_the_config_says(given, used):
     assert model.base_model.scheduler.max_frozen_steps == used
 
 
-def test_a_config_saved_by_0_1_0_keeps_the_papers_rule(tmp_path):
-    """Saved before these fields existed, a config means what 0.1.0 did: count units, no catch-up."""
-    with open(os.path.join(DATA, "slimfit_adapter_config.json")) as handle:
-        saved = json.load(handle)
-    assert not {"freeze_by", "catch_up", "always_train_norms"} & saved.keys()
-    (tmp_path / "adapter_config.json").write_text(json.dumps(saved))
-    config = PeftConfig.from_pretrained(str(tmp_path))
-    assert isinstance(config, SlimFitConfig)
-    assert (config.freeze_by, config.catch_up, config.always_train_norms) == ("count", "none", False)
-    config.save_pretrained(str(tmp_path / "again"))  # saved now: the fields are written, and read back as they are
-    again = peft_slim.load_config(str(tmp_path / "again"))  # LoRA-stacked: its settings beside the LoRA config
-    assert (again.freeze_by, again.catch_up) == ("count", "none")
-    current = SlimFitConfig(freeze_ratio=0.8, catch_up="linear")
-    current.save_pretrained(str(tmp_path / "current"))
-    loaded = peft_slim.load_config(str(tmp_path / "current"))
-    assert (loaded.freeze_by, loaded.catch_up, loaded.always_train_norms) == ("bytes", "linear", True)
-
-
-@pytest.mark.parametrize(("written", "read"), [(True, "linear"), (False, "none")])
-def test_a_config_that_saved_catch_up_as_a_bool_keeps_its_update(tmp_path, written, read):
-    """Files written while catch_up was a bool (0.1.x, after 0.1.0): True was the linear update, False none."""
-    saved = SlimFitConfig(freeze_ratio=0.8).to_dict()
-    saved["catch_up"] = written
-    (tmp_path / "adapter_config.json").write_text(json.dumps(saved))
-    assert PeftConfig.from_pretrained(str(tmp_path)).catch_up == read
-
-
 @pytest.mark.parametrize(
-    ("field", "value"), [("freeze_by", "units"), ("catch_up", "yes"), ("catch_up", 1), ("always_train_norms", 2)]
+    ("field", "value"),
+    [("freeze_by", "units"), ("catch_up", "yes"), ("catch_up", 1), ("catch_up", True), ("always_train_norms", 2)],
 )
 def test_new_fields_refuse_bad_values(field, value):
     with pytest.raises((ValueError, TypeError), match=f"SlimFitConfig.{field}"):

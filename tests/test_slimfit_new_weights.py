@@ -4,13 +4,11 @@ keep the rule of every weight scheduled."""
 
 from __future__ import annotations
 
-import json
-import os
 import warnings
 
 import pytest
 import torch
-from peft import PeftConfig, get_peft_model
+from peft import get_peft_model
 from slimfit_cases import loss_of
 from tiny_models import make_batch
 from transformers import BertConfig, BertForSequenceClassification, BertModel
@@ -19,7 +17,6 @@ from transformers.utils import logging as hf_logging
 from peft_slim import SlimFitConfig
 from peft_slim.planner.setup import base_model, resolve_workload
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "v0.1.0")
 CONFIG = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=97)
 CONFIG.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3, pad_token_id=0)
 NEW = ("bert.pooler.dense.weight", "classifier.weight")  # what the headless checkpoint lacks (biases always train)
@@ -171,15 +168,3 @@ def test_the_field_is_on_by_default_and_checked():
     assert SlimFitConfig().train_new_weights is True
     with pytest.raises((ValueError, TypeError), match="SlimFitConfig.train_new_weights"):
         SlimFitConfig(train_new_weights="yes")
-
-
-def test_files_saved_before_the_field_keep_every_weight_scheduled(tmp_path):
-    """A file without the field was written when new weights were scheduled (resuming its run must find the same
-    units); a file with it reads back as written."""
-    with open(os.path.join(DATA, "slimfit_adapter_config.json")) as handle:
-        saved = json.load(handle)
-    assert "train_new_weights" not in saved
-    (tmp_path / "adapter_config.json").write_text(json.dumps(saved))
-    assert PeftConfig.from_pretrained(str(tmp_path)).train_new_weights is False
-    SlimFitConfig().save_pretrained(str(tmp_path / "current"))
-    assert PeftConfig.from_pretrained(str(tmp_path / "current")).train_new_weights is True

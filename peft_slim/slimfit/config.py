@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import field
 from typing import Any, ClassVar
@@ -16,11 +17,8 @@ FREEZE_BY = ("bytes", "count")
 LORA_UNITS = ("pair", "matrix")
 CATCH_UP = ("sqrt", "linear", "none")
 MAX_SEED = 2**63 - 1
-# Fields of a TokenTuneConfig that SlimFit's `tokentune` (a token selection) has no use for. Older versions
-# saved a whole TokenTuneConfig there; these keys of such a file are read and dropped.
+# Fields of a TokenTuneConfig that SlimFit's `tokentune` (a token selection) has no use for: set, they are refused.
 _TOKENTUNE_ONLY = ("lora", "trainable_modules", "modules_to_save", "activation_compression")
-_PEFT_KEYS = ("peft_type", "task_type", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping")
-_PEFT_KEYS += ("peft_version", "peft_slim_version", "base_weights")  # base_weights: written by save_pretrained
 
 
 def rotation_steps(freeze_ratio: float) -> int:
@@ -43,20 +41,19 @@ def default_compression() -> ActivationCompressionConfig:
 
 
 def token_selection_from(value: Any, where: str) -> Any:
-    """`tokentune` given as a TokenTuneConfig, or as the whole TokenTuneConfig dict older versions saved: its
-    selection fields. A TokenTuneConfig that sets LoRA, compression or saved modules is refused: SlimFit's own
-    fields say those for the whole model."""
-    if isinstance(value, TokenSelectionConfig) and type(value) is not TokenSelectionConfig:  # a TokenTuneConfig
-        value = {**value.to_dict(), "peft_type": "TOKENTUNE"}
-    if not isinstance(value, dict) or not (value.keys() & {*_TOKENTUNE_ONLY, *_PEFT_KEYS}):
+    """`tokentune` given as a TokenTuneConfig: its selection fields. A TokenTuneConfig that sets LoRA, compression
+    or saved modules is refused: SlimFit's own fields say those for the whole model."""
+    if not isinstance(value, TokenSelectionConfig) or type(value) is TokenSelectionConfig:
         return value
-    nested = sorted(name for name in _TOKENTUNE_ONLY if value.get(name) is not None)
+    nested = sorted(name for name in _TOKENTUNE_ONLY if getattr(value, name) is not None)
     if nested:
         raise ValueError(
             f"{where} sets {nested}: set them on the SlimFitConfig instead (one LoRA, one compression, one list of "
             "saved modules for the whole model); `tokentune` takes a peft_slim.TokenSelectionConfig."
         )
-    return type(value)({key: item for key, item in value.items() if key not in {*_TOKENTUNE_ONLY, *_PEFT_KEYS}})
+    return TokenSelectionConfig(
+        **{spec.name: getattr(value, spec.name) for spec in dataclasses.fields(TokenSelectionConfig)}
+    )
 
 
 @config_dataclass
@@ -74,13 +71,6 @@ class SlimFitConfig(MethodConfig):
     """
 
     method: ClassVar[str] = "SLIMFIT"
-    # What a config saved by peft_slim 0.1.0, which had none of these fields, meant: the paper's rule.
-    saved_before_defaults: ClassVar[dict[str, Any]] = {
-        "freeze_by": "count",
-        "catch_up": "none",
-        "always_train_norms": False,
-        "train_new_weights": False,
-    }
 
     freeze_ratio: float = field(
         default=0.8,
@@ -99,7 +89,7 @@ class SlimFitConfig(MethodConfig):
             "`1 - freeze_ratio` of the scheduled units' bytes (so of their gradients and optimizer state), or the "
             "smallest unit's bytes if that is more, whatever the tensor sizes; a unit larger than that budget (e.g. "
             "a large vocabulary's embedding) never trains (a warning names it). 'count': at most "
-            "`1 - freeze_ratio` of the units (the paper's rule; the default of configs saved by peft_slim 0.1.0).",
+            "`1 - freeze_ratio` of the units (the paper's rule).",
             "check": OneOf(FREEZE_BY),
         },
     )
@@ -112,9 +102,8 @@ class SlimFitConfig(MethodConfig):
             "far as steps with consistent gradients would have in full fine-tuning, 'sqrt' as far as steps with "
             "independent ones (a random walk). The scores rank the optimizer's own update. Measured on short "
             "small-data runs with the default rotation (`max_frozen_steps=None`): 'linear' matched full "
-            "fine-tuning on a ViT task where 'sqrt' stayed 4.7 points below (docs/slimfit.md). "
-            "True / False (0.1.x files) read as 'linear' / 'none'.",
-            "check": OneOf(CATCH_UP, from_bool=("none", "linear")),
+            "fine-tuning on a ViT task where 'sqrt' stayed 4.7 points below (docs/slimfit.md).",
+            "check": OneOf(CATCH_UP),
         },
     )
     always_train_norms: bool = field(
@@ -122,8 +111,7 @@ class SlimFitConfig(MethodConfig):
         metadata={
             "help": "Without `lora`: the weights of normalisation layers (modules whose class name contains 'Norm', "
             "e.g. LayerNorm, RMSNorm) train at every step, like biases, instead of being scheduled (a few KiB per "
-            "layer). False: scheduled like other weights (the paper's rule, and the default of configs saved by "
-            "0.1.0).",
+            "layer). False: scheduled like other weights (the paper's rule).",
             "check": Boolean(),
         },
     )
@@ -134,8 +122,7 @@ class SlimFitConfig(MethodConfig):
             "initialised (its missing keys, e.g. a new pooler or classification head, and weights of another shape "
             "with ignore_mismatched_sizes), train at every step and are never scheduled, like PEFT's "
             "`modules_to_save`; a warning names them. They are outside `freeze_ratio`'s budget. A model built from "
-            "a config (nothing loaded) has none. False: scheduled like the pretrained weights (the default of "
-            "configs saved before this field).",
+            "a config (nothing loaded) has none. False: scheduled like the pretrained weights.",
             "check": Boolean(),
         },
     )
