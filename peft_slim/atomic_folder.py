@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import glob
 import os
 import shutil
 import stat
@@ -29,10 +28,6 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import BinaryIO
-
-# What a killed save left inside the folder: peft_slim 0.1.0's adapter staging, and the command line's tokenizer
-# staging of earlier development versions (both superseded by the whole-folder swap).
-LEGACY_STAGING = (".peft_slim-save-", ".peft_slim-stage-")
 
 
 def reached(stage: str) -> None:
@@ -56,9 +51,6 @@ def recover(directory: str) -> None:
                 break
     shutil.rmtree(new, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
-    for prefix in LEGACY_STAGING:
-        for legacy in glob.glob(os.path.join(glob.escape(directory), prefix + "*")):
-            shutil.rmtree(legacy, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -199,14 +191,13 @@ def _copy_tree(source: str, target: str, rewritten: Callable[[str], bool]) -> No
     """Everything of ``source`` into ``target``: folders (empty ones too), symbolic links as links (to files or
     folders, dangling ones too), files as hard links; but not what ``rewritten`` names."""
     for folder, folders, files in os.walk(source):  # lists a link to a folder with the folders, does not enter it
-        folders[:] = [name for name in folders if not name.startswith(LEGACY_STAGING)]
         for name in folders + files:
             path = os.path.join(folder, name)
             relative = os.path.relpath(path, source)
             copy = os.path.join(target, relative)
             if name in folders and not os.path.islink(path):
                 os.mkdir(copy, stat.S_IMODE(os.stat(path).st_mode) | stat.S_IRWXU)  # writable by the save
-            elif rewritten(relative) or name.startswith(LEGACY_STAGING):
+            elif rewritten(relative):
                 continue
             elif name == "README.md":  # a copy (of a link's target too): writers update the card in place
                 if os.path.isfile(path):

@@ -31,7 +31,7 @@ import peft_slim.export
 import peft_slim.tuner.config
 from peft_slim import SlimFitConfig, SlimFitModel, TokenTuneConfig, compat, export_lora
 from peft_slim.tuner.card import CARD_END, CARD_START
-from peft_slim.tuner.record import RECORD_KEY
+from peft_slim.tuner.record import RECORD_KEY, record_from_tensor, record_tensor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -501,16 +501,6 @@ def _record(folder) -> dict:
     return json.loads(load_file(folder / "adapter_model.safetensors")[RECORD_KEY].numpy().tobytes())
 
 
-def _old_format(folder) -> None:
-    """The folder as peft_slim wrote it before the record moved into the file: the record in adapter_config.json."""
-    tensors = load_file(folder / "adapter_model.safetensors")
-    record = json.loads(tensors.pop(RECORD_KEY).numpy().tobytes())
-    save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
-    config = json.loads((folder / "adapter_config.json").read_text())
-    config["base_weights"] = record
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-
-
 @pytest.mark.parametrize("name", ["slimfit_standalone", "tokentune_subset"])
 def test_a_standalone_adapter_loads_exactly_onto_its_base_and_refuses_another(name, tmp_path):
     arch, _ = MODELS[name]
@@ -518,9 +508,6 @@ def test_a_standalone_adapter_loads_exactly_onto_its_base_and_refuses_another(na
     model.save_pretrained(tmp_path)
     expected = _logits(model, arch)
     record = _record(tmp_path)
-    # Saving leaves the config as it was: the record travels in the file, not in adapter_config.json.
-    assert model.peft_config["default"].base_weights is None
-    assert json.loads((tmp_path / "adapter_config.json").read_text())["base_weights"] is None
     held = sorted(
         key.removeprefix(PREFIX) for key in load_file(tmp_path / "adapter_model.safetensors") if key != RECORD_KEY
     )
@@ -571,18 +558,6 @@ def test_reloading_an_earlier_checkpoint_into_the_trained_model_is_accepted(tmp_
     assert torch.equal(_logits(model, "bert"), _logits(fresh, "bert"))
 
 
-@pytest.mark.parametrize("name", ["slimfit_standalone", "tokentune_subset"])
-def test_an_adapter_with_the_record_in_its_config_is_checked_as_before(name, tmp_path):
-    arch, _ = MODELS[name]
-    model = _trained(name)
-    model.save_pretrained(tmp_path)
-    _old_format(tmp_path)
-    loaded = PeftModel.from_pretrained(build(arch), tmp_path)
-    assert torch.equal(_logits(loaded, arch), _logits(model, arch))
-    with pytest.raises(ValueError, match="this base model is not the one the adapter was trained on"):
-        PeftModel.from_pretrained(build(arch, seed=1), tmp_path)
-
-
 @pytest.mark.parametrize("name", ["tokentune_lora", "tokentune_subset"])
 def test_resume_from_checkpoint_loads_without_missing_keys_and_checks_the_base_model(name, tmp_path):
     """Trainer's resume_from_checkpoint calls model.load_adapter(checkpoint, 'default', is_trainable=True) on a model
@@ -616,18 +591,17 @@ def test_resume_from_checkpoint_loads_without_missing_keys_and_checks_the_base_m
 def test_an_adapter_saved_without_a_record_loads_with_a_warning(tmp_path):
     model = _trained("slimfit_standalone")
     model.save_pretrained(tmp_path)
-    _old_format(tmp_path)
-    config = json.loads((tmp_path / "adapter_config.json").read_text())
-    config["base_weights"] = None  # as saved by peft_slim before the record existed
-    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    del tensors[RECORD_KEY]  # a file not written by save_pretrained
+    save_file(tensors, tmp_path / "adapter_model.safetensors", metadata={"format": "pt"})
     with pytest.warns(UserWarning, match="saved without a record of its base model"):
         loaded = PeftModel.from_pretrained(build("bert"), tmp_path)
     assert torch.equal(_logits(loaded, "bert"), _logits(model, "bert"))
 
 
-def test_the_record_is_checked_at_construction():
-    with pytest.raises(ValueError, match=r"SlimFitConfig\.base_weights must be the record save_pretrained writes"):
-        SlimFitConfig(base_weights={"saved": "all"})
+def test_a_record_that_is_not_one_is_refused():
+    with pytest.raises(ValueError, match=r"here: peft_slim\.base_weights must be the record save_pretrained writes"):
+        record_from_tensor(record_tensor({"saved": "all"}), "here")
 
 
 # ---------------------------------------------------------------------------------------------- compat entries

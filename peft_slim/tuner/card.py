@@ -77,10 +77,9 @@ def add_card_section(path: str, peft_model: Any, adapter_ref: str | None = None,
     )
     section = card_section(peft_model, adapter_ref)
     pattern = re.compile(re.escape(CARD_START) + r".*?" + re.escape(CARD_END), re.DOTALL)
-    legacy = re.compile(r"<!-- peft_slim: loading \(written by save_pretrained.*?" + re.escape(CARD_END), re.DOTALL)
     text = card.text
-    if pattern.search(text) or legacy.search(text):
-        text = (pattern if pattern.search(text) else legacy).sub(lambda _: section, text, count=1)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section, text, count=1)
     else:  # after the title, if the card starts with one
         head, newline, rest = text.lstrip("\n").partition("\n")
         text = f"{head}\n\n{section}\n{rest}" if head.startswith("# ") else f"{section}\n\n{text}"

@@ -30,7 +30,6 @@ from ..configuration import (
 )
 from ..nested_lora import check_lora_fields, lora_export_config, merged_modules_to_save
 from ..registry import add_peft_type
-from .record import BaseWeightsRecord
 
 RECORD_NAME = "peft_slim_config.json"  # a LoRA-stacked adapter's method and settings
 MISMATCH_FLAG = "ignore_base_mismatch"  # the loading keyword that accepts another base model
@@ -71,17 +70,6 @@ class MethodConfig(PeftConfig, ValidatedConfig):
             "help": "A peft_slim.ActivationCompressionConfig (or its dict): compress the activations saved for "
             "backward inside every training forward. None: no compression.",
             "check": Nested(ActivationCompressionConfig),
-        },
-    )
-    base_weights: dict | None = field(
-        default=None,
-        metadata={
-            "help": "Read from standalone adapters saved by earlier peft_slim versions (leave it None; saving now "
-            "keeps this record in adapter_model.safetensors, beside the tensors it describes): `saved`, the base "
-            "parameters the file holds, and `others`, the count, dtypes and joint blake2b digest of every other base "
-            "parameter as it was when the model was wrapped. Loading reports a saved tensor missing from the file, "
-            "and refuses a base model whose other parameters differ.",
-            "check": BaseWeightsRecord(),
         },
     )
     peft_slim_version: str | None = field(
@@ -180,7 +168,7 @@ class MethodConfig(PeftConfig, ValidatedConfig):
 
 def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> Any:
     """The peft_slim config of the adapter at ``model_id``: from ``peft_slim_config.json`` (LoRA-stacked adapters),
-    else from ``adapter_config.json`` (standalone adapters, and every adapter peft_slim 0.1.0 wrote).
+    else from ``adapter_config.json`` (standalone adapters).
 
     A LoRA-stacked adapter's LoRA is written twice, in ``adapter_config.json`` (what vanilla PEFT loads) and in
     ``peft_slim_config.json``: where the two differ (one was edited), the adapter is refused, naming the fields.

@@ -520,8 +520,8 @@ class MethodTuner(BaseTuner):
             loaded_from = getattr(config, "_loaded_from", None)  # set by the config's from_pretrained
             if stored is not None:
                 record = record_from_tensor(stored, loaded_from or "the adapter file")
-            elif loaded_from is not None:  # saved by an earlier peft_slim: the record is in the config read with it
-                record = config.base_weights
+            elif loaded_from is not None:  # a file without the record: nothing to check the base model against
+                record = None
             else:  # its own config (a Trainer resuming from a checkpoint of an earlier peft_slim): no record
                 record = False
             if record is not False:

@@ -21,12 +21,13 @@ RECORD_KEY = "peft_slim.base_weights"
 
 @dataclasses.dataclass
 class BaseWeightsRecord(Check):
-    """What ``save_pretrained`` records of a standalone adapter's base model (see ``MethodConfig.base_weights``)."""
+    """What ``save_pretrained`` records of a standalone adapter's base model: ``saved``, the base parameters the file
+    holds, and ``others``, the count, dtypes and joint blake2b digest of every other base parameter as it was when
+    the model was wrapped."""
 
-    optional: bool = True
     expected: str = (
         "the record save_pretrained writes: {'saved': [parameter names], 'others': {'count': int, 'dtypes': "
-        "[str], 'blake2b': str}} (leave it None)"
+        "[str], 'blake2b': str}}"
     )
 
     def coerce(self, value: Any, where: str) -> dict:
@@ -51,7 +52,7 @@ def record_tensor(record: dict) -> torch.Tensor:
 
 
 def record_from_tensor(tensor: torch.Tensor, where: str) -> dict:
-    """The record ``record_tensor`` stored, checked as ``MethodConfig.base_weights`` is."""
+    """The record ``record_tensor`` stored, checked by :class:`BaseWeightsRecord`."""
     try:
         value = json.loads(bytes(tensor.cpu().numpy().tobytes()).decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:

@@ -13,7 +13,7 @@ check at injection, missing and unexpected keys at load) or here:
   (``peft_slim.atomic_folder``), with peft_slim's section in the model card; ``peft-slim train`` uses it. The weights
   record their config files' digest, which the loads below check (:func:`consistent_read`).
 * :func:`from_pretrained`: ``PeftModel.from_pretrained`` with the config ``tuner.config.load_config`` reads (from
-  ``peft_slim_config.json`` or, for adapters written by peft_slim 0.1.0, from ``adapter_config.json``);
+  ``peft_slim_config.json``, or a standalone adapter's from ``adapter_config.json``);
   :func:`load_adapter`: the same for a further adapter on a model (``PeftModel.load_adapter`` reads the LoRA config
   and cannot be given another).
 
