@@ -15,6 +15,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGE = os.path.join(os.path.dirname(HERE), "peft_slim")
+ARCHITECTURE = os.path.join(os.path.dirname(HERE), "docs", "architecture.md")
 
 # docs/architecture.md's table, top to bottom: a module's layer is that of the longest name here that it is or
 # lies in. Change both together.
@@ -120,10 +121,10 @@ def _imports(module: str, path: str) -> list[tuple[str, int, bool]]:
 IMPORTS = {module: _imports(module, path) for module, path in MODULES.items()}
 
 
-def layer_of(module: str) -> int:
+def layer_of(module: str, layers: list[tuple[str, list[str]]] = LAYERS) -> int:
     owners = [
         (len(prefix), index)
-        for index, (_, prefixes) in enumerate(LAYERS)
+        for index, (_, prefixes) in enumerate(layers)
         for prefix in prefixes
         if module == prefix or module.startswith(prefix + ".")
     ]
@@ -191,6 +192,35 @@ def _cycles(edges: list[tuple[str, str, int]]) -> list[list[str]]:
 def test_every_module_has_a_layer():
     for module in MODULES:
         layer_of(module)
+
+
+def _documented_layers() -> list[tuple[str, list[str]]]:
+    """The layers of docs/architecture.md's table: each with the modules its rows name (`tuner/`, `memory.py`)."""
+    with open(ARCHITECTURE) as handle:
+        text = handle.read()
+    rows = text[text.index("| layer | modules |") :].split("\n\n")[0].splitlines()[2:]
+    layers: list[tuple[str, list[str]]] = []
+    for row in rows:
+        layer, names = (cell.strip() for cell in row.strip("|").split("|")[:2])
+        if layer:
+            layers.append((layer, []))
+        for name in names.split("`")[1::2]:
+            parts = ["peft_slim", *name.removesuffix(".py").strip("/").split("/")]
+            module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            if module in MODULES:
+                layers[-1][1].append(module)
+    return layers
+
+
+def test_the_layers_are_those_of_the_architecture_page():
+    documented = _documented_layers()
+    assert [name for name, _ in documented] == [name for name, _ in LAYERS]
+    differ = [
+        f"{module}: {LAYERS[layer_of(module)][0]} here, {documented[layer_of(module, documented)][0]} in the docs"
+        for module in MODULES
+        if layer_of(module, documented) != layer_of(module)
+    ]
+    assert not differ, "docs/architecture.md's table and LAYERS disagree:\n" + "\n".join(differ)
 
 
 def test_no_module_imports_from_a_lower_layer():
