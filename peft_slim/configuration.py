@@ -26,6 +26,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from packaging.version import InvalidVersion, Version
 from peft import LoraConfig
 
 from ._version import __version__
@@ -55,11 +56,17 @@ def unknown_keys_message(cls: type, unknown: list[str]) -> str:
 
 
 def warn_unknown_saved_keys(cls: type, unknown: list[str], version: Any) -> None:
+    """Fields a saved file has and this version does not: from a newer release (upgrade to use them) or an older
+    build of this version or earlier (fields since dropped)."""
+    try:
+        newer = Version(str(version)) > Version(__version__)
+    except InvalidVersion:
+        newer = True  # no version, or not one we can read: most likely a newer file
     saved_by = f"peft_slim {version}" if version else "another version of peft_slim"
+    advice = "upgrade peft_slim to use them." if newer else "this version no longer uses them."
     warnings.warn(
         f"{cls.__name__}: the saved config has field(s) {sorted(unknown)} that this version of peft_slim "
-        f"({__version__}) does not know; they are ignored. It was written by {saved_by}: upgrade peft_slim to "
-        "use them.",
+        f"({__version__}) does not know; they are ignored. It was written by {saved_by}: {advice}",
         stacklevel=3,
     )
 

@@ -62,7 +62,20 @@ def test_unknown_keys_in_a_saved_config_warn_and_name_the_saving_version(tmp_pat
         loaded = PeftConfig.from_pretrained(str(tmp_path))
     messages = " ".join(str(w.message) for w in caught)
     assert "future_field" in messages and "future_bits" in messages and "9.9.9" in messages
+    assert "upgrade peft_slim" in messages
     assert isinstance(loaded, TokenTuneConfig) and loaded.activation_compression.bits == 4
+
+
+@pytest.mark.parametrize("saved_by", [peft_slim.__version__, "0.0.1"])
+def test_a_field_this_version_dropped_warns_without_asking_for_an_upgrade(tmp_path, saved_by):
+    TokenTuneConfig(token_ratio=0.25).save_pretrained(str(tmp_path))
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    config["base_weights"] = None  # a field an earlier build of this version wrote
+    config["peft_slim_version"] = saved_by
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match=r"\['base_weights'\].*no longer uses them") as caught:
+        PeftConfig.from_pretrained(str(tmp_path))
+    assert not any("upgrade" in str(w.message) for w in caught)
 
 
 # ---------------------------------------------------------------------------------------------- nested selection
