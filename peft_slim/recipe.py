@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .configuration import Boolean, Integer, ModuleNames, OneOf, Real
+from .configuration import Boolean, Check, Integer, ModuleNames, OneOf, Real
 from .slimfit.config import CATCH_UP, SlimFitConfig
-from .token_selection.config import DEFAULT_TOKEN_RATIO, SELECTION_RULES
+from .token_selection.config import DEFAULT_TOKEN_RATIO, SELECTION_RULES, TokenSelectionConfig
 
 METHODS = ("tokentune", "slimfit", "lora", "full")
 COMPRESSION_BITS = ("none", 8, 4, 2)
@@ -27,6 +27,11 @@ ALL_LINEAR = "all-linear"
 LABEL_FIRST = next(rule for rule in ("answer", "supervised") if rule in SELECTION_RULES)
 SLIMFIT_DEFAULTS = SlimFitConfig()  # a recipe's SlimFit defaults are the config's own
 SELECTING = ("tokentune", "slimfit")  # the methods that can train on a token subset
+
+
+def _optional(config: type, name: str) -> Check:
+    """The check of ``config``'s field ``name`` (one range, one message), with None allowed: the method's default."""
+    return dataclasses.replace(config.__dataclass_fields__[name].metadata["check"], optional=True)
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,7 @@ class Recipe:
         default=None,
         metadata={
             "help": "LoRA alpha, a finite float > 0. None: 2 * lora_r.",
-            "check": Real(0.0, math.inf, low_open=True, high_open=True, optional=True),
+            "check": Real(0.0, math.inf, low_open=True, high_open=True, optional=True, keep_int=True),
         },
     )
     lora_target_modules: str | tuple[str, ...] | None = field(
@@ -73,7 +78,7 @@ class Recipe:
         metadata={
             "help": f"tokentune, slimfit: fraction in (0, 1] of each sequence's tokens that get gradients. None: "
             f"{DEFAULT_TOKEN_RATIO} with tokentune, every token with slimfit.",
-            "check": Real(0.0, 1.0, low_open=True, optional=True),
+            "check": _optional(TokenSelectionConfig, "token_ratio"),
         },
     )
     selection: str | None = field(
@@ -81,7 +86,7 @@ class Recipe:
         metadata={
             "help": f"With a token ratio: which tokens, one of {SELECTION_RULES}. None: {LABEL_FIRST!r} (the "
             "labelled answer tokens first, then the rest at random).",
-            "check": OneOf(SELECTION_RULES, optional=True),
+            "check": _optional(TokenSelectionConfig, "selection"),
         },
     )
     freeze_ratio: float | None = field(
@@ -89,7 +94,7 @@ class Recipe:
         metadata={
             "help": f"slimfit: fraction in [0, 1) of units frozen at each step. None: "
             f"{SLIMFIT_DEFAULTS.freeze_ratio} (SlimFitConfig's default).",
-            "check": Real(0.0, 1.0, high_open=True, optional=True),
+            "check": _optional(SlimFitConfig, "freeze_ratio"),
         },
     )
     catch_up: str | None = field(
@@ -97,7 +102,7 @@ class Recipe:
         metadata={
             "help": f"slimfit: how far a unit moves when it trains after missed steps, one of {CATCH_UP}. None: "
             f"{SLIMFIT_DEFAULTS.catch_up!r} (SlimFitConfig's default).",
-            "check": OneOf(CATCH_UP, optional=True),
+            "check": _optional(SlimFitConfig, "catch_up"),
         },
     )
     compression_bits: int | str | None = field(
@@ -170,16 +175,18 @@ class Recipe:
         return self.method != "full" and self.lora_r != 0
 
     # ------------------------------------------------------------------------------------------------ configs
-    def lora_config(self, task_type: str | None = "CAUSAL_LM"):
-        """The recipe's LoRA (rank ``DEFAULT_LORA_R`` where the recipe trains none: plain LoRA to compare with)."""
+    def lora_config(self, task_type: str | None = "CAUSAL_LM", **fields):
+        """The recipe's ``LoraConfig`` (rank ``DEFAULT_LORA_R`` where the recipe trains none: the plain LoRA a run
+        is compared with); ``fields``: other ``LoraConfig`` fields (``modules_to_save``, say)."""
         from peft import LoraConfig
 
         r = self.lora_r or DEFAULT_LORA_R
-        targets = (
-            list(self.lora_target_modules) if isinstance(self.lora_target_modules, tuple) else self.lora_target_modules
-        )
+        targets = self.lora_target_modules
+        targets = list(targets) if isinstance(targets, tuple) else targets
         alpha = self.lora_alpha if self.lora_alpha is not None else 2 * r
-        return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, task_type=task_type)
+        return LoraConfig(
+            r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, task_type=task_type, **fields
+        )
 
     def activation_compression(self):
         """The ``ActivationCompressionConfig`` of ``compression_bits``, or None (exact, or the method's default)."""
@@ -189,18 +196,23 @@ class Recipe:
             return None
         return ActivationCompressionConfig(bits=self.compression_bits)
 
-    def to_peft_config(self, seed: int | None = None, task_type: str | None = "CAUSAL_LM"):
+    def to_peft_config(self, seed: int | None = None, task_type: str | None = "CAUSAL_LM", **fields):
         """The PEFT config that trains this recipe: a ``LoraConfig``, ``TokenTuneConfig`` or ``SlimFitConfig``;
         None for 'full' (every base weight trains; with ``compression_bits``, the training forwards run in
         ``peft_slim.compress_activations(recipe.activation_compression())``, as for 'lora'). ``seed``: of the token
-        selection and SlimFit's order (None: the configs' defaults)."""
+        selection and SlimFit's order (None: the configs' defaults); ``fields``: other fields of that config
+        (``modules_to_save``, say)."""
         from .slimfit import SlimFitConfig
         from .token_selection import TokenSelectionConfig
         from .tokentune import TokenTuneConfig
 
+        if self.method == "full":
+            if fields:
+                raise ValueError(f"Recipe(method='full') builds no config to set {sorted(fields)} on.")
+            return None
+        if self.method == "lora":
+            return self.lora_config(task_type, **fields)
         lora = self.lora_config(task_type) if self.uses_lora else None
-        if self.method in ("lora", "full"):
-            return lora
         compression = self.activation_compression()
         seeded = {} if seed is None else {"seed": seed}
         if self.method == "tokentune":
@@ -211,6 +223,7 @@ class Recipe:
                 lora=lora,
                 activation_compression=compression,
                 **seeded,
+                **fields,
             )
         selection = None
         if self.token_ratio is not None:
@@ -224,6 +237,7 @@ class Recipe:
             tokentune=selection,
             **seeded,
             **extra,
+            **fields,
         )
 
     # ------------------------------------------------------------------------------------------- command line

@@ -16,14 +16,12 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..configuration import Boolean, Integer, ModuleNames, OneOf, Real
-from ..recipe import MAX_LORA_R, Recipe
+from ..recipe import MAX_LORA_R, SLIMFIT_DEFAULTS, Recipe
 from .estimate import MemoryEstimate, estimate_memory
 from .measured import Measurement, measurement_for
 from .setup import TASK_TYPES, load_config, resolve_workload
 
 TOKEN_RATIOS = (0.5, 0.3, 0.2, 0.1, 0.05)
-# The ladder's SlimFit setting: 80% of the LoRA units frozen (SlimFitConfig's own default is 0.9).
-LADDER_FREEZE_RATIO = 0.8
 MAX_BUDGET = 2**50  # 1 PiB: far above any one device's memory
 RANKS = ("measured", "ladder")
 NOT_MEASURED = "not measured; ladder order"
@@ -81,7 +79,8 @@ def ladder(lora_r: int, min_token_ratio: float) -> list[Candidate]:
     steps += [Candidate("tokentune", lora_r, token_ratio=r) for r in ratios]
     for bits in (8, 4):
         steps += [Candidate("tokentune", lora_r, token_ratio=r, compression_bits=bits) for r in ratios]
-    steps.append(Candidate("slimfit", lora_r, freeze_ratio=LADDER_FREEZE_RATIO))  # its own default compression
+    # SlimFit's defaults: its freeze ratio and compression
+    steps.append(Candidate("slimfit", lora_r, freeze_ratio=SLIMFIT_DEFAULTS.freeze_ratio))
     return steps
 
 
