@@ -6,10 +6,14 @@ import argparse
 import math
 
 from ..configuration import Check, Integer, Real
+from ..slimfit.config import MAX_SEED as SLIMFIT_MAX_SEED
+from ..token_selection.config import MAX_SEED as SELECTION_MAX_SEED
 
 MAX_STEPS = 10**9  # a billion optimizer steps: beyond any run
 MAX_EPOCHS = 10**6
-MAX_SEED = 2**32 - 1  # numpy's seed range (transformers.set_seed seeds numpy too)
+# --seed seeds numpy (transformers.set_seed: below 2**32), the token selection and SlimFit's order: the narrowest of
+# the three ranges (the configs' own are wider).
+MAX_SEED = min(2**32 - 1, SELECTION_MAX_SEED, SLIMFIT_MAX_SEED)
 
 
 def checked(check: Check, flag: str, convert=int):

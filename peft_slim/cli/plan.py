@@ -9,7 +9,7 @@ import shlex
 
 from ..planner.plan import MAX_BUDGET, RANKS
 from ..planner.setup import MAX_BATCH_SIZE, MAX_SEQ_LEN
-from ..recipe import MAX_LORA_R
+from ..recipe import DEFAULT_LORA_R, MAX_LORA_R
 from . import models
 from .flags import fraction, integer
 
@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Tokens per sequence (not for image models).",
     )
-    parser.add_argument("--lora-r", type=integer("--lora-r", 1, MAX_LORA_R), default=8)
+    parser.add_argument("--lora-r", type=integer("--lora-r", 1, MAX_LORA_R), default=DEFAULT_LORA_R)
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype of the weights (default float32)."

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..configuration import Boolean, Integer, ModuleNames, OneOf, Real
-from ..recipe import MAX_LORA_R, SLIMFIT_DEFAULTS, Recipe
+from ..recipe import DEFAULT_LORA_R, MAX_LORA_R, SLIMFIT_DEFAULTS, Recipe
 from .estimate import MemoryEstimate, estimate_memory
 from .measured import Measurement, measurement_for
 from .setup import TASK_TYPES, load_config, resolve_workload
@@ -92,7 +92,7 @@ def plan(
     optimizer: str = "adamw",
     *,
     dtype: str = "float32",
-    lora_r: int = 8,
+    lora_r: int = DEFAULT_LORA_R,
     target_modules="all-linear",
     min_token_ratio: float = 0.1,
     task: str | None = None,
