@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 from ..configuration import Check, Integer, Real
@@ -45,3 +46,10 @@ def positive_float(flag: str, high: float = math.inf):
 
 def fraction(flag: str, low_open: bool):
     return checked(Real(0.0, 1.0, low_open=low_open, high_open=not low_open), flag, float)
+
+
+def field_check(config: type, name: str, flag: str, convert=int):
+    """An argparse ``type`` from ``config``'s field ``name``: the field's own check (its range and message), given
+    as ``flag``."""
+    check = config.__dataclass_fields__[name].metadata["check"]
+    return checked(dataclasses.replace(check, optional=False), flag, convert)

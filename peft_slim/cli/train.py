@@ -18,11 +18,11 @@ from pathlib import Path
 
 from .. import recipe
 from ..planner.setup import MAX_BATCH_SIZE, MAX_SEQ_LEN, MAX_TOKENS, max_positions
-from ..recipe import DEFAULT_LORA_R, LABEL_FIRST, MAX_LORA_R, METHODS, SLIMFIT_DEFAULTS, Recipe
+from ..recipe import DEFAULT_LORA_R, LABEL_FIRST, METHODS, SLIMFIT_DEFAULTS, Recipe
 from ..slimfit.config import CATCH_UP
 from ..token_selection.config import DEFAULT_TOKEN_RATIO, SELECTION_RULES
 from . import models, sft_data
-from .flags import MAX_EPOCHS, MAX_SEED, MAX_STEPS, fraction, integer, positive_float
+from .flags import MAX_EPOCHS, MAX_SEED, MAX_STEPS, field_check, integer, positive_float
 
 HELP = "Fine-tune a causal language model with TokenTune, SlimFit, LoRA or full fine-tuning."
 
@@ -81,10 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     method = parser.add_argument_group("method")
-    method.add_argument("--method", choices=METHODS, default="tokentune", help="What trains.")
+    method.add_argument("--method", choices=METHODS, default=Recipe.method, help="What trains.")
     method.add_argument(
         "--token-ratio",
-        type=fraction("--token-ratio", low_open=True),
+        type=field_check(Recipe, "token_ratio", "--token-ratio", float),
         help=f"tokentune, slimfit: fraction of each sequence's tokens that get gradients (tokentune default "
         f"{DEFAULT_TOKEN_RATIO}; slimfit: none, all tokens, unless given).",
     )
@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     method.add_argument(
         "--freeze-ratio",
-        type=fraction("--freeze-ratio", low_open=False),
+        type=field_check(Recipe, "freeze_ratio", "--freeze-ratio", float),
         help=f"slimfit: fraction of units frozen at each step (default {SLIMFIT_DEFAULTS.freeze_ratio}).",
     )
     method.add_argument(
@@ -107,11 +107,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     method.add_argument(
         "--lora-r",
-        type=integer("--lora-r", 0, MAX_LORA_R),
+        type=field_check(Recipe, "lora_r", "--lora-r"),
         help=f"LoRA rank (default {DEFAULT_LORA_R}); 0 with tokentune or slimfit trains the base weights. "
         "Not with --method full.",
     )
-    method.add_argument("--lora-alpha", type=positive_float("--lora-alpha"), help="LoRA alpha (default 2 * --lora-r).")
+    method.add_argument(
+        "--lora-alpha",
+        type=field_check(Recipe, "lora_alpha", "--lora-alpha", float),
+        help="LoRA alpha (default 2 * --lora-r).",
+    )
     method.add_argument(
         "--lora-target-modules",
         help="Comma-separated module names LoRA adapts, or `all-linear` (the default).",
@@ -125,7 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     method.add_argument(
         "--gradient-checkpointing",
         action="store_true",
-        help="Recompute each layer in backward (transformers' non-reentrant checkpointing).",
+        help=Recipe.__dataclass_fields__["gradient_checkpointing"].metadata["help"],
     )
 
     train = parser.add_argument_group("training")
