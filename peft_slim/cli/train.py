@@ -16,9 +16,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from .. import recipe
 from ..planner.setup import MAX_BATCH_SIZE, MAX_SEQ_LEN, MAX_TOKENS, max_positions
-from ..recipe import DEFAULT_LORA_R, LABEL_FIRST, METHODS, SLIMFIT_DEFAULTS, Recipe
+from ..recipe import COMPRESSION_BITS, DEFAULT_LORA_R, LABEL_FIRST, METHODS, SLIMFIT_DEFAULTS, Recipe
 from ..slimfit.config import CATCH_UP
 from ..token_selection.config import DEFAULT_TOKEN_RATIO, SELECTION_RULES
 from . import models, sft_data
@@ -27,7 +26,7 @@ from .flags import MAX_EPOCHS, MAX_SEED, MAX_STEPS, field_check, integer, positi
 HELP = "Fine-tune a causal language model with TokenTune, SlimFit, LoRA or full fine-tuning."
 
 DEFAULT_MODEL = models.DEFAULT_MODEL
-COMPRESSION_BITS = tuple(str(bits) for bits in recipe.COMPRESSION_BITS)
+COMPRESSION_CHOICES = tuple(str(bits) for bits in COMPRESSION_BITS)  # as --compression-bits takes them
 DEFAULT_STEPS = 30  # on the embedded dataset: a few minutes on 2 CPU cores
 ADAPTER_LR, BASE_WEIGHT_LR = 2e-4, 2e-5
 MIB = 2**20
@@ -122,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     method.add_argument(
         "--compression-bits",
-        choices=COMPRESSION_BITS,
+        choices=COMPRESSION_CHOICES,
         help="Store saved activations in this many bits (none: exact). Default: slimfit's own recipe (4-bit "
         "GELU/SiLU inputs, 8-bit elsewhere), none for the other methods.",
     )
@@ -312,7 +311,7 @@ def check_lora_targets(config, args: argparse.Namespace) -> None:
 
 
 def lora_config(args: argparse.Namespace):
-    """The run's LoRA (rank 8 where it trains none: the plain LoRA it is compared with)."""
+    """The run's LoRA (the default rank where it trains none: the plain LoRA it is compared with)."""
     return Recipe.from_train_args(args).lora_config()
 
 
