@@ -40,11 +40,12 @@ from benchmarks.report import markdown_table, write_report  # noqa: E402
 from peft_slim.cli import models, sft_data  # noqa: E402
 from peft_slim.cli import train as cli  # noqa: E402
 from peft_slim.memory import peak_memory_bytes  # noqa: E402
+from peft_slim.recipe import LABEL_FIRST, Recipe  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 HELD_OUT_EVERY = 5
 LORA = ["--lora-r", "8", "--lora-target-modules", "all-linear"]
-SELECT = cli.LABEL_FIRST
+SELECT = LABEL_FIRST
 # name -> (peft-slim train flags, seeds it needs: "all" or 1)
 METHODS: dict[str, tuple[list[str], str | int]] = {
     "lora": (["--method", "lora", *LORA], "all"),
@@ -100,16 +101,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def train_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser
+
+
 def trains_base_weights(flags: list[str]) -> bool:
     """Full fine-tuning, or SlimFit with ``--lora-r 0`` (its units are then the model's own weights)."""
-    lora_r = flags[flags.index("--lora-r") + 1] if "--lora-r" in flags else None
-    return "full" in flags or lora_r == "0"
+    return not Recipe.from_train_args(train_parser().parse_args(flags)).uses_lora
 
 
 def method_args(flags: list[str], args: argparse.Namespace, seed: int) -> argparse.Namespace:
     """The flags parsed and checked exactly as ``peft-slim train`` does."""
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
+    parser = train_parser()
     rate = args.base_learning_rate if trains_base_weights(flags) else args.learning_rate
     extra = ["--seed", str(seed), "--learning-rate", str(rate), "--max-steps", str(args.steps)]
     parsed = parser.parse_args(flags + extra)

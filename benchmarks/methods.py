@@ -18,6 +18,7 @@ from torch.autograd.graph import save_on_cpu
 
 import peft_slim
 from peft_slim.compat import copy_loading_marks
+from peft_slim.recipe import Recipe
 
 from .tasks import Task
 
@@ -51,14 +52,8 @@ class Method:
 def lora_config(task: Task, with_modules_to_save: bool = True, also_save: list[str] | None = None) -> LoraConfig:
     """``also_save``: modules trained in full beside the task's ``modules_to_save``."""
     saved = [*(task.modules_to_save or [] if with_modules_to_save else []), *(also_save or [])]
-    return LoraConfig(
-        r=LORA_R,
-        lora_alpha=LORA_ALPHA,
-        lora_dropout=0.0,
-        target_modules=task.lora_targets,
-        task_type=task.task_type,
-        modules_to_save=saved or None,
-    )
+    recipe = Recipe("lora", LORA_R, LORA_ALPHA, task.lora_targets)
+    return recipe.to_peft_config(task_type=task.task_type, modules_to_save=saved or None)
 
 
 def adamw(model: torch.nn.Module, lr: float, task: Task | None = None, every: bool = False) -> torch.optim.Optimizer:
@@ -97,34 +92,25 @@ def lora_fa(task: Task, seed: int) -> Setup:
     return Setup(model, optimizer)
 
 
-def tokentune_config(task: Task, seed: int, token_ratio: float, nested: bool = False):
-    """TokenTune + LoRA; ``nested``: token selection only, the LoRA and saved modules being set on SlimFit."""
-    return peft_slim.TokenTuneConfig(
-        task_type=task.task_type,
-        token_ratio=token_ratio,
-        seed=seed,
-        lora=None if nested else lora_config(task, with_modules_to_save=False),
-        modules_to_save=None if nested else task.modules_to_save,
-    )
-
-
 def tokentune(task: Task, seed: int, token_ratio: float) -> Setup:
-    model = get_peft_model(copy.deepcopy(task.base), tokentune_config(task, seed, token_ratio))
+    recipe = Recipe("tokentune", LORA_R, LORA_ALPHA, task.lora_targets, token_ratio=token_ratio)
+    config = recipe.to_peft_config(seed, task.task_type, modules_to_save=task.modules_to_save)
+    model = get_peft_model(copy.deepcopy(task.base), config)
     return Setup(model, adamw(model, task.lr_adapter))
 
 
 def slimfit(task: Task, seed: int, freeze_ratio: float, compression: bool, stack: bool = False, **fields) -> Setup:
     """SlimFit on the base weights, or (``stack``) SlimFit + TokenTune 0.2 + LoRA; compression: its default;
     ``fields``: other SlimFitConfig fields (the ablations of ``benchmarks.ablate_slimfit``)."""
-    extra = ({} if compression else {"activation_compression": None}) | fields
-    if stack:
-        extra.update(
-            lora=lora_config(task, with_modules_to_save=False),
-            tokentune=tokentune_config(task, seed, 0.2, nested=True),
-        )
-    config = peft_slim.SlimFitConfig(
-        freeze_ratio=freeze_ratio, seed=seed, task_type=task.task_type, modules_to_save=task.modules_to_save, **extra
+    lora = dict(lora_r=LORA_R, lora_alpha=LORA_ALPHA, lora_target_modules=task.lora_targets, token_ratio=0.2)
+    recipe = Recipe(
+        "slimfit",
+        **(lora if stack else {"lora_r": 0}),
+        freeze_ratio=freeze_ratio,
+        catch_up=fields.pop("catch_up", None),
+        compression_bits=None if compression else "none",
     )
+    config = recipe.to_peft_config(seed, task.task_type, modules_to_save=task.modules_to_save, **fields)
     base = copy.deepcopy(task.base)
     # A deep copy drops transformers' loading marks, and without them train_new_weights finds no new weights.
     copy_loading_marks(task.base, base)

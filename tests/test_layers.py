@@ -47,7 +47,7 @@ LAYERS = [
     ),
     ("tuner base", ["peft_slim.tuner"]),
     ("methods", ["peft_slim.tokentune", "peft_slim.slimfit"]),
-    ("tools", ["peft_slim.export", "peft_slim.distributed", "peft_slim.planner"]),
+    ("tools", ["peft_slim.export", "peft_slim.distributed", "peft_slim.recipe", "peft_slim.planner"]),
     ("package face", ["peft_slim"]),
     ("command line", ["peft_slim.cli", "peft_slim.__main__"]),
 ]
@@ -58,13 +58,11 @@ FUNCTION_LEVEL = {
     ("peft_slim.compression.quant", "peft_slim.compression.triton_kernels"): (
         "Triton is optional: the kernels are imported where a CUDA tensor first needs them"
     ),
-    ("peft_slim.planner.measured", "peft_slim.cli.train"): "removed when the Recipe lands",
     ("peft_slim.cli", "peft_slim"): "imported when the command line builds its parser",
     ("peft_slim.cli.models", "peft_slim.planner.setup"): "imported when the subcommand runs",
     ("peft_slim.cli.plan", "peft_slim.planner"): "imported when the subcommand runs",
     ("peft_slim.cli.plan", "peft_slim.planner.plan"): "imported when the subcommand runs",
     ("peft_slim.cli.train", "peft_slim"): "imported when the subcommand runs",
-    ("peft_slim.cli.train", "peft_slim.compression"): "imported when the subcommand runs",
     ("peft_slim.cli.train", "peft_slim.memory"): "imported when the subcommand runs",
     ("peft_slim.cli.train", "peft_slim.quiet"): "imported when the subcommand runs",
     ("peft_slim.cli.train", "peft_slim.tuner.saving"): "imported when the subcommand runs",

@@ -18,8 +18,9 @@ from peft_slim.cli import main as cli_main
 from peft_slim.cli.plan import train_command
 from peft_slim.cli.train import add_arguments, check_flags
 from peft_slim.planner import plan
-from peft_slim.planner.measured import measurement_for, setting_from_train_args, setting_of
+from peft_slim.planner.measured import measurement_for
 from peft_slim.planner.plan import NOT_MEASURED, Candidate, ladder
+from peft_slim.recipe import Recipe
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGED = json.loads((ROOT / "peft_slim" / "planner" / "measured.json").read_text())
@@ -111,7 +112,7 @@ def test_a_candidate_stands_for_what_its_train_line_trains():
     candidates += [Candidate(**{**c.__dict__, "gradient_checkpointing": True}) for c in candidates]
     for candidate in candidates:
         line = shlex.split(train_command(None, candidate, 2, 32, "float32"))[2:]
-        assert setting_of(candidate) == setting_from_train_args(train_args(line)), candidate.name
+        assert candidate.recipe == Recipe.from_train_args(train_args(line)), candidate.name
 
 
 def test_a_measurement_is_attached_only_to_the_setting_it_was_measured_for():
@@ -198,7 +199,7 @@ def test_cli_prints_each_settings_evidence_and_trains_the_first(tmp_path, capsys
     rows = [line.split(" | ") for line in lines[1:-1]]
     assert [(row[0], row[-1]) for row in rows] == [(c.name, c.evidence) for c in ranked]
     first = train_args(shlex.split(lines[-1])[2:])
-    assert setting_from_train_args(first) == setting_of(ranked[0])
+    assert Recipe.from_train_args(first) == ranked[0].recipe
 
 
 def test_rank_is_validated():

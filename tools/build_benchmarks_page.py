@@ -170,7 +170,7 @@ def measured(report: dict) -> dict:
     setting and, per task, the mean over seeds of its ratios against LoRA + checkpointing, with the provenance."""
     sys.path.insert(0, str(ROOT))
     from peft_slim.cli.train import add_arguments, check_flags
-    from peft_slim.planner.measured import setting_from_train_args
+    from peft_slim.recipe import Recipe
 
     model = re.match(r"([\w.-]+/[\w.-]+)[ ,]", report["protocol"])
     if model is None:
@@ -207,7 +207,7 @@ def measured(report: dict) -> dict:
             if args.lora_r:  # the command's defaults: alpha 2r, every linear layer
                 lora |= {"alpha": args.lora_alpha or 2 * args.lora_r}
                 lora |= {"target_modules": args.lora_target_modules or "all-linear"}
-            methods[name] = {"flags": flags, "setting": setting_from_train_args(args), "lora": lora, "tasks": tasks}
+            methods[name] = {"flags": flags, "setting": Recipe.from_train_args(args).key, "lora": lora, "tasks": tasks}
     return {
         "source": {
             "model": model.group(1).split("/")[-1],

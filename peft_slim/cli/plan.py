@@ -8,7 +8,8 @@ import re
 import shlex
 
 from ..planner.plan import MAX_BUDGET, RANKS
-from ..planner.setup import MAX_BATCH_SIZE, MAX_LORA_R, MAX_SEQ_LEN
+from ..planner.setup import MAX_BATCH_SIZE, MAX_SEQ_LEN
+from ..recipe import DEFAULT_LORA_R, MAX_LORA_R
 from . import models
 from .flags import fraction, integer
 
@@ -43,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Tokens per sequence (not for image models).",
     )
-    parser.add_argument("--lora-r", type=integer("--lora-r", 1, MAX_LORA_R), default=8)
+    parser.add_argument("--lora-r", type=integer("--lora-r", 1, MAX_LORA_R), default=DEFAULT_LORA_R)
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype of the weights (default float32)."
@@ -76,15 +77,7 @@ def train_command(
         parts.append(f"--model {shlex.quote(model)}")
     if gguf_file is not None:
         parts.append(f"--gguf-file {shlex.quote(gguf_file)}")
-    parts += [f"--method {candidate.method}", f"--lora-r {candidate.lora_r}"]
-    if candidate.token_ratio is not None:
-        parts.append(f"--token-ratio {candidate.token_ratio:g}")
-    if candidate.freeze_ratio is not None:
-        parts.append(f"--freeze-ratio {candidate.freeze_ratio:g}")
-    if candidate.compression_bits is not None:
-        parts.append(f"--compression-bits {candidate.compression_bits}")
-    if candidate.gradient_checkpointing:
-        parts.append("--gradient-checkpointing")
+    parts += [shlex.join(candidate.recipe.to_flags())]
     parts.append(f"--batch-size {batch_size}")
     if seq_len is not None:
         parts.append(f"--max-length {seq_len}")

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-IGNORE_INDEX = -100
+from ..token_selection.loss import IGNORE_INDEX
+
 DEFAULT_DATASET = "chatterbot_qa.jsonl"  # under peft_slim/data/, with its licence file
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 FORMATS = ("text", "prompt-completion", "messages")

@@ -16,22 +16,18 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..planner.setup import MAX_BATCH_SIZE, MAX_LORA_R, MAX_SEQ_LEN, MAX_TOKENS, max_positions
-from ..slimfit.config import CATCH_UP, SlimFitConfig
+from ..planner.setup import MAX_BATCH_SIZE, MAX_SEQ_LEN, MAX_TOKENS, max_positions
+from ..recipe import COMPRESSION_BITS, DEFAULT_LORA_R, LABEL_FIRST, METHODS, SLIMFIT_DEFAULTS, Recipe
+from ..slimfit.config import CATCH_UP
 from ..token_selection.config import DEFAULT_TOKEN_RATIO, SELECTION_RULES
 from . import models, sft_data
-from .flags import MAX_EPOCHS, MAX_SEED, MAX_STEPS, fraction, integer, positive_float
+from .flags import MAX_EPOCHS, MAX_SEED, MAX_STEPS, field_check, integer, positive_float
 
 HELP = "Fine-tune a causal language model with TokenTune, SlimFit, LoRA or full fine-tuning."
 
 DEFAULT_MODEL = models.DEFAULT_MODEL
-METHODS = ("tokentune", "slimfit", "lora", "full")
-COMPRESSION_BITS = ("none", "8", "4", "2")
-# The rule that selects the labelled (answer) positions first; read from the rules the config accepts.
-LABEL_FIRST = next(rule for rule in ("answer", "supervised") if rule in SELECTION_RULES)
+COMPRESSION_CHOICES = tuple(str(bits) for bits in COMPRESSION_BITS)  # as --compression-bits takes them
 DEFAULT_STEPS = 30  # on the embedded dataset: a few minutes on 2 CPU cores
-DEFAULT_LORA_R = 8
-SLIMFIT_DEFAULTS = SlimFitConfig()  # the command's SlimFit defaults are the config's own
 ADAPTER_LR, BASE_WEIGHT_LR = 2e-4, 2e-5
 MIB = 2**20
 
@@ -84,10 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     method = parser.add_argument_group("method")
-    method.add_argument("--method", choices=METHODS, default="tokentune", help="What trains.")
+    method.add_argument("--method", choices=METHODS, default=Recipe.method, help="What trains.")
     method.add_argument(
         "--token-ratio",
-        type=fraction("--token-ratio", low_open=True),
+        type=field_check(Recipe, "token_ratio", "--token-ratio", float),
         help=f"tokentune, slimfit: fraction of each sequence's tokens that get gradients (tokentune default "
         f"{DEFAULT_TOKEN_RATIO}; slimfit: none, all tokens, unless given).",
     )
@@ -99,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     method.add_argument(
         "--freeze-ratio",
-        type=fraction("--freeze-ratio", low_open=False),
+        type=field_check(Recipe, "freeze_ratio", "--freeze-ratio", float),
         help=f"slimfit: fraction of units frozen at each step (default {SLIMFIT_DEFAULTS.freeze_ratio}).",
     )
     method.add_argument(
@@ -110,25 +106,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     method.add_argument(
         "--lora-r",
-        type=integer("--lora-r", 0, MAX_LORA_R),
+        type=field_check(Recipe, "lora_r", "--lora-r"),
         help=f"LoRA rank (default {DEFAULT_LORA_R}); 0 with tokentune or slimfit trains the base weights. "
         "Not with --method full.",
     )
-    method.add_argument("--lora-alpha", type=positive_float("--lora-alpha"), help="LoRA alpha (default 2 * --lora-r).")
+    method.add_argument(
+        "--lora-alpha",
+        type=field_check(Recipe, "lora_alpha", "--lora-alpha", float),
+        help="LoRA alpha (default 2 * --lora-r).",
+    )
     method.add_argument(
         "--lora-target-modules",
         help="Comma-separated module names LoRA adapts, or `all-linear` (the default).",
     )
     method.add_argument(
         "--compression-bits",
-        choices=COMPRESSION_BITS,
+        choices=COMPRESSION_CHOICES,
         help="Store saved activations in this many bits (none: exact). Default: slimfit's own recipe (4-bit "
         "GELU/SiLU inputs, 8-bit elsewhere), none for the other methods.",
     )
     method.add_argument(
         "--gradient-checkpointing",
         action="store_true",
-        help="Recompute each layer in backward (transformers' non-reentrant checkpointing).",
+        help=Recipe.__dataclass_fields__["gradient_checkpointing"].metadata["help"],
     )
 
     train = parser.add_argument_group("training")
@@ -209,14 +209,9 @@ def check_flags(args: argparse.Namespace) -> None:
             f"--batch-size {args.batch_size} x --max-length {args.max_length}: more than {MAX_TOKENS:,} tokens per "
             "micro-batch; lower one of them."
         )
-    if method == "tokentune" and args.token_ratio is None:
-        args.token_ratio = DEFAULT_TOKEN_RATIO
-    if selects and args.selection is None:
-        args.selection = LABEL_FIRST
-    if method == "slimfit" and args.freeze_ratio is None:
-        args.freeze_ratio = SLIMFIT_DEFAULTS.freeze_ratio
-    if method == "slimfit" and args.catch_up is None:
-        args.catch_up = SLIMFIT_DEFAULTS.catch_up
+    resolved = Recipe.from_train_args(args)  # the method's defaults
+    for name in ("token_ratio", "selection", "freeze_ratio", "catch_up"):
+        setattr(args, name, getattr(resolved, name))
     if args.learning_rate is None:
         args.learning_rate = ADAPTER_LR if uses_lora else BASE_WEIGHT_LR
     if args.max_steps is None:
@@ -316,67 +311,26 @@ def check_lora_targets(config, args: argparse.Namespace) -> None:
 
 
 def lora_config(args: argparse.Namespace):
-    from peft import LoraConfig
-
-    targets = args.lora_target_modules or "all-linear"
-    if targets != "all-linear":
-        targets = [name.strip() for name in targets.split(",") if name.strip()]
-    alpha = args.lora_alpha if args.lora_alpha is not None else 2 * (args.lora_r or DEFAULT_LORA_R)
-    return LoraConfig(
-        r=args.lora_r or DEFAULT_LORA_R,
-        lora_alpha=alpha,
-        lora_dropout=0.0,
-        target_modules=targets,
-        task_type="CAUSAL_LM",
-    )
-
-
-def compression_config(args: argparse.Namespace):
-    from ..compression import ActivationCompressionConfig
-
-    if args.compression_bits in (None, "none"):
-        return None
-    return ActivationCompressionConfig(bits=int(args.compression_bits))
+    """The run's LoRA (the default rank where it trains none: the plain LoRA it is compared with)."""
+    return Recipe.from_train_args(args).lora_config()
 
 
 def wrap(model, args: argparse.Namespace):
     """The model ready to train, and the context every training forward runs in (compression for lora/full)."""
     from contextlib import nullcontext
 
-    from .. import SlimFitConfig, TokenSelectionConfig, TokenTuneConfig, compress_activations
+    from .. import compress_activations
 
-    lora = lora_config(args) if args.lora_r else None
-    compression = compression_config(args)
+    recipe = Recipe.from_train_args(args)
+    config = recipe.to_peft_config(seed=args.seed)
     if args.method in ("lora", "full"):
         if args.method == "lora":
-            model = _get_peft_model(model, lora)
+            model = _get_peft_model(model, config)
         else:
             model.requires_grad_(True)
+        compression = recipe.activation_compression()
         context = (lambda: compress_activations(compression)) if compression is not None else nullcontext
         return model, context
-    if args.method == "tokentune":
-        config = TokenTuneConfig(
-            task_type="CAUSAL_LM",
-            token_ratio=args.token_ratio,
-            selection=args.selection,
-            seed=args.seed,
-            lora=lora,
-            activation_compression=compression,
-        )
-    else:
-        selection = None
-        if args.token_ratio is not None:
-            selection = TokenSelectionConfig(token_ratio=args.token_ratio, selection=args.selection, seed=args.seed)
-        extra = {} if args.compression_bits is None else {"activation_compression": compression}
-        config = SlimFitConfig(
-            task_type="CAUSAL_LM",
-            freeze_ratio=args.freeze_ratio,
-            catch_up=args.catch_up,
-            seed=args.seed,
-            lora=lora,
-            tokentune=selection,
-            **extra,
-        )
     return _get_peft_model(model, config), nullcontext
 
 

@@ -2,11 +2,10 @@
 
 ``measured.json`` (next to this module) is written by ``tools/build_benchmarks_page.py`` from the benchmark's
 ``benchmarks/results/budget/budget.json``; a test checks it is what the script would write now. For each method
-the benchmark ran it holds the method's ``peft-slim train`` setting, normalised by ``setting_from_train_args``,
-and per task the mean over seeds of its ratios against LoRA + gradient checkpointing of the same seed. A planner
-setting gets a measurement only where its own train line normalises to the same setting (method, token ratio and
-selection rule, compression, SlimFit's freezing, checkpointing); the LoRA rank and targets may differ, and the
-evidence line says which were measured.
+the benchmark ran it holds the key (``Recipe.key``) of the recipe its ``peft-slim train`` flags give, and per task
+the mean over seeds of its ratios against LoRA + gradient checkpointing of the same seed. A planner setting gets a
+measurement only where its recipe has the same key (method, token ratio and selection rule, compression, SlimFit's
+freezing, checkpointing); the LoRA rank and targets may differ, and the evidence line says which were measured.
 """
 
 from __future__ import annotations
@@ -19,48 +18,6 @@ from functools import cache
 from importlib import resources
 
 DATA_FILE = "measured.json"
-
-
-def setting_from_train_args(args) -> dict:
-    """The fields of checked ``peft-slim train`` arguments that decide what trains and how (not the LoRA size)."""
-    method = args.method
-    bits = args.compression_bits
-    if bits is None:
-        compression = "slimfit default" if method == "slimfit" else None
-    else:
-        compression = None if bits == "none" else int(bits)
-    slimfit = method == "slimfit"
-    return {
-        "method": method,
-        "token_ratio": args.token_ratio,
-        "selection": args.selection,
-        "compression_bits": compression,
-        "freeze_ratio": args.freeze_ratio if slimfit else None,
-        "catch_up": args.catch_up if slimfit else None,
-        "gradient_checkpointing": bool(args.gradient_checkpointing),
-        "trains_lora": bool(args.lora_r) if method != "full" else False,
-    }
-
-
-def setting_of(candidate) -> dict:
-    """What ``candidate``'s ``peft-slim train`` line trains, in ``setting_from_train_args``'s terms."""
-    from ..cli.train import LABEL_FIRST, SLIMFIT_DEFAULTS  # the command's defaults (lazy: cli imports planner)
-
-    slimfit = candidate.method == "slimfit"
-    if candidate.compression_bits is None:
-        compression = "slimfit default" if slimfit else None
-    else:
-        compression = candidate.compression_bits
-    return {
-        "method": candidate.method,
-        "token_ratio": candidate.token_ratio,
-        "selection": LABEL_FIRST if candidate.token_ratio is not None else None,
-        "compression_bits": compression,
-        "freeze_ratio": candidate.freeze_ratio if slimfit else None,
-        "catch_up": SLIMFIT_DEFAULTS.catch_up if slimfit else None,
-        "gradient_checkpointing": candidate.gradient_checkpointing,
-        "trains_lora": True,
-    }
 
 
 @dataclass(frozen=True)
@@ -134,7 +91,7 @@ def _data() -> dict:
 def measurement_for(candidate, data: dict | None = None) -> Measurement | None:
     """The measurement of exactly ``candidate``'s setting, or None (never a near one)."""
     data = _data() if data is None else data
-    wanted = setting_of(candidate)
+    wanted = candidate.recipe.key
     for name, m in data["methods"].items():
         if m["setting"] == wanted:
             return Measurement(name, m["tasks"], m["lora"], data["source"])

@@ -11,20 +11,17 @@ first, soonest to reach LoRA's final perplexity relative to LoRA + checkpointing
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
-from peft import LoraConfig
 
 from ..configuration import Boolean, Integer, ModuleNames, OneOf, Real
-from ..slimfit import SlimFitConfig
-from ..tokentune import TokenTuneConfig
+from ..recipe import DEFAULT_LORA_R, MAX_LORA_R, SLIMFIT_DEFAULTS, Recipe
 from .estimate import MemoryEstimate, estimate_memory
 from .measured import Measurement, measurement_for
-from .setup import MAX_LORA_R, TASK_TYPES, load_config, resolve_workload
+from .setup import TASK_TYPES, load_config, resolve_workload
 
 TOKEN_RATIOS = (0.5, 0.3, 0.2, 0.1, 0.05)
-FREEZE_RATIO = 0.8
 MAX_BUDGET = 2**50  # 1 PiB: far above any one device's memory
 RANKS = ("measured", "ladder")
 NOT_MEASURED = "not measured; ladder order"
@@ -58,18 +55,21 @@ class Candidate:
             parts.append("ckpt")
         return "+".join(parts)
 
-    def peft_config(self, task_type: str | None, target_modules) -> LoraConfig | TokenTuneConfig | SlimFitConfig:
-        lora = LoraConfig(
-            r=self.lora_r, lora_alpha=2 * self.lora_r, target_modules=target_modules, task_type=task_type
+    @property
+    def recipe(self) -> Recipe:
+        """The setting as a ``Recipe`` (LoRA alpha 2 r on every linear layer, the method's other defaults)."""
+        return Recipe(
+            method=self.method,
+            lora_r=self.lora_r,
+            token_ratio=self.token_ratio,
+            compression_bits=self.compression_bits,
+            freeze_ratio=self.freeze_ratio,
+            gradient_checkpointing=self.gradient_checkpointing,
         )
-        compression = None if self.compression_bits is None else {"bits": self.compression_bits}
-        if self.method == "lora":
-            return lora
-        if self.method == "tokentune":
-            return TokenTuneConfig(
-                task_type=task_type, token_ratio=self.token_ratio, lora=lora, activation_compression=compression
-            )
-        return SlimFitConfig(task_type=task_type, freeze_ratio=self.freeze_ratio, lora=lora)
+
+    def peft_config(self, task_type: str | None, target_modules):
+        """The setting's PEFT config, its LoRA on ``target_modules``."""
+        return replace(self.recipe, lora_target_modules=target_modules).to_peft_config(task_type=task_type)
 
 
 def ladder(lora_r: int, min_token_ratio: float) -> list[Candidate]:
@@ -79,7 +79,8 @@ def ladder(lora_r: int, min_token_ratio: float) -> list[Candidate]:
     steps += [Candidate("tokentune", lora_r, token_ratio=r) for r in ratios]
     for bits in (8, 4):
         steps += [Candidate("tokentune", lora_r, token_ratio=r, compression_bits=bits) for r in ratios]
-    steps.append(Candidate("slimfit", lora_r, freeze_ratio=FREEZE_RATIO))  # its own default compression
+    # SlimFit's defaults: its freeze ratio and compression
+    steps.append(Candidate("slimfit", lora_r, freeze_ratio=SLIMFIT_DEFAULTS.freeze_ratio))
     return steps
 
 
@@ -91,7 +92,7 @@ def plan(
     optimizer: str = "adamw",
     *,
     dtype: str = "float32",
-    lora_r: int = 8,
+    lora_r: int = DEFAULT_LORA_R,
     target_modules="all-linear",
     min_token_ratio: float = 0.1,
     task: str | None = None,

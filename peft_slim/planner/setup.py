@@ -62,7 +62,6 @@ MAX_BATCH_SIZE = 2**16
 MAX_TOKENS = 2**24  # tokens per micro-batch (batch_size * seq_len): Llama 3's whole global batch was 16M tokens
 MAX_PIXEL_VALUES = 2**28  # pixel values per micro-batch: 1 GiB as float32 (1,783 RGB images of 224 x 224)
 MAX_SEQ_LEN = MAX_TOKENS  # where the config gives no position limit
-MAX_LORA_R = 2**16
 
 
 @dataclass

@@ -8,7 +8,7 @@ from ..configuration import Boolean, Integer, OneOf, Real, ValidatedConfig, conf
 
 SELECTION_RULES = ("random", "answer")
 DEFAULT_TOKEN_RATIO = 0.3
-MAX_TOKENS = 2**31 - 1  # more positions than any sequence holds; keeps the count an int32/int64 everywhere
+MAX_NUM_TOKENS = 2**31 - 1  # `num_tokens`: more than any sequence holds; keeps the count an int32/int64 everywhere
 MAX_SEED = 2**62  # the generator is seeded with seed + rank, which must stay a valid 64-bit seed
 
 
@@ -32,8 +32,8 @@ class TokenSelectionConfig(ValidatedConfig):
     num_tokens: int | None = field(
         default=None,
         metadata={
-            "help": f"Absolute number (1 to {MAX_TOKENS}) of tokens per sequence that receive gradients.",
-            "check": Integer(1, MAX_TOKENS, optional=True),
+            "help": f"Absolute number (1 to {MAX_NUM_TOKENS}) of tokens per sequence that receive gradients.",
+            "check": Integer(1, MAX_NUM_TOKENS, optional=True),
         },
     )
     selection: str = field(

@@ -1,0 +1,314 @@
+"""``Recipe``: one training setting (the method, its LoRA, token selection, freezing, compression, checkpointing),
+defined once for ``peft-slim train``, the planner, its measured table and the benchmarks.
+
+A recipe is validated at construction and fills in the method's defaults, so that two recipes that train the same
+way are equal. ``to_peft_config()`` builds the PEFT config ``peft-slim train`` trains with, ``to_flags()`` the
+``peft-slim train`` flags that give the recipe back (``from_train_args``), and ``key`` what the planner's measured
+table (``planner/measured.json``) files a setting under.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from peft import LoraConfig
+
+from .compression import ActivationCompressionConfig
+from .configuration import Boolean, Check, Integer, ModuleNames, OneOf, Real
+from .slimfit import SlimFitConfig
+from .slimfit.config import CATCH_UP
+from .token_selection import TokenSelectionConfig
+from .token_selection.config import DEFAULT_TOKEN_RATIO, SELECTION_RULES
+from .tokentune import TokenTuneConfig
+
+METHODS = ("tokentune", "slimfit", "lora", "full")
+COMPRESSION_BITS = ("none", 8, 4, 2)
+DEFAULT_LORA_R = 8
+MAX_LORA_R = 2**16
+ALL_LINEAR = "all-linear"
+LABEL_FIRST = "answer"  # the rule that selects the labelled (answer) positions first
+SLIMFIT_DEFAULTS = SlimFitConfig()  # a recipe's SlimFit defaults are the config's own
+SELECTING = ("tokentune", "slimfit")  # the methods that can train on a token subset
+
+
+def _optional(config: type, name: str) -> Check:
+    """The check of ``config``'s field ``name`` (one range, one message), with None allowed: the method's default."""
+    return dataclasses.replace(config.__dataclass_fields__[name].metadata["check"], optional=True)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one run trains: the fields ``peft-slim train``'s method flags set, with the method's defaults filled in.
+
+    Fields that do not apply to the method are refused (a ``ValueError`` naming the field), never ignored.
+    """
+
+    method: str = field(
+        default="tokentune",
+        metadata={
+            "help": "What trains: 'tokentune' (LoRA, or the base weights with lora_r=0, through a subset of tokens), "
+            "'slimfit' (LoRA or the base weights, a changing fraction frozen at each step), 'lora', or 'full' (every "
+            "base weight).",
+            "check": OneOf(METHODS),
+        },
+    )
+    lora_r: int | None = field(
+        default=None,
+        metadata={
+            "help": f"LoRA rank (0 to {MAX_LORA_R}); 0 with tokentune or slimfit trains the base weights. None: "
+            f"{DEFAULT_LORA_R}, or 0 with 'full' (the only rank it takes).",
+            "check": Integer(0, MAX_LORA_R, optional=True),
+        },
+    )
+    lora_alpha: float | None = field(
+        default=None,
+        metadata={
+            "help": "LoRA alpha, a finite float > 0. None: 2 * lora_r.",
+            "check": Real(0.0, math.inf, low_open=True, high_open=True, optional=True, keep_int=True),
+        },
+    )
+    lora_target_modules: str | tuple[str, ...] | None = field(
+        default=ALL_LINEAR,
+        metadata={
+            "help": "The modules LoRA adapts: 'all-linear', module names (a tuple), one regex (a string) or None "
+            "(PEFT's default for the model type).",
+            "check": ModuleNames(),
+        },
+    )
+    token_ratio: float | None = field(
+        default=None,
+        metadata={
+            "help": f"tokentune, slimfit: fraction in (0, 1] of each sequence's tokens that get gradients. None: "
+            f"{DEFAULT_TOKEN_RATIO} with tokentune, every token with slimfit.",
+            "check": _optional(TokenSelectionConfig, "token_ratio"),
+        },
+    )
+    selection: str | None = field(
+        default=None,
+        metadata={
+            "help": f"With a token ratio: which tokens, one of {SELECTION_RULES}. None: {LABEL_FIRST!r} (the "
+            "labelled answer tokens first, then the rest at random).",
+            "check": _optional(TokenSelectionConfig, "selection"),
+        },
+    )
+    freeze_ratio: float | None = field(
+        default=None,
+        metadata={
+            "help": f"slimfit: fraction in [0, 1) of units frozen at each step. None: "
+            f"{SLIMFIT_DEFAULTS.freeze_ratio} (SlimFitConfig's default).",
+            "check": _optional(SlimFitConfig, "freeze_ratio"),
+        },
+    )
+    catch_up: str | None = field(
+        default=None,
+        metadata={
+            "help": f"slimfit: how far a unit moves when it trains after missed steps, one of {CATCH_UP}. None: "
+            f"{SLIMFIT_DEFAULTS.catch_up!r} (SlimFitConfig's default).",
+            "check": _optional(SlimFitConfig, "catch_up"),
+        },
+    )
+    compression_bits: int | str | None = field(
+        default=None,
+        metadata={
+            "help": "Bits the saved activations are stored in: 8, 4 or 2; 'none': exact (slimfit: its own "
+            "compression off). None: the method's default (slimfit's own recipe, exact for the others).",
+            "check": OneOf(COMPRESSION_BITS, optional=True),
+        },
+    )
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={
+            "help": "Recompute each layer in backward (transformers' non-reentrant checkpointing).",
+            "check": Boolean(),
+        },
+    )
+
+    def __post_init__(self):
+        for spec in dataclasses.fields(self):
+            value = spec.metadata["check"](getattr(self, spec.name), f"Recipe.{spec.name}")
+            if isinstance(value, list):
+                value = tuple(value)
+            object.__setattr__(self, spec.name, value)
+        self._check()
+        for name, value in self._defaults().items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+
+    def _check(self) -> None:
+        method = self.method
+        if self.token_ratio is not None and method not in SELECTING:
+            raise ValueError(f"Recipe.token_ratio applies to method 'tokentune' or 'slimfit', not {method!r}.")
+        if self.selection is not None and not self.selects:
+            raise ValueError(
+                "Recipe.selection needs token selection: method 'tokentune', or 'slimfit' with a token_ratio."
+            )
+        for name in ("freeze_ratio", "catch_up"):
+            if getattr(self, name) is not None and method != "slimfit":
+                raise ValueError(f"Recipe.{name} applies to method 'slimfit' only, not {method!r}.")
+        if method == "full" and self.lora_r:
+            raise ValueError(
+                f"Recipe.lora_r must be 0 or None with method 'full' (it trains every base weight), got {self.lora_r}."
+            )
+        if method == "lora" and self.lora_r == 0:
+            raise ValueError("Recipe.lora_r=0 with method 'lora' trains nothing; use method 'full'.")
+        if not self.uses_lora:
+            for name, default in (("lora_alpha", None), ("lora_target_modules", ALL_LINEAR)):
+                if getattr(self, name) != default:
+                    raise ValueError(f"Recipe.{name} needs LoRA (lora_r > 0), not method {method!r} with lora_r 0.")
+
+    def _defaults(self) -> dict[str, Any]:
+        """The method's defaults for the fields left None."""
+        defaults = {"lora_r": 0 if self.method == "full" else DEFAULT_LORA_R}
+        if self.method == "tokentune":
+            defaults["token_ratio"] = DEFAULT_TOKEN_RATIO
+        if self.selects:
+            defaults["selection"] = LABEL_FIRST
+        if self.method == "slimfit":
+            defaults |= {"freeze_ratio": SLIMFIT_DEFAULTS.freeze_ratio, "catch_up": SLIMFIT_DEFAULTS.catch_up}
+        return defaults
+
+    @property
+    def selects(self) -> bool:
+        """Trains on a subset of each sequence's tokens."""
+        return self.method == "tokentune" or (self.method == "slimfit" and self.token_ratio is not None)
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.method != "full" and self.lora_r != 0
+
+    # ------------------------------------------------------------------------------------------------ configs
+    def lora_config(self, task_type: str | None = "CAUSAL_LM", **fields):
+        """The recipe's ``LoraConfig`` (rank ``DEFAULT_LORA_R`` where the recipe trains none: the plain LoRA a run
+        is compared with); ``fields``: other ``LoraConfig`` fields (``modules_to_save``, say)."""
+        r = self.lora_r or DEFAULT_LORA_R
+        targets = self.lora_target_modules
+        targets = list(targets) if isinstance(targets, tuple) else targets
+        alpha = self.lora_alpha if self.lora_alpha is not None else 2 * r
+        return LoraConfig(
+            r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, task_type=task_type, **fields
+        )
+
+    def activation_compression(self):
+        """The ``ActivationCompressionConfig`` of ``compression_bits``, or None (exact, or the method's default)."""
+        if self.compression_bits in (None, "none"):
+            return None
+        return ActivationCompressionConfig(bits=self.compression_bits)
+
+    def to_peft_config(self, seed: int | None = None, task_type: str | None = "CAUSAL_LM", **fields):
+        """The PEFT config that trains this recipe: a ``LoraConfig``, ``TokenTuneConfig`` or ``SlimFitConfig``;
+        None for 'full' (every base weight trains; with ``compression_bits``, the training forwards run in
+        ``peft_slim.compress_activations(recipe.activation_compression())``, as for 'lora'). ``seed``: of the token
+        selection and SlimFit's order (None: the configs' defaults); ``fields``: other fields of that config
+        (``modules_to_save``, say)."""
+        if self.method == "full":
+            if fields:
+                raise ValueError(f"Recipe(method='full') builds no config to set {sorted(fields)} on.")
+            return None
+        if self.method == "lora":
+            return self.lora_config(task_type, **fields)
+        lora = self.lora_config(task_type) if self.uses_lora else None
+        compression = self.activation_compression()
+        seeded = {} if seed is None else {"seed": seed}
+        if self.method == "tokentune":
+            return TokenTuneConfig(
+                task_type=task_type,
+                token_ratio=self.token_ratio,
+                selection=self.selection,
+                lora=lora,
+                activation_compression=compression,
+                **seeded,
+                **fields,
+            )
+        selection = None
+        if self.token_ratio is not None:
+            selection = TokenSelectionConfig(token_ratio=self.token_ratio, selection=self.selection, **seeded)
+        extra = {} if self.compression_bits is None else {"activation_compression": compression}
+        return SlimFitConfig(
+            task_type=task_type,
+            freeze_ratio=self.freeze_ratio,
+            catch_up=self.catch_up,
+            lora=lora,
+            tokentune=selection,
+            **seeded,
+            **extra,
+            **fields,
+        )
+
+    # ------------------------------------------------------------------------------------------- command line
+    @classmethod
+    def from_train_args(cls, args) -> Recipe:
+        """The recipe of parsed ``peft-slim train`` arguments (``argparse.Namespace``)."""
+        targets = args.lora_target_modules or ALL_LINEAR
+        if targets != ALL_LINEAR:
+            targets = tuple(name.strip() for name in targets.split(",") if name.strip())
+        bits = args.compression_bits
+        return cls(
+            method=args.method,
+            lora_r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            lora_target_modules=targets,
+            token_ratio=args.token_ratio,
+            selection=args.selection,
+            freeze_ratio=args.freeze_ratio,
+            catch_up=args.catch_up,
+            compression_bits=bits if bits in (None, "none") else int(bits),
+            gradient_checkpointing=bool(args.gradient_checkpointing),
+        )
+
+    def to_flags(self) -> list[str]:
+        """The ``peft-slim train`` flags that give this recipe back; a field at its default is left out."""
+        flags = ["--method", self.method]
+        if self.method != "full":
+            flags += ["--lora-r", str(self.lora_r)]
+        if self.lora_alpha is not None:
+            flags += ["--lora-alpha", _number(self.lora_alpha)]
+        targets = self.lora_target_modules
+        if targets != ALL_LINEAR:
+            named = isinstance(targets, tuple) and targets != (ALL_LINEAR,)
+            if not named or any("," in name or name != name.strip() for name in targets):
+                raise ValueError(
+                    f"Recipe.lora_target_modules={targets!r} has no flag: --lora-target-modules takes all-linear or "
+                    "comma-separated names."
+                )
+            flags += ["--lora-target-modules", ",".join(targets)]
+        if self.token_ratio is not None:
+            flags += ["--token-ratio", _number(self.token_ratio)]
+        if self.selection is not None and self.selection != LABEL_FIRST:
+            flags += ["--selection", self.selection]
+        if self.freeze_ratio is not None:
+            flags += ["--freeze-ratio", _number(self.freeze_ratio)]
+        if self.catch_up is not None and self.catch_up != SLIMFIT_DEFAULTS.catch_up:
+            flags += ["--catch-up", self.catch_up]
+        if self.compression_bits is not None:
+            flags += ["--compression-bits", str(self.compression_bits)]
+        if self.gradient_checkpointing:
+            flags.append("--gradient-checkpointing")
+        return flags
+
+    @property
+    def key(self) -> dict[str, Any]:
+        """What decides how the recipe trains, not the LoRA's size: the key of ``planner/measured.json``."""
+        slimfit = self.method == "slimfit"
+        if self.compression_bits is None:
+            compression = "slimfit default" if slimfit else None
+        else:
+            compression = None if self.compression_bits == "none" else self.compression_bits
+        return {
+            "method": self.method,
+            "token_ratio": self.token_ratio,
+            "selection": self.selection,
+            "compression_bits": compression,
+            "freeze_ratio": self.freeze_ratio if slimfit else None,
+            "catch_up": self.catch_up if slimfit else None,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "trains_lora": self.uses_lora,
+        }
+
+
+def _number(value: float) -> str:
+    """``value`` as a flag: its shortest form (``0.3``, ``1``) where that reads back as the same float."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
