@@ -74,7 +74,7 @@ class SlimFitModel(MethodTuner):
         self._paused = False
         self._swapped: dict[str, torch.Tensor] | None = None  # inside disable_adapter(): the tuned weights
         self._swapped_requires_grad: dict[str, bool] = {}
-        self._full_checkpoints = False  # set by SlimFitCallback during trainer.train()
+        self._full_checkpoints = False  # slimfit_full_checkpoints
         new = new_weights(model, config)
         self._units, always = find_units(model, config, new)
         if new and not config.inference_mode:
@@ -372,6 +372,12 @@ class SlimFitModel(MethodTuner):
         if config.lora is None:
             self.model.requires_grad_(True)  # a plain model again
         return super()._unload_and_optionally_merge(merge=merge, **kwargs)
+
+    def slimfit_full_checkpoints(self, enabled: bool) -> None:
+        """Without LoRA: whether a save holds every base tensor SlimFit trains (``enabled``) or only those that
+        changed since the model was wrapped (the default). ``SlimFitCallback`` enables it for the length of
+        ``trainer.train()``, so that ``load_best_model_at_end`` loads a checkpoint into the trained model exactly."""
+        self._full_checkpoints = enabled
 
     def _kept_base_entry(self, name: str) -> tuple[str, tuple, bytes] | None:
         kept = getattr(self, "_base_weights", None)  # before _setup (a loaded adapter's base check): none yet

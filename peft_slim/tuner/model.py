@@ -31,18 +31,17 @@ from ..lora_inputs import keep_lora_inputs_narrow
 from ..memory import SavedActivationBytes
 from ..nested_lora import inject_lora
 from ..token_selection import TokenSelectionConfig, TokenSelector
+from ..trainable import is_under, peft_wrapped_names
 from .config import MethodConfig
 from .model_kinds import check_model_kind
 from .saving import (
     MISMATCH_FLAG,
     RECORD_KEY,
-    _under,
     base_parameter_names,
     identity,
     record_from_tensor,
     record_tensor,
     tensor_digest,
-    wrapper_module_names,
 )
 
 
@@ -446,6 +445,11 @@ class MethodTuner(BaseTuner):
     # ------------------------------------------------------------------ what the last training forward did
 
     @property
+    def token_selector(self) -> TokenSelector | None:
+        """The active adapter's token selection (TokenTune, SlimFit with ``tokentune``), or None."""
+        return self._selector
+
+    @property
     def last_token_mask(self) -> torch.Tensor | None:
         """The positions selected in the latest training forward ([batch, length], bool); None without selection."""
         return None if self._selector is None else self._selector.last_token_mask
@@ -648,11 +652,16 @@ class MethodTuner(BaseTuner):
             warnings.warn(f"Found missing adapter keys while loading the checkpoint: {missing}.", stacklevel=2)
         # Not warned about: the copies PEFT itself saves of a modules_to_save head's bias with bias="all" (loaded
         # through the head's own key).
-        wrapped = wrapper_module_names(peft_model)
-        unexpected = sorted(key for key in loaded - set(state_dict) if not _under(key, wrapped))
+        wrapped = peft_wrapped_names(peft_model)
+        unexpected = sorted(key for key in loaded - set(state_dict) if not is_under(key, wrapped))
         if unexpected:
             warnings.warn(
                 f"{self.method_name} adapter: found unexpected keys (tensors this model has no place for; they were "
                 f"not loaded) in the adapter file: {unexpected}.",
                 stacklevel=2,
             )
+
+
+def find_tuner(model: nn.Module, cls: type[MethodTuner] = MethodTuner) -> MethodTuner | None:
+    """The first ``cls`` tuner inside ``model`` (a PeftModel, possibly wrapped by DDP or accelerate), or None."""
+    return next((module for module in model.modules() if isinstance(module, cls)), None)
