@@ -70,18 +70,6 @@ def active_ddp_module() -> nn.Module | None:
     return DistributedDataParallel._get_active_ddp_module()
 
 
-def optimizer_step_hook_counts() -> tuple[int, int]:
-    """How many global optimizer step pre-hooks and post-hooks are registered now, process-wide.
-
-    Private API: ``torch.optim.optimizer._global_optimizer_pre_hooks`` / ``_global_optimizer_post_hooks``, the dicts
-    that the public ``register_optimizer_step_pre_hook`` / ``..._post_hook`` fill. Only the tests read them, to check
-    that SlimFit's step hooks go with the model (on unload, and when it is garbage-collected).
-    """
-    import torch.optim.optimizer as optimizer_module
-
-    return len(optimizer_module._global_optimizer_pre_hooks), len(optimizer_module._global_optimizer_post_hooks)
-
-
 def rowwise_byte_kernels() -> tuple[Callable, Callable] | None:
     """torch's fused row-wise 8-bit quantization ops ``(prepack, unpack)``, or None where this build lacks them.
 

@@ -82,21 +82,6 @@ def test_active_ddp_module_is_the_wrapper_during_its_forward_only(process_group)
     assert ddp.find_unused_parameters is True and ddp.static_graph is False, moved("DDP.find_unused_parameters")
 
 
-# ---------------------------------------------------------------------------------------------- optimizer hooks
-
-
-def test_optimizer_step_hook_counts_follow_the_public_registration():
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-    before = compat.optimizer_step_hook_counts()
-    pre = register_optimizer_step_pre_hook(lambda *args: None)
-    post = register_optimizer_step_post_hook(lambda *args: None)
-    assert compat.optimizer_step_hook_counts() == (before[0] + 1, before[1] + 1)
-    pre.remove()
-    post.remove()
-    assert compat.optimizer_step_hook_counts() == before
-
-
 # ---------------------------------------------------------------------------------------------- row-wise kernels
 
 

@@ -11,7 +11,8 @@ from .model import SlimFitModel
 
 
 class SlimFitCallback(TrainerCallback, ExportableState):
-    """Calls ``slimfit_step`` after every optimizer step, and saves the schedule with every checkpoint.
+    """Attaches the Trainer's optimizer (``slimfit_attach``), calls ``slimfit_step`` after every optimizer step,
+    and saves the schedule with every checkpoint.
 
     The scheduler state (scores, frozen ages, sweep order, history) is written into ``trainer_state.json``
     and restored when training resumes from a checkpoint, whether or not
@@ -31,7 +32,7 @@ class SlimFitCallback(TrainerCallback, ExportableState):
         if tuner is not None and not tuner.slimfit_paused:
             tuner._unfreeze()  # the Trainer builds its optimizer from what requires grad when train() starts
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._tuner = find_tuner(model, SlimFitModel) if model is not None else None
         if self._tuner is None:
             raise ValueError("SlimFitCallback: the Trainer's model has no SlimFit adapter.")
@@ -47,6 +48,8 @@ class SlimFitCallback(TrainerCallback, ExportableState):
             self._tuner.load_slimfit_state_dict(restored)
         self.scheduler_state = None
         self._tuner.slimfit_full_checkpoints(True)
+        if optimizer is not None:
+            self._tuner.slimfit_attach(optimizer)
 
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
         self._tuner.slimfit_step(optimizer)  # used only with release_frozen_optimizer_state

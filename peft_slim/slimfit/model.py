@@ -206,6 +206,13 @@ class SlimFitModel(MethodTuner):
             for opt in optimizers:
                 self._release_optimizer_state(opt, config.release_after_steps)
 
+    def slimfit_attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Score the units over ``optimizer``'s steps, through that optimizer's own step hooks (``SlimFitCallback``
+        attaches the Trainer's). Optional: an optimizer that steps over the units unattached is attached at its first
+        step. Nothing to watch for an adapter loaded for inference."""
+        if self._observer is not None:
+            self._observer.attach(optimizer)
+
     @property
     def slimfit_paused(self) -> bool:
         return self._paused
