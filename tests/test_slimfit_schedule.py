@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from slimfit_cases import loss_of, slimfit_model, train
 from tiny_models import make_batch
 
-from peft_slim.slimfit.scheduler import FreezeScheduler, unit_score
+from peft_slim.slimfit.scheduler import FreezeScheduler, finish_score, score_parts
 
 
 @settings(max_examples=40, deadline=None)
@@ -90,6 +90,11 @@ def test_lowest_scores_freeze_after_the_sweep():
     while any(math.isinf(s) for s in scheduler.scores):
         scheduler.advance({u: scores[u] for u, t in enumerate(scheduler.trained) if t})
     assert [u for u, t in enumerate(scheduler.trained) if t] == [1, 2, 4]  # the three highest
+
+
+def unit_score(metric: str, before: list[torch.Tensor], after: list[torch.Tensor], epsilon: float) -> float:
+    """How much a unit changed in one step, from its tensors before and after (consumes ``before``)."""
+    return finish_score(metric, score_parts(metric, before, after, epsilon), epsilon)
 
 
 def test_unit_score_definitions():

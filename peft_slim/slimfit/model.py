@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import warnings
@@ -275,13 +274,6 @@ class SlimFitModel(MethodTuner):
     def slimfit_history(self) -> dict[str, Any]:
         """The freeze pattern so far: unit names, and per completed step which units trained."""
         return {"units": self.unit_names, "trained": [list(row) for row in self.scheduler.history]}
-
-    def export_freeze_pattern(self, path: str) -> str:
-        """Write ``slimfit_history()`` as JSON (for plotting); returns ``path``."""
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as handle:
-            json.dump(self.slimfit_history(), handle)
-        return path
 
     def slimfit_state_dict(self) -> dict[str, Any]:
         """The scheduler's state (JSON-ready), to resume the same schedule."""
