@@ -33,7 +33,7 @@ def _adamw(params) -> torch.optim.AdamW:
 def _tracked(model) -> dict[str, torch.Tensor]:
     """Copies of the base tensors standalone SlimFit trains in place, by name in the transformers model."""
     tuner = model.base_model
-    return {name: tuner.model.get_parameter(name).detach().clone() for name in tuner._base_weights.names}
+    return {name: tuner.model.get_parameter(name).detach().clone() for name in tuner._state.base_weights.names}
 
 
 @pytest.fixture
@@ -233,7 +233,7 @@ def test_two_optimizers_score_and_train_as_one():
     assert any(s not in (0.0, float("inf")) for s in tuner.scheduler.scores)
     for (name, a), b in zip(one.named_parameters(), two.parameters()):
         assert torch.equal(a, b), name
-    for index, unit in enumerate(tuner._units):  # frozen units' state freed from both optimizers
+    for index, unit in enumerate(tuner._state.units):  # frozen units' state freed from both optimizers
         if tuner.scheduler.frozen_for[index] >= 1:
             assert not any(p in optimizer.state for optimizer in runs[1][1] for p in unit.params), unit.name
 
@@ -313,10 +313,10 @@ def test_pause_restores_the_trainable_set_and_resume_continues_the_schedule():
     assert model.slimfit_paused and model.get_nb_trainable_parameters() == wrapped
     model.train()
     loss_of(model, make_batch("llama", seed=7)).backward()  # paused: every unit trains, nothing is scored
-    before = [[p.detach().clone() for p in unit.params] for unit in tuner._units]
+    before = [[p.detach().clone() for p in unit.params] for unit in tuner._state.units]
     optimizer.step()
     optimizer.zero_grad()
-    for unit, old in zip(tuner._units, before):
+    for unit, old in zip(tuner._state.units, before):
         assert all(not torch.equal(o, p) for o, p in zip(old, unit.params)), unit.name
     with pytest.raises(RuntimeError, match="slimfit_resume"):
         model.slimfit_step()
@@ -325,7 +325,7 @@ def test_pause_restores_the_trainable_set_and_resume_continues_the_schedule():
     model.slimfit_resume()
     assert not model.slimfit_paused and model.get_nb_trainable_parameters() == wrapped
     loss_of(model, make_batch("llama", seed=8)).backward()  # the schedule freezes again, where it stopped
-    for unit, trained in zip(tuner._units, tuner.scheduler.trained):
+    for unit, trained in zip(tuner._state.units, tuner.scheduler.trained):
         assert all((p.grad is not None) == trained for p in unit.params), unit.name
     optimizer.step()
     optimizer.zero_grad()
@@ -368,12 +368,12 @@ class _Watch(TrainerCallback):
         self.optimizer_params = {id(p) for group in optimizer.param_groups for p in group["params"]}
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self._before = [[p.detach().clone() for p in unit.params] for unit in self.tuner._units]
+        self._before = [[p.detach().clone() for p in unit.params] for unit in self.tuner._state.units]
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         changed = [
             any(not torch.equal(o, p) for o, p in zip(old, unit.params))
-            for unit, old in zip(self.tuner._units, self._before)
+            for unit, old in zip(self.tuner._state.units, self._before)
         ]
         self.steps.append((changed, list(self.tuner.scheduler.trained)))
 
@@ -394,7 +394,7 @@ def test_a_second_trainer_trains_what_the_config_says(tmp_path, first):
 
     watch = _Watch(tuner)
     _trainer(tmp_path / "second", model, steps=4, callbacks=[watch]).train()
-    assert all(id(p) in watch.optimizer_params for unit in tuner._units for p in unit.params)
+    assert all(id(p) in watch.optimizer_params for unit in tuner._state.units for p in unit.params)
     assert len(watch.steps) == 4
     for changed, trained in watch.steps:
         assert changed == trained
