@@ -70,6 +70,21 @@ def active_ddp_module() -> nn.Module | None:
     return DistributedDataParallel._get_active_ddp_module()
 
 
+def optimizer_running_step_hooks(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose ``step`` runs torch's step hooks for ``optimizer.step()``: ``optimizer`` itself, or, for a
+    wrapper that skipped ``Optimizer.__init__`` and forwards ``step`` (accelerate's ``AcceleratedOptimizer``, which
+    has no step hooks of its own), the optimizer it wraps (``.optimizer``), followed down.
+
+    Private API: ``Optimizer._optimizer_step_pre_hooks``, the dict ``Optimizer.__init__`` creates and the public
+    ``register_step_pre_hook`` fills. SlimFit attaches its step hooks (``slimfit_attach``) to the optimizer found.
+    """
+    while not hasattr(optimizer, "_optimizer_step_pre_hooks") and isinstance(
+        getattr(optimizer, "optimizer", None), torch.optim.Optimizer
+    ):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def rowwise_byte_kernels() -> tuple[Callable, Callable] | None:
     """torch's fused row-wise 8-bit quantization ops ``(prepack, unpack)``, or None where this build lacks them.
 

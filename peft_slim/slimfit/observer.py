@@ -25,6 +25,7 @@ from functools import partial
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..compat import optimizer_running_step_hooks
 from .scheduler import DTensor, _item, finish_score, score_parts
 from .units import Unit
 
@@ -180,19 +181,14 @@ class StepObserver:
         optimizer it wraps (``.optimizer``), whose steps are the ones that run the hooks."""
         if not self._finalizer.alive:
             return  # not watching (the adapter is parked): attached at its first step once it watches again
-        ref = weakref.ref(self)
-        while optimizer not in self._attached:
-            try:
-                pre = optimizer.register_step_pre_hook(partial(_call, ref, "_before_step"))
-                break
-            except AttributeError:  # no step hooks of its own (it skipped Optimizer.__init__): a wrapper
-                if not isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-                    raise
-                optimizer = optimizer.optimizer
-        else:
+        optimizer = optimizer_running_step_hooks(optimizer)
+        if optimizer in self._attached:
             return
-        post = optimizer.register_step_post_hook(partial(_call, ref, "_after_step"))
-        self._hook_handles += [pre, post]
+        ref = weakref.ref(self)
+        self._hook_handles += [
+            optimizer.register_step_pre_hook(partial(_call, ref, "_before_step")),
+            optimizer.register_step_post_hook(partial(_call, ref, "_after_step")),
+        ]
         self._attached.add(optimizer)
 
     def _find_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -284,9 +280,11 @@ class StepObserver:
         return {index: finish_score(self.metric, parts, self.epsilon) for index, parts in totals.items()}
 
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """An attached optimizer's step pre-hook: snapshot the training units it holds (the 'gradient' metric reads
+        their gradients now)."""
         if not self.active:
             return
-        if self._depth:  # a wrapper's step (accelerate) around the inner optimizer's: one snapshot
+        if self._depth:  # a wrapper optimizer's step around its wrapped one's, both attached: one snapshot
             self._depth += 1
             return
         if self.resolve is not None:  # the optimizer holds the parameters the model holds between steps
@@ -337,6 +335,9 @@ class StepObserver:
         self._snapshot = (indices, params, before, gradients)
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """An attached optimizer's step post-hook: score its update of the units, and apply the catch-up
+        (``SlimFitConfig.catch_up``: a unit that trains after frozen steps moves its factor times the update). One
+        pass over the tensors does both (``step_parts``; ``scale_updates`` for the 'gradient' metric)."""
         if not self._depth:
             return
         self._depth -= 1
