@@ -116,7 +116,7 @@ class SlimFitModel(MethodTuner):
         state.handles.append(model.register_forward_pre_hook(self._before_forward))
 
     def _unit_trains(self, index: int) -> bool:
-        return self._state.scheduler.trained[index]
+        return self.scheduler.trained[index]
 
     def _remove_method_hooks(self) -> None:
         state = self._active_state()
@@ -157,7 +157,7 @@ class SlimFitModel(MethodTuner):
     @property
     def trained_units(self) -> list[str]:
         """Units that train at the next step."""
-        return [unit.name for unit, trained in zip(self._state.units, self._state.scheduler.trained) if trained]
+        return [unit.name for unit, trained in zip(self._state.units, self.scheduler.trained) if trained]
 
     def train_largest_units(self) -> list[str]:
         """Make the next steps train the largest units the schedule could train at once: the step with the most
@@ -165,7 +165,7 @@ class SlimFitModel(MethodTuner):
         still fits the byte budget, as the scheduler fills it). They require grad from now on. The memory planner
         (``peft_slim.estimate_memory``) sizes that step; ``slimfit_step()`` goes back to the schedule. Returns the
         units' names."""
-        scheduler = self._state.scheduler
+        scheduler = self.scheduler
         sizes = [sum(p.numel() * p.element_size() for p in unit.params) for unit in self._state.units]
         order = sorted(range(len(sizes)), key=lambda u: (-sizes[u], u))
         if scheduler.sizes is None:
@@ -184,7 +184,7 @@ class SlimFitModel(MethodTuner):
         """How many steps' worth of update unit ``index`` makes now: k = 1 + the consecutive steps it was frozen (or,
         before it first trained, every step so far), at most 1 / (1 - freeze_ratio); sqrt(k) under 'sqrt'."""
         limit = 1.0 / (1.0 - self._config.freeze_ratio)
-        steps = float(min(1 + self._state.scheduler.frozen_for[index], limit))
+        steps = float(min(1 + self.scheduler.frozen_for[index], limit))
         return math.sqrt(steps) if self._config.catch_up == "sqrt" else steps
 
     def slimfit_step(self, optimizer: torch.optim.Optimizer | list | tuple | None = None) -> None:
@@ -203,7 +203,7 @@ class SlimFitModel(MethodTuner):
         self._refuse_while_disabled("slimfit_step()")
         config = self._config
         scores = self._state.observer.take_scores(stacklevel=2) if self._state.observer is not None else {}
-        self._state.scheduler.advance(scores)
+        self.scheduler.advance(scores)
         self._apply_schedule()
         if optimizer is None:
             optimizers = self._state.observer.optimizers() if self._state.observer is not None else []
@@ -278,17 +278,17 @@ class SlimFitModel(MethodTuner):
     def _release_optimizer_state(self, optimizer: torch.optim.Optimizer, after: int) -> None:
         state = optimizer.state
         for index, unit in enumerate(self._state.units):
-            if self._state.scheduler.frozen_for[index] >= after:
+            if self.scheduler.frozen_for[index] >= after:
                 for param in unit.params:
                     state.pop(param, None)
 
     def slimfit_history(self) -> dict[str, Any]:
         """The freeze pattern so far: unit names, and per completed step which units trained."""
-        return {"units": self.unit_names, "trained": [list(row) for row in self._state.scheduler.history]}
+        return {"units": self.unit_names, "trained": [list(row) for row in self.scheduler.history]}
 
     def slimfit_state_dict(self) -> dict[str, Any]:
         """The scheduler's state (JSON-ready), to resume the same schedule."""
-        return {"units": self.unit_names, **self._state.scheduler.state_dict()}
+        return {"units": self.unit_names, **self.scheduler.state_dict()}
 
     def load_slimfit_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("units")
@@ -303,7 +303,7 @@ class SlimFitModel(MethodTuner):
                 "`always_train_norms`, `train_new_weights`: a run started before that field existed scheduled the "
                 "weights the checkpoint lacked, so resume it with train_new_weights=False)."
             )
-        self._state.scheduler.load_state_dict(state)
+        self.scheduler.load_state_dict(state)
         if self._state.applied:
             self._apply_schedule()
 
