@@ -70,16 +70,19 @@ def active_ddp_module() -> nn.Module | None:
     return DistributedDataParallel._get_active_ddp_module()
 
 
-def optimizer_step_hook_counts() -> tuple[int, int]:
-    """How many global optimizer step pre-hooks and post-hooks are registered now, process-wide.
+def optimizer_running_step_hooks(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose ``step`` runs torch's step hooks for ``optimizer.step()``: ``optimizer`` itself, or, for a
+    wrapper that skipped ``Optimizer.__init__`` and forwards ``step`` (accelerate's ``AcceleratedOptimizer``, which
+    has no step hooks of its own), the optimizer it wraps (``.optimizer``), followed down.
 
-    Private API: ``torch.optim.optimizer._global_optimizer_pre_hooks`` / ``_global_optimizer_post_hooks``, the dicts
-    that the public ``register_optimizer_step_pre_hook`` / ``..._post_hook`` fill. Only the tests read them, to check
-    that SlimFit's step hooks go with the model (on unload, and when it is garbage-collected).
+    Private API: ``Optimizer._optimizer_step_pre_hooks``, the dict ``Optimizer.__init__`` creates and the public
+    ``register_step_pre_hook`` fills. SlimFit attaches its step hooks (``slimfit_attach``) to the optimizer found.
     """
-    import torch.optim.optimizer as optimizer_module
-
-    return len(optimizer_module._global_optimizer_pre_hooks), len(optimizer_module._global_optimizer_post_hooks)
+    while not hasattr(optimizer, "_optimizer_step_pre_hooks") and isinstance(
+        getattr(optimizer, "optimizer", None), torch.optim.Optimizer
+    ):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def rowwise_byte_kernels() -> tuple[Callable, Callable] | None:

@@ -1,4 +1,5 @@
-"""Which base-model parameters a method trains when it trains base weights (not LoRA)."""
+"""Which base-model parameters a method trains when it trains base weights (not LoRA), and which modules are PEFT's
+own to train and save (``modules_to_save``, trainable tokens)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,23 @@ from .compat import auxiliary_training_wrapper_cls
 AuxiliaryTrainingWrapper = auxiliary_training_wrapper_cls()
 
 
+def peft_wrapped_names(model: nn.Module, modules_to_save: list[str] | None = None) -> list[str]:
+    """Names of the modules of ``model`` that PEFT wraps (``modules_to_save``, trainable tokens), in module order.
+    With ``modules_to_save`` (a config's), also the modules it names that PEFT has not wrapped yet (it wraps them
+    after the tuner is built)."""
+    to_save = modules_to_save or []
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, AuxiliaryTrainingWrapper) or any(name == t or name.endswith("." + t) for t in to_save)
+    ]
+
+
+def is_under(name: str, modules: list[str]) -> bool:
+    """Whether parameter or module ``name`` is one of ``modules`` or inside one."""
+    return any(name == module or name.startswith(module + ".") for module in modules)
+
+
 def trainable_parameter_names(model: nn.Module, targets: list[str] | str | None, field: str) -> list[str]:
     """Names of the parameters under modules matching ``targets`` (all parameters when None).
 
@@ -18,13 +36,13 @@ def trainable_parameter_names(model: nn.Module, targets: list[str] | str | None,
     one regex matched against the full module name. Parameters under PEFT's own wrappers
     (``modules_to_save``) are left to PEFT. ``field`` names the config field in errors.
     """
-    wrapped = [name for name, module in model.named_modules() if isinstance(module, AuxiliaryTrainingWrapper)]
+    wrapped = peft_wrapped_names(model)
     selected = set()
     for module_name, module in model.named_modules():
         if targets is not None and not _matches(module_name, targets):
             continue
         for param_name, param in module.named_parameters(prefix=module_name, recurse=True):
-            if not any(param_name == w or param_name.startswith(w + ".") for w in wrapped):
+            if not is_under(param_name, wrapped):
                 selected.add(id(param))
     if targets is not None and not selected:
         raise ValueError(f"{field}={targets!r} matched no module of the model.")

@@ -36,8 +36,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import peft_slim
 import peft_slim.distributed
-from peft_slim.slimfit.callback import find_slimfit
+from peft_slim.slimfit import SlimFitModel
 from peft_slim.token_selection.blocks import find_blocks
+from peft_slim.tuner import find_tuner
 
 
 def wrap(model, case):
@@ -107,7 +108,7 @@ def run_slimfit_trainer(rank: int, out_dir: str, init_dir: str) -> dict:
     return {
         "wrapper": type(trainer.model_wrapped).__name__,
         "find_unused_parameters": getattr(trainer.model_wrapped, "find_unused_parameters", None),
-        "history": find_slimfit(model).slimfit_history(),
+        "history": find_tuner(model, SlimFitModel).slimfit_history(),
         "logged": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
         "weights": {name: param.detach().clone() for name, param in model.named_parameters()},
     }
@@ -167,7 +168,7 @@ def run_errors(rank: int, out_dir: str, init_dir: str) -> dict:
         slimfit(input_ids=torch.ones(1, 4, dtype=torch.long))
     except Exception as error:
         messages["slimfit_ddp_without_find_unused"] = f"{type(error).__name__}: {error}"
-    tuner = find_slimfit(slimfit)  # with PEFT_SLIM_CHECK_RANKS=1, a decision that differs by rank is caught
+    tuner = find_tuner(slimfit, SlimFitModel)  # PEFT_SLIM_CHECK_RANKS=1 catches a decision that differs by rank
     tuner.scheduler.trained[0] ^= rank == 1
     try:
         tuner._apply_schedule()

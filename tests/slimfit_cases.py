@@ -43,3 +43,13 @@ def train(model, arch: str, steps: int, optimizer=None, lr: float = 1e-2, set_to
         optimizer.zero_grad(set_to_none=set_to_none)
         model.slimfit_step()
     return optimizer
+
+
+def step_hook_counts(optimizer=None) -> tuple[int, int]:
+    """How many optimizer step pre-hooks and post-hooks are registered now: process-wide (torch's private dicts that
+    ``register_optimizer_step_pre_hook`` / ``..._post_hook`` fill), or ``optimizer``'s own."""
+    if optimizer is None:
+        import torch.optim.optimizer as module
+
+        return len(module._global_optimizer_pre_hooks), len(module._global_optimizer_post_hooks)
+    return len(optimizer._optimizer_step_pre_hooks), len(optimizer._optimizer_step_post_hooks)

@@ -82,19 +82,29 @@ def test_active_ddp_module_is_the_wrapper_during_its_forward_only(process_group)
     assert ddp.find_unused_parameters is True and ddp.static_graph is False, moved("DDP.find_unused_parameters")
 
 
-# ---------------------------------------------------------------------------------------------- optimizer hooks
+# ---------------------------------------------------------------------------------------------- optimizer step hooks
 
 
-def test_optimizer_step_hook_counts_follow_the_public_registration():
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+def test_the_optimizer_running_step_hooks_is_the_one_a_wrapper_forwards_to():
+    api = "Optimizer._optimizer_step_pre_hooks"
+    param = nn.Parameter(torch.ones(2))
+    inner = torch.optim.SGD([param], lr=0.1)
+    assert compat.optimizer_running_step_hooks(inner) is inner, moved(api)
 
-    before = compat.optimizer_step_hook_counts()
-    pre = register_optimizer_step_pre_hook(lambda *args: None)
-    post = register_optimizer_step_post_hook(lambda *args: None)
-    assert compat.optimizer_step_hook_counts() == (before[0] + 1, before[1] + 1)
-    pre.remove()
-    post.remove()
-    assert compat.optimizer_step_hook_counts() == before
+    class Forwarder(torch.optim.Optimizer):  # as accelerate's AcceleratedOptimizer: skips Optimizer.__init__
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        def step(self, closure=None):
+            return self.optimizer.step(closure)
+
+    wrapper = Forwarder(Forwarder(inner))
+    assert compat.optimizer_running_step_hooks(wrapper) is inner, moved(api)
+    fired = []
+    compat.optimizer_running_step_hooks(wrapper).register_step_pre_hook(lambda *args: fired.append(True))
+    param.grad = torch.ones(2)
+    wrapper.step()
+    assert fired == [True], moved(f"{api} (the wrapped optimizer's step runs the hooks)")
 
 
 # ---------------------------------------------------------------------------------------------- row-wise kernels
@@ -484,6 +494,7 @@ PRIVATE_ATTRIBUTES = {
     "eager_attention_forward",
     "_global_optimizer_pre_hooks",
     "_global_optimizer_post_hooks",
+    "_optimizer_step_pre_hooks",
     "_is_hf_initialized",
     "_cdata",
     "_cast_input_dtype",

@@ -290,7 +290,7 @@ def _recording_kinds(context):
     def recording_pack(tensor):
         module = context._modules.innermost
         saved = pack(tensor)
-        calls.append((context._modules.kind(), module, saved.value))
+        calls.append(("other" if module is None else module_kind(type(module)), module, saved.value))
         return saved
 
     context.pack_hook = recording_pack
@@ -445,3 +445,14 @@ def test_an_asyncio_task_created_outside_the_context_is_untouched():
     assert torch.equal(result["b"], grads_b)
     assert result["a"][1] == stats_a and stats_a.compressed > 0
     assert torch.equal(result["a"][0], grads_a)
+
+
+def test_a_model_runs_modules_that_are_not_its_submodules():
+    """Why the module stack needs global module hooks (classify.py): tensors saved inside a module the model calls
+    but does not hold (transformers' kernelized functions, e.g. Llama's apply_rotary_pos_emb) take its kind."""
+    model = _model("llama", lora=False)
+    context = compress_activations(ActivationCompressionConfig(bits=None))
+    calls = _recording_kinds(context)
+    _grads(model, make_batch("llama"), context)
+    own = {id(module) for module in model.modules()}
+    assert any(module is not None and id(module) not in own for _, module, _ in calls)

@@ -199,8 +199,8 @@ def test_slimfit_case_is_refused_clearly_or_trains_as_defined(arch, field_value,
     loss = loss_of(model, make_batch(arch))
     assert torch.isfinite(loss)
     loss.backward()
-    frozen = [p for unit, t in zip(tuner._units, tuner.scheduler.trained) if not t for p in unit.params]
-    trained = [p for unit, t in zip(tuner._units, tuner.scheduler.trained) if t for p in unit.params]
+    frozen = [p for unit, t in zip(tuner._state.units, tuner.scheduler.trained) if not t for p in unit.params]
+    trained = [p for unit, t in zip(tuner._state.units, tuner.scheduler.trained) if t for p in unit.params]
     assert trained and all(p.grad is None for p in frozen)
     if compression_value is None:  # exact: the trained units' gradient is the ordinary one
         reference = copy.deepcopy(model)

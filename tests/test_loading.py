@@ -21,10 +21,11 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from safetensors import SafetensorError
+from slimfit_cases import step_hook_counts
 from tiny_models import build, make_batch
 
 import peft_slim
-from peft_slim import ActivationCompressionConfig, SlimFitConfig, TokenSelectionConfig, TokenTuneConfig, compat
+from peft_slim import ActivationCompressionConfig, SlimFitConfig, TokenSelectionConfig, TokenTuneConfig
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 REFUSED = (ValueError, OSError, SafetensorError)  # what the refused loads below raise
@@ -93,7 +94,7 @@ def _snapshot(model) -> dict:
         "requires_grad": {name: p.requires_grad for name, p in model.named_parameters()},
         "state_dict": {key: value.clone() for key, value in model.state_dict().items()},
         "peft_config": "peft_config" in model.__dict__,
-        "optimizer_hooks": compat.optimizer_step_hook_counts(),
+        "optimizer_hooks": step_hook_counts(),
     }
 
 

@@ -154,10 +154,10 @@ def test_qlora_slimfit_trains_lora_pairs_over_a_4bit_base(saved_llama):
         assert math.isfinite(loss.item())
         loss.backward()
         trained = list(tuner.scheduler.trained)
-        before = [[p.detach().clone() for p in unit.params] for unit in tuner._units]
+        before = [[p.detach().clone() for p in unit.params] for unit in tuner._state.units]
         optimizer.step()
         optimizer.zero_grad()
-        for unit, t, old in zip(tuner._units, trained, before):
+        for unit, t, old in zip(tuner._state.units, trained, before):
             assert all(torch.equal(o, p) for o, p in zip(old, unit.params)) != t, unit.name
         model.slimfit_step()
     assert tuner.model.model.layers[0].self_attn.q_proj.base_layer.weight.dtype == torch.uint8

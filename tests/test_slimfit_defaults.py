@@ -68,15 +68,15 @@ def test_bytes_rule_in_a_model_caps_the_gradient_bytes():
     with pytest.warns(UserWarning, match="larger than the byte budget") as caught:
         model = slimfit_model("bert", freeze_ratio=0.8, freeze_by="bytes")
     tuner = model.base_model
-    total = sum(unit_bytes(unit) for unit in tuner._units)
-    too_large = [unit for unit in tuner._units if unit_bytes(unit) > 0.2 * total]
+    total = sum(unit_bytes(unit) for unit in tuner._state.units)
+    too_large = [unit for unit in tuner._state.units if unit_bytes(unit) > 0.2 * total]
     assert too_large and all(unit.name in str(caught[0].message) for unit in too_large)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model.train()
     for step in range(6):
         loss_of(model, make_batch("bert", seed=step)).backward()
         held = sum(
-            p.grad.numel() * p.grad.element_size() for u in tuner._units for p in u.params if p.grad is not None
+            p.grad.numel() * p.grad.element_size() for u in tuner._state.units for p in u.params if p.grad is not None
         )
         assert 0 < held <= 0.2 * total + 1e-6
         assert all(p.grad is None for unit in too_large for p in unit.params)
@@ -90,7 +90,7 @@ def test_count_rule_is_the_papers():
     model = slimfit_model("bert", freeze_ratio=0.8, freeze_by="count")
     tuner = model.base_model
     assert tuner.scheduler.sizes is None
-    assert sum(tuner.scheduler.trained) == max(1, len(tuner._units) - math.floor(0.8 * len(tuner._units)))
+    assert sum(tuner.scheduler.trained) == max(1, len(tuner._state.units) - math.floor(0.8 * len(tuner._state.units)))
 
 
 # ---------------------------------------------------------------------------------------------- catch-up
@@ -115,11 +115,11 @@ def test_catch_up_scales_the_update_by_the_missed_steps(catch_up, metric):
     for step in range(10):
         loss_of(model, make_batch("bert", seed=step)).backward()
         frozen_for = list(tuner.scheduler.frozen_for)
-        before = [[p.detach().clone() for p in unit.params] for unit in tuner._units]
-        grads = [[None if p.grad is None else p.grad.clone() for p in unit.params] for unit in tuner._units]
+        before = [[p.detach().clone() for p in unit.params] for unit in tuner._state.units]
+        grads = [[None if p.grad is None else p.grad.clone() for p in unit.params] for unit in tuner._state.units]
         trained = list(tuner.scheduler.trained)
         optimizer.step()
-        for index, unit in enumerate(tuner._units):
+        for index, unit in enumerate(tuner._state.units):
             factor = CATCH_UP_FACTOR[catch_up](min(frozen_for[index] + 1, 1 / (1 - ratio)))
             for p, old, grad in zip(unit.params, before[index], grads[index]):
                 if not trained[index]:
@@ -185,16 +185,16 @@ def test_scores_of_a_step_follow_their_definition(metric):
     model.train()
     loss_of(model, make_batch("llama")).backward()
     trained = [u for u, t in enumerate(tuner.scheduler.trained) if t]
-    before = {u: [p.detach().double() for p in tuner._units[u].params] for u in trained}
+    before = {u: [p.detach().double() for p in tuner._state.units[u].params] for u in trained}
     grads = {
-        u: [torch.zeros_like(p) if p.grad is None else p.grad.double() for p in tuner._units[u].params]
+        u: [torch.zeros_like(p) if p.grad is None else p.grad.double() for p in tuner._state.units[u].params]
         for u in trained
     }
     optimizer.step()
     optimizer.zero_grad()
     model.slimfit_step()
     for u in trained:
-        olds, news = before[u], [p.detach().double() for p in tuner._units[u].params]
+        olds, news = before[u], [p.detach().double() for p in tuner._state.units[u].params]
         if metric == "relative_change":
             total = sum(((n - o).abs() / (o.abs() + eps)).sum().item() for o, n in zip(olds, news))
             expected = total / sum(o.numel() for o in olds)
@@ -203,7 +203,7 @@ def test_scores_of_a_step_follow_their_definition(metric):
         else:
             change = math.sqrt(sum((n - o).pow(2).sum().item() for o, n in zip(olds, news)))
             expected = change / (math.sqrt(sum(o.pow(2).sum().item() for o in olds)) + eps)
-        assert tuner.scheduler.scores[u] == pytest.approx(expected, rel=1e-5), tuner._units[u].name
+        assert tuner.scheduler.scores[u] == pytest.approx(expected, rel=1e-5), tuner._state.units[u].name
 
 
 # ---------------------------------------------------------------------------------------------- defaults, old files

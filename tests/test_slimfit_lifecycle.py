@@ -11,13 +11,12 @@ import weakref
 import pytest
 import torch
 from peft import PeftModel
-from slimfit_cases import loss_of, slimfit_model, train
+from slimfit_cases import loss_of, slimfit_model, step_hook_counts, train
 from test_training_loops import make_dataset, make_tokenizer, training_args
 from tiny_models import build, make_batch
 from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback
 
 from peft_slim import SlimFitCallback, TokenSelectionConfig
-from peft_slim.compat import optimizer_step_hook_counts
 from peft_slim.slimfit.observer import ORDER
 
 
@@ -34,7 +33,7 @@ def _adamw(params) -> torch.optim.AdamW:
 def _tracked(model) -> dict[str, torch.Tensor]:
     """Copies of the base tensors standalone SlimFit trains in place, by name in the transformers model."""
     tuner = model.base_model
-    return {name: tuner.model.get_parameter(name).detach().clone() for name in tuner._base_weights.names}
+    return {name: tuner.model.get_parameter(name).detach().clone() for name in tuner._state.base_weights.names}
 
 
 @pytest.fixture
@@ -124,25 +123,77 @@ def test_disable_adapter_with_lora_is_peft_s():
     ],
 )
 def test_step_hooks_go_on_unload(how, fields, no_automatic_gc):
-    start = optimizer_step_hook_counts()
+    start = step_hook_counts()
     model = slimfit_model("llama", freeze_ratio=0.5, **fields)
-    assert optimizer_step_hook_counts() == (start[0] + 1, start[1] + 1)
-    train(model, "llama", steps=1)
+    assert step_hook_counts() == (start[0] + 1, start[1])  # the pre-hook that finds an unattached optimizer
+    optimizer = train(model, "llama", steps=1)
+    assert step_hook_counts(optimizer) == (1, 1)  # attached at its first step
     getattr(model, how)()
-    assert optimizer_step_hook_counts() == start
+    assert step_hook_counts() == start
+    assert step_hook_counts(optimizer) == (0, 0)
 
 
 @pytest.mark.parametrize("fields", [{}, {"lora": True}, {"tokentune": TokenSelectionConfig(token_ratio=0.5)}])
 def test_step_hooks_go_when_the_model_is_collected(fields, no_automatic_gc):
-    start = optimizer_step_hook_counts()
+    start = step_hook_counts()
     model = slimfit_model("llama", freeze_ratio=0.5, **fields)
     optimizer = train(model, "llama", steps=2)
-    assert optimizer_step_hook_counts() == (start[0] + 1, start[1] + 1)
+    assert step_hook_counts() == (start[0] + 1, start[1])
+    assert step_hook_counts(optimizer) == (1, 1)
     collected = weakref.ref(model)
     del model, optimizer
     gc.collect()
     assert collected() is None
-    assert optimizer_step_hook_counts() == start
+    assert step_hook_counts() == start
+
+
+def test_an_attached_optimizer_is_watched_by_its_own_hooks_only():
+    """slimfit_attach registers the step hooks on that optimizer; one already attached is not attached again at its
+    first step, an optimizer over other parameters is never attached, and the schedule is the same as unattached."""
+    attached, plain = slimfit_model("llama", freeze_ratio=0.5), slimfit_model("llama", freeze_ratio=0.5)
+    optimizer = torch.optim.AdamW([p for p in attached.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    attached.slimfit_attach(optimizer)
+    attached.slimfit_attach(optimizer)
+    assert step_hook_counts(optimizer) == (1, 1)
+    other = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    other.param_groups[0]["params"][0].grad = torch.ones(2)
+    other.step()
+    assert step_hook_counts(other) == (0, 0)
+    train(attached, "llama", steps=3, optimizer=optimizer)
+    train(plain, "llama", steps=3)
+    assert step_hook_counts(optimizer) == (1, 1)
+    assert attached.slimfit_history() == plain.slimfit_history()
+    assert attached.base_model.scheduler.state_dict() == plain.base_model.scheduler.state_dict()
+
+
+class _StepForwarder(torch.optim.Optimizer):
+    """As accelerate's AcceleratedOptimizer: an Optimizer that skips Optimizer.__init__ (no step hooks of its own)
+    and forwards to the optimizer it wraps."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def test_a_wrapper_without_step_hooks_is_attached_through_the_optimizer_it_wraps():
+    wrapped, plain = slimfit_model("llama", freeze_ratio=0.5), slimfit_model("llama", freeze_ratio=0.5)
+    inner = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    wrapper = _StepForwarder(inner)
+    wrapped.slimfit_attach(wrapper)
+    assert step_hook_counts(inner) == (1, 1)
+    train(wrapped, "llama", steps=3, optimizer=wrapper)
+    train(plain, "llama", steps=3)
+    assert step_hook_counts(inner) == (1, 1)
+    assert wrapped.slimfit_history() == plain.slimfit_history()
 
 
 # ---------------------------------------------------------------------------------------------- several optimizers
@@ -182,7 +233,7 @@ def test_two_optimizers_score_and_train_as_one():
     assert any(s not in (0.0, float("inf")) for s in tuner.scheduler.scores)
     for (name, a), b in zip(one.named_parameters(), two.parameters()):
         assert torch.equal(a, b), name
-    for index, unit in enumerate(tuner._units):  # frozen units' state freed from both optimizers
+    for index, unit in enumerate(tuner._state.units):  # frozen units' state freed from both optimizers
         if tuner.scheduler.frozen_for[index] >= 1:
             assert not any(p in optimizer.state for optimizer in runs[1][1] for p in unit.params), unit.name
 
@@ -262,10 +313,10 @@ def test_pause_restores_the_trainable_set_and_resume_continues_the_schedule():
     assert model.slimfit_paused and model.get_nb_trainable_parameters() == wrapped
     model.train()
     loss_of(model, make_batch("llama", seed=7)).backward()  # paused: every unit trains, nothing is scored
-    before = [[p.detach().clone() for p in unit.params] for unit in tuner._units]
+    before = [[p.detach().clone() for p in unit.params] for unit in tuner._state.units]
     optimizer.step()
     optimizer.zero_grad()
-    for unit, old in zip(tuner._units, before):
+    for unit, old in zip(tuner._state.units, before):
         assert all(not torch.equal(o, p) for o, p in zip(old, unit.params)), unit.name
     with pytest.raises(RuntimeError, match="slimfit_resume"):
         model.slimfit_step()
@@ -274,7 +325,7 @@ def test_pause_restores_the_trainable_set_and_resume_continues_the_schedule():
     model.slimfit_resume()
     assert not model.slimfit_paused and model.get_nb_trainable_parameters() == wrapped
     loss_of(model, make_batch("llama", seed=8)).backward()  # the schedule freezes again, where it stopped
-    for unit, trained in zip(tuner._units, tuner.scheduler.trained):
+    for unit, trained in zip(tuner._state.units, tuner.scheduler.trained):
         assert all((p.grad is not None) == trained for p in unit.params), unit.name
     optimizer.step()
     optimizer.zero_grad()
@@ -317,12 +368,12 @@ class _Watch(TrainerCallback):
         self.optimizer_params = {id(p) for group in optimizer.param_groups for p in group["params"]}
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self._before = [[p.detach().clone() for p in unit.params] for unit in self.tuner._units]
+        self._before = [[p.detach().clone() for p in unit.params] for unit in self.tuner._state.units]
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         changed = [
             any(not torch.equal(o, p) for o, p in zip(old, unit.params))
-            for unit, old in zip(self.tuner._units, self._before)
+            for unit, old in zip(self.tuner._state.units, self._before)
         ]
         self.steps.append((changed, list(self.tuner.scheduler.trained)))
 
@@ -343,13 +394,23 @@ def test_a_second_trainer_trains_what_the_config_says(tmp_path, first):
 
     watch = _Watch(tuner)
     _trainer(tmp_path / "second", model, steps=4, callbacks=[watch]).train()
-    assert all(id(p) in watch.optimizer_params for unit in tuner._units for p in unit.params)
+    assert all(id(p) in watch.optimizer_params for unit in tuner._state.units for p in unit.params)
     assert len(watch.steps) == 4
     for changed, trained in watch.steps:
         assert changed == trained
     trained_now = {index for _, trained in watch.steps for index, t in enumerate(trained) if t}
     assert frozen_at_end & trained_now  # units frozen when the first Trainer ended did train in the second
     assert len(tuner.slimfit_history()["trained"]) == 7
+
+
+def test_the_callback_attaches_the_trainers_optimizer_before_its_first_step(tmp_path):
+    class Hooks(TrainerCallback):
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+            self.at_begin = step_hook_counts(optimizer.optimizer)  # accelerate's wrapper: the torch optimizer in it
+
+    model, hooks = slimfit_model("llama", freeze_ratio=0.5), Hooks()
+    _trainer(tmp_path, model, steps=2, callbacks=[hooks]).train()
+    assert hooks.at_begin == (1, 1)
 
 
 def test_the_callback_refuses_a_paused_schedule(tmp_path):

@@ -71,7 +71,7 @@ def test_new_weights_train_at_every_step_and_the_others_follow_the_schedule(chec
         loss_of(model, make_batch("bert", seed=step)).backward()
         trained = tuner.scheduler.trained
         assert 0 < sum(trained) < len(trained), "the schedule freezes some units and trains some"
-        for unit, train in zip(tuner._units, trained):
+        for unit, train in zip(tuner._state.units, trained):
             for param in unit.params:
                 assert param.requires_grad == train and (param.grad is not None) == train, (step, unit.name)
         for name, param in new.items():
@@ -127,7 +127,7 @@ def test_the_byte_budget_counts_the_scheduled_units_only(checkpoint):
     """freeze_ratio's budget is (1 - freeze_ratio) of the scheduled units' bytes; the new weights are outside it."""
     model, _ = wrap(load(checkpoint))
     scheduler = model.base_model.scheduler
-    scheduled = sum(p.numel() * p.element_size() for unit in model.base_model._units for p in unit.params)
+    scheduled = sum(p.numel() * p.element_size() for unit in model.base_model._state.units for p in unit.params)
     assert sum(scheduler.sizes) == scheduled and scheduler.budget == pytest.approx(0.1 * scheduled)
 
 

@@ -114,7 +114,7 @@ def test_standalone_saves_only_changed_tensors_and_reloads_exactly(saved):
     tuner = model.base_model
     ever_trained = {
         n
-        for i, unit in enumerate(tuner._units)
+        for i, unit in enumerate(tuner._state.units)
         if any(r[i] for r in tuner.scheduler.history)
         for n in unit.param_names
     }
@@ -126,7 +126,7 @@ def test_standalone_saves_only_changed_tensors_and_reloads_exactly(saved):
     keys = {k.removeprefix(PREFIX).replace("base_model.model.", "") for k in adapter}
     # every changed base tensor is saved; never-trained units (unchanged) are not
     assert changed <= keys
-    never = {n for unit in tuner._units for n in unit.param_names} - ever_trained
+    never = {n for unit in tuner._state.units for n in unit.param_names} - ever_trained
     assert never and not (never & keys)
     assert {k for k in keys if k.startswith("classifier")} == {"classifier.weight", "classifier.bias"}
     # a fresh process loads it (through PEFT's registry) to the same outputs

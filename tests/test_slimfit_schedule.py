@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from slimfit_cases import loss_of, slimfit_model, train
 from tiny_models import make_batch
 
-from peft_slim.slimfit.scheduler import FreezeScheduler, unit_score
+from peft_slim.slimfit.scheduler import FreezeScheduler, finish_score, score_parts
 
 
 @settings(max_examples=40, deadline=None)
@@ -92,6 +92,11 @@ def test_lowest_scores_freeze_after_the_sweep():
     assert [u for u, t in enumerate(scheduler.trained) if t] == [1, 2, 4]  # the three highest
 
 
+def unit_score(metric: str, before: list[torch.Tensor], after: list[torch.Tensor], epsilon: float) -> float:
+    """How much a unit changed in one step, from its tensors before and after (consumes ``before``)."""
+    return finish_score(metric, score_parts(metric, before, after, epsilon), epsilon)
+
+
 def test_unit_score_definitions():
     before = [torch.tensor([1.0, -2.0, 0.0]), torch.tensor([[4.0]])]
     after = [torch.tensor([1.5, -2.0, 0.001]), torch.tensor([[3.0]])]
@@ -108,7 +113,7 @@ def test_units_trained_per_step_and_frozen_units_bit_identical(arch):
     """Under AdamW with weight decay, a frozen unit does not move at all; a trained one does."""
     model = slimfit_model(arch, freeze_ratio=0.8)
     tuner = model.base_model
-    units = tuner._units
+    units = tuner._state.units
     assert all(p.requires_grad for unit in units for p in unit.params)  # until training starts
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
     model.train()
@@ -136,20 +141,21 @@ def test_no_task_type_path_freezes_too():
     model = slimfit_model("llama", freeze_ratio=0.9, task_type=None)
     model.train()
     loss_of(model, {k: v for k, v in make_batch("llama").items() if k != "labels"}).backward()
-    for unit, t in zip(model.base_model._units, model.base_model.scheduler.trained):
+    for unit, t in zip(model.base_model._state.units, model.base_model.scheduler.trained):
         assert all((p.grad is not None) == t for p in unit.params)
 
 
 def test_lora_units_are_adapter_pairs_and_b_zero_start_scores():
     model = slimfit_model("llama", lora=True, freeze_ratio=0.5)
     tuner = model.base_model
-    assert all(len(unit.params) == 2 for unit in tuner._units)
-    assert all({n.split(".lora_")[1].split(".")[0] for n in unit.param_names} == {"A", "B"} for unit in tuner._units)
+    assert all(len(unit.params) == 2 for unit in tuner._state.units)
+    units = tuner._state.units
+    assert all({n.split(".lora_")[1].split(".")[0] for n in unit.param_names} == {"A", "B"} for unit in units)
     train(model, "llama", steps=1)
     scored = [s for s in tuner.scheduler.scores if not math.isinf(s)]
     assert scored and all(s > 0 for s in scored), "a pair whose B started at zero must still score its first step"
     matrices = slimfit_model("llama", lora=True, lora_units="matrix")
-    assert len(matrices.base_model._units) == 2 * len(tuner._units)
+    assert len(matrices.base_model._state.units) == 2 * len(tuner._state.units)
 
 
 def test_unit_regex_groups_and_always_trainable():
@@ -225,7 +231,7 @@ def test_frozen_units_hold_no_optimizer_state_by_default(explicit_optimizer):
         optimizer.step()
         optimizer.zero_grad()
         model.slimfit_step(optimizer) if explicit_optimizer else model.slimfit_step()
-        for index, unit in enumerate(tuner._units):
+        for index, unit in enumerate(tuner._state.units):
             if tuner.scheduler.frozen_for[index] >= 1:
                 assert not any(p in optimizer.state for p in unit.params), unit.name
             elif tuner.scheduler.history[-1][index]:
@@ -242,7 +248,7 @@ def test_optimizer_state_kept_when_release_is_off():
         optimizer.step()
         optimizer.zero_grad()
         model.slimfit_step()
-    for index, unit in enumerate(tuner._units):
+    for index, unit in enumerate(tuner._state.units):
         if any(row[index] for row in tuner.scheduler.history):
             assert all(p in optimizer.state for p in unit.params), unit.name
     assert any(frozen >= 1 for frozen in tuner.scheduler.frozen_for)

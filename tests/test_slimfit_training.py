@@ -50,8 +50,8 @@ def test_trained_units_get_the_ordinary_gradient_and_frozen_units_none(arch, lor
     loss_of(model, make_batch(arch)).backward()
     actual = {_plain_name(n): p.grad for n, p in model.named_parameters() if p.grad is not None}
     expected = _ordinary_grads(arch, lora, model)
-    trained = [unit for unit, t in zip(tuner._units, tuner.scheduler.trained) if t]
-    frozen = [unit for unit, t in zip(tuner._units, tuner.scheduler.trained) if not t]
+    trained = [unit for unit, t in zip(tuner._state.units, tuner.scheduler.trained) if t]
+    frozen = [unit for unit, t in zip(tuner._state.units, tuner.scheduler.trained) if not t]
     assert trained and frozen
     assert all(p.grad is None for unit in frozen for p in unit.params)
     assert all(p.grad is not None for unit in trained for p in unit.params)
@@ -87,7 +87,7 @@ def test_composition_with_tokentune_matches_the_tokentune_definition(lora):
     mask = tuner.last_token_mask
     assert mask is not None and 0 < int(mask.sum()) < int(batch["attention_mask"].sum())
     actual = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    frozen = [unit for unit, t in zip(tuner._units, tuner.scheduler.trained) if not t]
+    frozen = [unit for unit, t in zip(tuner._state.units, tuner.scheduler.trained) if not t]
     assert frozen and all(p.grad is None for unit in frozen for p in unit.params)
     expected_loss, expected = reference_loss_and_grads(model, "llama", batch, mask)
     assert torch.allclose(loss.detach(), expected_loss, rtol=1e-5)
@@ -169,7 +169,7 @@ def test_trainer_callback_steps_and_resume_restores_the_schedule(tmp_path):
 
 def test_trainer_without_task_type_and_frozen_units_unchanged(tmp_path):
     model = slimfit_model("llama", freeze_ratio=0.9, task_type=None)
-    units = model.base_model._units
+    units = model.base_model._state.units
     snapshots = []
 
     class Watch(SlimFitCallback.__mro__[1]):  # a plain TrainerCallback

@@ -254,7 +254,7 @@ def test_standalone_unload_is_refused_it_cannot_give_the_base_model_back():
     trained = {name: p.detach().clone() for name, p in model.get_base_model().named_parameters()}
     with pytest.raises(ValueError, match=r"cannot return the base model.*merge_and_unload\(\).*lora=LoraConfig"):
         model.unload()
-    assert model.base_model._selector._handles  # still TokenTune: the refusal changed nothing
+    assert model.base_model.token_selector._handles  # still TokenTune: the refusal changed nothing
     merged = model.merge_and_unload()  # the tuned model, as documented
     assert all(torch.equal(p, trained[name]) for name, p in merged.named_parameters())
 

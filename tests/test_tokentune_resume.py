@@ -115,7 +115,7 @@ def test_callback_needs_token_selection(tmp_path):
 
 def test_callback_finds_slimfit_token_selection():
     model = slimfit_model("llama", freeze_ratio=0.5, tokentune=TokenSelectionConfig(token_ratio=0.5, seed=0))
-    assert find_token_selector(model) is model.base_model._selector is not None
+    assert find_token_selector(model) is model.base_model.token_selector is not None
 
 
 # ---------------------------------------------------------------------------------------------- the selector's state

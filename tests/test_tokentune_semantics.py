@@ -8,10 +8,19 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from peft import get_peft_model
 from tiny_models import CAUSAL_LM, build, make_batch
-from tokentune_cases import ARCHS, IMPLEMENTATIONS, TASK_TYPES, tokentune_model, vanilla_lora_model
+from tokentune_cases import (
+    ARCHS,
+    IMPLEMENTATIONS,
+    TASK_TYPES,
+    tokentune_config,
+    tokentune_model,
+    vanilla_lora_model,
+)
 
 from peft_slim import TokenTuneConfig
+from peft_slim.token_selection.attention import REGISTERED_NAMES
 from peft_slim.token_selection.blocks import find_blocks
 from peft_slim.token_selection.selection import TokenSelection, draw_selection, forced_positions
 
@@ -102,6 +111,46 @@ def test_attn_implementation_restored_after_forward_that_raises():
     vanilla = vanilla_lora_model("llama", "sdpa", model).eval()
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, vanilla(**batch).logits)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("second_training", [False, True], ids=["second in eval", "second training"])
+def test_a_model_sharing_the_config_is_unaffected(implementation, second_training):
+    """TokenTune routes attention through the model config's attention implementation, for the length of a training
+    forward. Another model holding the same config object (TRL's reference model can) computes what it computes
+    without TokenTune: before and after that forward, and also run in the middle of it (its attention calls carry no
+    TokenTune pass, so TokenTune's registered entry runs the original implementation)."""
+    base = build("llama", implementation)
+    second = type(base)(base.config)
+    second.load_state_dict(base.state_dict())
+    assert second.config is base.config
+    second.train(second_training)
+    batch = make_batch("llama")
+
+    def run_second():
+        torch.manual_seed(0)
+        with torch.no_grad():
+            return second(**batch).logits
+
+    expected = run_second()
+    model = get_peft_model(base, tokentune_config("llama"))
+    assert base.config._attn_implementation == implementation
+    during, names = [], []
+
+    def in_the_middle(*args):
+        if not during:
+            names.append(base.config._attn_implementation)
+            during.append(run_second())
+
+    _, blocks = find_blocks(model.get_base_model())
+    handle = blocks[0].register_forward_hook(in_the_middle)
+    model.train()
+    model(**batch).loss.backward()
+    handle.remove()
+    assert names == [REGISTERED_NAMES[implementation]]  # the shared config routes to TokenTune's entry meanwhile
+    assert torch.equal(during[0], expected)
+    assert base.config._attn_implementation == implementation
+    assert torch.equal(run_second(), expected)
 
 
 # ---------------------------------------------------------------------------------------------- generate

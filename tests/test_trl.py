@@ -385,7 +385,7 @@ def test_sft_with_token_selection_without_the_callback_is_refused_before_any_upd
     assert all(torch.equal(before[n], value) for n, value in trainable(model).items())
     with pytest.warns(UserWarning, match="selected labelled positions"):
         run_sft_step(tmp_path / "with", sft_dataset("completion", seed=19), model=model)
-    assert model.base_model._selector.trainer_args is None
+    assert model.base_model.token_selector.trainer_args is None
 
 
 def test_fused_head_outside_sft_trainer_is_refused():

@@ -5,9 +5,13 @@ known, though: global forward hooks keep a stack of the modules entered, and a s
 kind of the innermost one (see ``ActivationCompressionConfig.kinds``). Classifying by module works for
 any model built from ``nn.Module``s, including code that calls functional ops inside them.
 
-Global hooks run for every model in every thread, so each stack only follows the thread and the
-``contextvars`` context that started it: another thread's model (even one run in a copy of this context,
-as ``asyncio.to_thread`` does) or an asyncio task created outside never lands on it.
+The hooks are global (``register_module_forward_pre_hook``) and registered only while a context is active: a
+tuner's compression enters it for the length of its model's training forward only. They cannot be the model's
+own: a model runs modules that are not its submodules (transformers' kernelized functions, e.g. Llama's
+``apply_rotary_pos_emb``, are module-level ``nn.Module``s), and the tensors those save take their kind. Global hooks
+run for every model in every thread, so each stack only follows the thread and the ``contextvars`` context that
+started it: another thread's model (even one run in a copy of this context, as ``asyncio.to_thread`` does) or an
+asyncio task created outside never lands on it.
 """
 
 from __future__ import annotations
@@ -87,10 +91,6 @@ class ModuleStack:
     @property
     def innermost(self) -> nn.Module | None:
         return self.modules[-1] if self.modules else None
-
-    def kind(self) -> str:
-        module = self.innermost
-        return "other" if module is None else module_kind(type(module))
 
     def _enter(self, module: nn.Module, args) -> None:
         if self.here():

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-from torch import nn
 from transformers import TrainerCallback
 
 from ..compat import ExportableState
 from ..trainer_state import stored_callback_attribute
+from ..tuner import find_tuner
 from .model import SlimFitModel
 
 
-def find_slimfit(model: nn.Module):
-    """The SlimFit tuner inside ``model`` (a PeftModel, possibly wrapped by DDP/accelerate), or None."""
-    return next((module for module in model.modules() if isinstance(module, SlimFitModel)), None)
-
-
 class SlimFitCallback(TrainerCallback, ExportableState):
-    """Calls ``slimfit_step`` after every optimizer step, and saves the schedule with every checkpoint.
+    """Attaches the Trainer's optimizer (``slimfit_attach``), calls ``slimfit_step`` after every optimizer step,
+    and saves the schedule with every checkpoint.
 
     The scheduler state (scores, frozen ages, sweep order, history) is written into ``trainer_state.json``
     and restored when training resumes from a checkpoint, whether or not
@@ -32,12 +28,12 @@ class SlimFitCallback(TrainerCallback, ExportableState):
         self._tuner = None
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
-        tuner = find_slimfit(model) if model is not None else None
+        tuner = find_tuner(model, SlimFitModel) if model is not None else None
         if tuner is not None and not tuner.slimfit_paused:
             tuner._unfreeze()  # the Trainer builds its optimizer from what requires grad when train() starts
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self._tuner = find_slimfit(model) if model is not None else None
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._tuner = find_tuner(model, SlimFitModel) if model is not None else None
         if self._tuner is None:
             raise ValueError("SlimFitCallback: the Trainer's model has no SlimFit adapter.")
         if self._tuner.slimfit_paused:
@@ -51,13 +47,15 @@ class SlimFitCallback(TrainerCallback, ExportableState):
         if restored is not None:
             self._tuner.load_slimfit_state_dict(restored)
         self.scheduler_state = None
-        self._tuner._full_checkpoints = True
+        self._tuner.slimfit_full_checkpoints(True)
+        if optimizer is not None:
+            self._tuner.slimfit_attach(optimizer)
 
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
         self._tuner.slimfit_step(optimizer)  # used only with release_frozen_optimizer_state
 
     def on_train_end(self, args, state, control, **kwargs):
-        self._tuner._full_checkpoints = False
+        self._tuner.slimfit_full_checkpoints(False)
         self._tuner._unfreeze()
 
     def state(self) -> dict:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,13 +16,13 @@ from torch.nn.parallel import DistributedDataParallel
 from ..compat import active_ddp_module
 from ..token_selection import TokenSelectionConfig
 from ..tuner import MethodTuner
-from ..tuner.model import BaseWeightsSwitch
+from ..tuner.model import AdapterState, BaseWeightsSwitch
 from .base_weights import BaseWeights
 from .config import SlimFitConfig, rotation_steps
 from .observer import StepObserver
 from .optimizers import check_releasable
 from .scheduler import FreezeScheduler
-from .units import find_units, new_weights, saved_by_peft
+from .units import Unit, find_units, new_weights, saved_by_peft
 
 # Set to 1 to check, at every freeze decision, that all processes of a distributed run took the same one.
 CHECK_RANKS_ENV = "PEFT_SLIM_CHECK_RANKS"
@@ -30,6 +30,22 @@ BASE_WEIGHTS_FIX = (
     "Set SlimFitConfig(keep_base_weights=True) (a CPU copy of the original weights), or train a LoRA with SlimFit "
     "(SlimFitConfig(lora=LoraConfig(...)): the base weights then never change)."
 )
+
+
+@dataclass(eq=False)
+class SlimFitState(AdapterState):
+    """One SlimFit adapter's schedule and what runs it."""
+
+    units: list[Unit] = field(default_factory=list)
+    scheduler: FreezeScheduler | None = None
+    observer: StepObserver | None = None  # None when loaded for inference
+    handles: list = field(default_factory=list)  # the forward pre-hook that applies the schedule
+    base_weights: BaseWeights | None = None  # without LoRA: the base weights trained in place
+    applied: bool = False  # the schedule's requires_grad is set (since the last training forward)
+    paused: bool = False  # slimfit_pause()
+    swapped: dict[str, torch.Tensor] | None = None  # inside disable_adapter(): the tuned weights
+    swapped_requires_grad: dict[str, bool] = field(default_factory=dict)
+    full_checkpoints: bool = False  # slimfit_full_checkpoints()
 
 
 class SlimFitModel(MethodTuner):
@@ -46,19 +62,7 @@ class SlimFitModel(MethodTuner):
     # The schedule lives on this tuner and advances through slimfit_step(), which a bare model from
     # peft.inject_adapter_in_model could not reach: PEFT refuses direct injection of such tuners (use get_peft_model).
     uses_shared_state = True
-    _adapter_state = (
-        *MethodTuner._adapter_state,
-        "_handles",
-        "_observer",
-        "_base_weights",
-        "_applied",
-        "_paused",
-        "_swapped",
-        "_swapped_requires_grad",
-        "_full_checkpoints",
-        "_units",
-        "scheduler",
-    )
+    state_cls = SlimFitState
 
     def _token_selection(self, config: SlimFitConfig) -> TokenSelectionConfig | None:
         return config.tokentune
@@ -67,35 +71,28 @@ class SlimFitModel(MethodTuner):
         return [name for name, _ in model.named_parameters()]  # full fine-tuning; the schedule freezes units
 
     def _setup(self, model: nn.Module, config: SlimFitConfig) -> None:
-        self._handles: list = []
-        self._observer: StepObserver | None = None
-        self._base_weights: BaseWeights | None = None
-        self._applied = False
-        self._paused = False
-        self._swapped: dict[str, torch.Tensor] | None = None  # inside disable_adapter(): the tuned weights
-        self._swapped_requires_grad: dict[str, bool] = {}
-        self._full_checkpoints = False  # set by SlimFitCallback during trainer.train()
+        state = self._state
         new = new_weights(model, config)
-        self._units, always = find_units(model, config, new)
+        state.units, always = find_units(model, config, new)
         if new and not config.inference_mode:
             warn_new_weights(new, saved_by_peft(model, config))
         if config.lora is None:
-            tracked = {id(p) for unit in self._units for p in unit.params} | {id(p) for p in always}
+            tracked = {id(p) for unit in state.units for p in unit.params} | {id(p) for p in always}
             named = {name: p for name, p in model.named_parameters() if id(p) in tracked}
-            self._base_weights = BaseWeights(named, keep_copies=config.keep_base_weights)
+            state.base_weights = BaseWeights(named, keep_copies=config.keep_base_weights)
             self.slimfit_base_weights = BaseWeightsSwitch(self.active_adapters[0])
         sizes = None
         if config.freeze_by == "bytes":
-            sizes = [sum(p.numel() * p.element_size() for p in unit.params) for unit in self._units]
-        self.scheduler = FreezeScheduler(
-            len(self._units),
+            sizes = [sum(p.numel() * p.element_size() for p in unit.params) for unit in state.units]
+        state.scheduler = FreezeScheduler(
+            len(state.units),
             config.freeze_ratio,
             config.schedule_every,
             rotation_steps(config.freeze_ratio) if config.max_frozen_steps is None else config.max_frozen_steps,
             config.seed,
             sizes,
         )
-        too_large = [self._units[index].name for index in self.scheduler.too_large]
+        too_large = [state.units[index].name for index in state.scheduler.too_large]
         if too_large and not config.inference_mode:
             warnings.warn(
                 f"SlimFit: {len(too_large)} unit(s) are larger than the byte budget of freeze_ratio="
@@ -107,8 +104,8 @@ class SlimFitModel(MethodTuner):
             return
         # Every unit keeps requires_grad=True until the first training forward, so that an optimizer (or DDP)
         # built before it holds them all; freezing starts there.
-        self._observer = StepObserver(
-            self._units,
+        state.observer = StepObserver(
+            state.units,
             self._unit_trains,
             config.metric,
             config.epsilon,
@@ -116,41 +113,51 @@ class SlimFitModel(MethodTuner):
             guard=self._before_optimizer_step,
             catch_up=None if config.catch_up == "none" else self._catch_up_factor,
         )
-        self._handles.append(model.register_forward_pre_hook(self._before_forward))
+        state.handles.append(model.register_forward_pre_hook(self._before_forward))
 
     def _unit_trains(self, index: int) -> bool:
         return self.scheduler.trained[index]
 
     def _remove_method_hooks(self) -> None:
-        for handle in getattr(self, "_handles", []):  # none yet when an injection refused before `_setup`
+        state = self._active_state()
+        if state is None:
+            return
+        for handle in state.handles:  # none yet when an injection refused before `_setup`
             handle.remove()
-        self._handles = []
-        if getattr(self, "_observer", None) is not None:
-            self._observer.remove()
+        state.handles = []
+        if state.observer is not None:
+            state.observer.remove()
 
     def _restore_method_hooks(self) -> None:
-        if self._observer is not None:  # not loaded for inference
-            self._observer.watch()
-            if not self._handles:
-                self._handles.append(self.model.register_forward_pre_hook(self._before_forward))
+        state = self._state
+        if state.observer is not None:  # not loaded for inference
+            state.observer.watch()
+            if not state.handles:
+                state.handles.append(self.model.register_forward_pre_hook(self._before_forward))
 
     def _after_set_adapter(self) -> None:
+        state = self._state
         # PEFT just made every LoRA weight of the adapter trainable; where the schedule had frozen units, freeze them
         # again now, not at the next forward: TRL switches to its reference adapter and back between a training
         # forward and its backward, which (gradient checkpointing) recomputes the forward with the same flags.
-        if self._applied and not self._paused and self._swapped is None:
+        if state.applied and not state.paused and state.swapped is None:
             self._apply_schedule()
 
     # ------------------------------------------------------------------ the schedule
 
     @property
+    def scheduler(self) -> FreezeScheduler:
+        """The active adapter's schedule."""
+        return self._state.scheduler
+
+    @property
     def unit_names(self) -> list[str]:
-        return [unit.name for unit in self._units]
+        return [unit.name for unit in self._state.units]
 
     @property
     def trained_units(self) -> list[str]:
         """Units that train at the next step."""
-        return [unit.name for unit, trained in zip(self._units, self.scheduler.trained) if trained]
+        return [unit.name for unit, trained in zip(self._state.units, self.scheduler.trained) if trained]
 
     def train_largest_units(self) -> list[str]:
         """Make the next steps train the largest units the schedule could train at once: the step with the most
@@ -159,7 +166,7 @@ class SlimFitModel(MethodTuner):
         (``peft_slim.estimate_memory``) sizes that step; ``slimfit_step()`` goes back to the schedule. Returns the
         units' names."""
         scheduler = self.scheduler
-        sizes = [sum(p.numel() * p.element_size() for p in unit.params) for unit in self._units]
+        sizes = [sum(p.numel() * p.element_size() for p in unit.params) for unit in self._state.units]
         order = sorted(range(len(sizes)), key=lambda u: (-sizes[u], u))
         if scheduler.sizes is None:
             largest = set(order[: scheduler.num_trained])
@@ -188,27 +195,34 @@ class SlimFitModel(MethodTuner):
         ``release_frozen_optimizer_state``, the state of long-frozen units is freed from ``optimizer`` (one, or a
         list), by default the optimizers that last stepped over the units.
         """
-        if self._paused:
+        if self._state.paused:
             raise RuntimeError(
                 "SlimFit: slimfit_step() while the schedule is paused (slimfit_pause()): no unit was scheduled, so "
                 "there is no step to close. Call model.slimfit_resume() first."
             )
         self._refuse_while_disabled("slimfit_step()")
         config = self._config
-        scores = self._observer.take_scores(stacklevel=2) if self._observer is not None else {}
+        scores = self._state.observer.take_scores(stacklevel=2) if self._state.observer is not None else {}
         self.scheduler.advance(scores)
         self._apply_schedule()
         if optimizer is None:
-            optimizers = self._observer.optimizers() if self._observer is not None else []
+            optimizers = self._state.observer.optimizers() if self._state.observer is not None else []
         else:
             optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         if config.release_frozen_optimizer_state:
             for opt in optimizers:
                 self._release_optimizer_state(opt, config.release_after_steps)
 
+    def slimfit_attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Score the units over ``optimizer``'s steps, through that optimizer's own step hooks (``SlimFitCallback``
+        attaches the Trainer's). Optional: an optimizer that steps over the units unattached is attached at its first
+        step. Nothing to watch for an adapter loaded for inference."""
+        if self._state.observer is not None:
+            self._state.observer.attach(optimizer)
+
     @property
     def slimfit_paused(self) -> bool:
-        return self._paused
+        return self._state.paused
 
     def slimfit_pause(self) -> None:
         """Suspend the schedule: every scheduled unit requires grad again, as when the model was wrapped.
@@ -217,50 +231,53 @@ class SlimFitModel(MethodTuner):
         fine-tuning or LoRA), optimizer steps are not scored and ``slimfit_step()`` raises. The schedule's state
         (scores, frozen ages, history) is kept.
         """
+        state = self._state
         self._refuse_while_disabled("slimfit_pause()")
         self._unfreeze()
-        self._paused = True
-        if self._observer is not None:
-            self._observer.active = False
+        state.paused = True
+        if state.observer is not None:
+            state.observer.active = False
 
     def slimfit_resume(self) -> None:
         """End a pause: the schedule freezes again from the next training forward, where it stopped."""
+        state = self._state
         self._refuse_while_disabled("slimfit_resume()")
-        self._paused = False
-        if self._observer is not None:
-            self._observer.active = True
+        state.paused = False
+        if state.observer is not None:
+            state.observer.active = True
 
     def _unfreeze(self) -> None:
         """Every scheduled unit requires grad until the next training forward re-applies the schedule."""
         if self._config.inference_mode:
             return  # loaded for inference: nothing trains
         self._resolve_params()
-        for unit in self._units:
+        for unit in self._state.units:
             for param in unit.params:
                 param.requires_grad_(True)
-        self._applied = False
+        self._state.applied = False
 
     def _resolve_params(self) -> None:
         """Point every unit at the parameters the model holds now, found by name: FSDP2's ``fully_shard`` replaces
         them with sharded ones after SlimFit found them (and stale references would keep the full tensors alive)."""
-        for unit in self._units:
+        for unit in self._state.units:
             unit.params[:] = [self.model.get_parameter(name) for name in unit.param_names]
 
     def _apply_schedule(self) -> None:
         """Set requires_grad of every unit from the scheduler's decision; frozen units lose any stale gradient."""
+        state = self._state
         self._resolve_params()
         if os.environ.get(CHECK_RANKS_ENV) == "1":
-            check_same_on_all_ranks(self.scheduler.trained, self.scheduler.step)
-        for unit, trained in zip(self._units, self.scheduler.trained):
+            check_same_on_all_ranks(state.scheduler.trained, state.scheduler.step)
+        for unit, trained in zip(state.units, state.scheduler.trained):
             for param in unit.params:
                 param.requires_grad_(trained)
                 if not trained:
                     param.grad = None
-        self._applied = True
+        state.applied = True
 
     def _release_optimizer_state(self, optimizer: torch.optim.Optimizer, after: int) -> None:
         state = optimizer.state
-        for index, unit in enumerate(self._units):
+        for index, unit in enumerate(self._state.units):
             if self.scheduler.frozen_for[index] >= after:
                 for param in unit.params:
                     state.pop(param, None)
@@ -268,13 +285,6 @@ class SlimFitModel(MethodTuner):
     def slimfit_history(self) -> dict[str, Any]:
         """The freeze pattern so far: unit names, and per completed step which units trained."""
         return {"units": self.unit_names, "trained": [list(row) for row in self.scheduler.history]}
-
-    def export_freeze_pattern(self, path: str) -> str:
-        """Write ``slimfit_history()`` as JSON (for plotting); returns ``path``."""
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as handle:
-            json.dump(self.slimfit_history(), handle)
-        return path
 
     def slimfit_state_dict(self) -> dict[str, Any]:
         """The scheduler's state (JSON-ready), to resume the same schedule."""
@@ -294,55 +304,58 @@ class SlimFitModel(MethodTuner):
                 "weights the checkpoint lacked, so resume it with train_new_weights=False)."
             )
         self.scheduler.load_state_dict(state)
-        if self._applied:
+        if self._state.applied:
             self._apply_schedule()
 
     # ------------------------------------------------------------------ forward path
 
     def _before_forward(self, model: nn.Module, args: tuple) -> None:
-        if not torch.is_grad_enabled() or self._paused or self._swapped is not None:
+        state = self._state
+        if not torch.is_grad_enabled() or state.paused or state.swapped is not None:
             return
         if model.training:
-            check_ddp(active_ddp_module(), self.scheduler)
-            if not self._applied:
+            check_ddp(active_ddp_module(), state.scheduler)
+            if not state.applied:
                 self._apply_schedule()
-        self._observer.note_forward()  # any forward that can produce gradients opens a training step
+        state.observer.note_forward()  # any forward that can produce gradients opens a training step
 
     # ------------------------------------------------------------------ disable_adapter()
 
     def disable_adapter_layers(self) -> None:
         """What PEFT's ``disable_adapter()`` calls. Without LoRA the adapter is the base weights trained in place:
         swap the kept originals in (exactly, by copy) and freeze them. With LoRA, PEFT's own switch."""
-        if self._config.lora is None and self._swapped is None:
+        if self._config.lora is None and self._state.swapped is None:
             self._swap_base_weights_in()
             self.slimfit_base_weights.enable_adapters(False)
         super().disable_adapter_layers()
 
     def enable_adapter_layers(self) -> None:
         """Undo ``disable_adapter_layers``: the tuned weights back, exactly."""
-        if self._config.lora is None and self._swapped is not None:
+        if self._config.lora is None and self._state.swapped is not None:
             self._swap_base_weights_out()
             self.slimfit_base_weights.enable_adapters(True)
         super().enable_adapter_layers()
 
     def _swap_base_weights_in(self) -> None:
-        if not self._base_weights.kept:
+        state = self._state
+        if not state.base_weights.kept:
             raise ValueError(
                 "SlimFit: disable_adapter() cannot give the base model's outputs: without `lora` SlimFit trains the "
                 f"base weights in place and did not keep the originals (keep_base_weights=False). {BASE_WEIGHTS_FIX}"
             )
-        params = {name: self.model.get_parameter(name) for name in self._base_weights.names}
-        self._swapped_requires_grad = {name: p.requires_grad for name, p in params.items()}
+        params = {name: self.model.get_parameter(name) for name in state.base_weights.names}
+        state.swapped_requires_grad = {name: p.requires_grad for name, p in params.items()}
         for param in params.values():
             param.requires_grad_(False)  # the base model is frozen while disabled, as LoRA's is
-        self._swapped = self._base_weights.swap_in(self.model)
+        state.swapped = state.base_weights.swap_in(self.model)
 
     def _swap_base_weights_out(self) -> None:
-        swapped, self._swapped = self._swapped, None
-        self._base_weights.put_back(self.model, swapped)
-        for name, requires_grad in self._swapped_requires_grad.items():
+        state = self._state
+        swapped, state.swapped = state.swapped, None
+        state.base_weights.put_back(self.model, swapped)
+        for name, requires_grad in state.swapped_requires_grad.items():
             self.model.get_parameter(name).requires_grad_(requires_grad)
-        self._swapped_requires_grad = {}
+        state.swapped_requires_grad = {}
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._refuse_while_disabled("optimizer.step()")
@@ -350,7 +363,7 @@ class SlimFitModel(MethodTuner):
             check_releasable(optimizer)
 
     def _refuse_while_disabled(self, what: str) -> None:
-        if self._swapped is not None:
+        if self._state.swapped is not None:
             raise RuntimeError(
                 f"SlimFit: {what} inside disable_adapter(): the model holds the original base weights there, not "
                 "the tuned ones. Leave the disable_adapter() context first."
@@ -361,29 +374,37 @@ class SlimFitModel(MethodTuner):
     def _unload_and_optionally_merge(self, merge: bool = True, **kwargs):
         self._refuse_while_disabled("unload() / merge_and_unload()")
         config = self._config
-        if config.lora is None and not merge and self._base_weights.any_changed(self.model):
-            if not self._base_weights.kept:
+        if config.lora is None and not merge and self._state.base_weights.any_changed(self.model):
+            if not self._state.base_weights.kept:
                 raise ValueError(
                     "SlimFit trained the base weights in place and did not keep the originals, so unload() cannot "
                     "return the base model. Use merge_and_unload() for the tuned model, reload the base model, or "
                     "set SlimFitConfig(keep_base_weights=True)."
                 )
-            self._base_weights.restore(self.model)
+            self._state.base_weights.restore(self.model)
         if config.lora is None:
             self.model.requires_grad_(True)  # a plain model again
         return super()._unload_and_optionally_merge(merge=merge, **kwargs)
 
+    def slimfit_full_checkpoints(self, enabled: bool) -> None:
+        """Without LoRA: whether a save holds every base tensor SlimFit trains (``enabled``) or only those that
+        changed since the model was wrapped (the default). ``SlimFitCallback`` enables it for the length of
+        ``trainer.train()``, so that ``load_best_model_at_end`` loads a checkpoint into the trained model exactly."""
+        self._state.full_checkpoints = enabled
+
     def _kept_base_entry(self, name: str) -> tuple[str, tuple, bytes] | None:
-        kept = getattr(self, "_base_weights", None)  # before _setup (a loaded adapter's base check): none yet
+        state = self._active_state()
+        kept = None if state is None else state.base_weights  # before _setup (a loaded adapter's base check): none
         return None if kept is None else kept.entry(name)
 
     def _saves_base_tensor(self, name: str, tensor: torch.Tensor) -> bool:
+        state = self._state
         # Standalone SlimFit trains base tensors in place: save those that changed (modules_to_save are PEFT's);
         # in Trainer checkpoints all it trains, so that loading one into the trained model is exact.
         self._refuse_while_disabled("save_pretrained()")
-        if self._full_checkpoints:
-            return self._base_weights.tracks(name)
-        return self._base_weights.changed(name, tensor)
+        if state.full_checkpoints:
+            return state.base_weights.tracks(name)
+        return state.base_weights.changed(name, tensor)
 
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
@@ -399,12 +420,13 @@ class SlimFitModel(MethodTuner):
     def _before_loading(self, names: set[str]) -> None:
         """A standalone adapter file holds only the tensors its training changed: the others must hold the base
         model's values for the load to be exact. Restore them (kept originals) or refuse."""
+        state = self._state
         self._refuse_while_disabled("loading an adapter")
-        stale = self._base_weights.changed_except(self.model, names)
+        stale = state.base_weights.changed_except(self.model, names)
         if not stale:
             return
-        if self._base_weights.kept:
-            self._base_weights.restore(self.model)  # every tracked tensor; the file's then overwrite theirs
+        if state.base_weights.kept:
+            state.base_weights.restore(self.model)  # every tracked tensor; the file's then overwrite theirs
             return
         raise ValueError(
             f"SlimFit: loading a standalone SlimFit adapter into this model would mix two sets of weights: the file "

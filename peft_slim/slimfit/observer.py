@@ -1,14 +1,18 @@
 """Watch optimizer steps: snapshot the training units right before a step, score their change right after.
 
-Global optimizer step hooks (``torch.optim.optimizer.register_optimizer_step_*_hook``) fire for every
-optimizer, including ones built by Trainer or accelerate, so the user's loop needs no extra call
-for scoring. The snapshot is taken after backward, when activations are freed, so it never adds to the
-activation peak.
+The observer watches an optimizer through that optimizer's own step hooks (``Optimizer.register_step_pre_hook`` /
+``register_step_post_hook``), registered by ``attach(optimizer)``: ``model.slimfit_attach(optimizer)``, which
+``SlimFitCallback`` calls with the Trainer's optimizer. An optimizer that steps over the units without being
+attached (a plain training loop) is attached at its first step, before that step runs: one process-wide pre-hook
+(``register_optimizer_step_pre_hook``) finds it by its parameters and changes nothing itself. The snapshot is
+taken after backward, when activations are freed, so it never adds to the activation peak; the catch-up
+(``SlimFitConfig.catch_up``) scales the update in the attached optimizer's post-hook.
 
 A model's parameters may be split over several optimizers (one for the head, one for the body): each step
 scores the tensors that optimizer holds, and a unit's score sums over every optimizer step between two
 training forwards, so it is the same as if one optimizer had stepped the whole unit. The hooks go when the
-observer does: on unload, or when the model is garbage-collected. A copy of the model (deepcopy, pickle) gets its own.
+observer does: on unload, or when the model is garbage-collected. A copy of the model (deepcopy, pickle) gets its
+own, and attaches the optimizers that step over its own parameters.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..compat import optimizer_running_step_hooks
 from .scheduler import DTensor, _item, finish_score, score_parts
 from .units import Unit
 
@@ -154,26 +159,54 @@ class StepObserver:
         self._register()
 
     def _register(self) -> None:
-        ref = weakref.ref(self)  # the global hooks must not keep a discarded tuner alive...
-        handles = [
-            register_optimizer_step_pre_hook(partial(_call, ref, "_before_step")),
-            register_optimizer_step_post_hook(partial(_call, ref, "_after_step")),
-        ]
-        # ...and must not outlive it: removed when the observer is collected, or by remove().
-        self._finalizer = weakref.finalize(self, _remove_handles, handles)
+        self._attached: weakref.WeakSet = weakref.WeakSet()  # optimizers whose own step hooks call this observer
+        # The hooks hold the observer weakly (they must not keep a discarded tuner alive) and must not outlive it:
+        # removed when the observer is collected, or by remove(); attach() adds an optimizer's to the same list.
+        self._hook_handles = [register_optimizer_step_pre_hook(partial(_call, weakref.ref(self), "_find_optimizer"))]
+        self._finalizer = weakref.finalize(self, _remove_handles, self._hook_handles)
 
     def remove(self) -> None:
+        """Stop watching: the process-wide pre-hook and every attached optimizer's hooks go."""
         self._finalizer()
+        self._attached = weakref.WeakSet()
 
     def watch(self) -> None:
         """Watch optimizer steps again after ``remove()`` (the adapter is active again on a model with several)."""
         if not self._finalizer.alive:
             self._register()
 
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Watch ``optimizer``'s steps through its own step hooks; again for an attached one does nothing. A wrapper
+        whose ``step`` calls no step hooks of its own (accelerate's ``AcceleratedOptimizer``) is attached through the
+        optimizer it wraps (``.optimizer``), whose steps are the ones that run the hooks."""
+        if not self._finalizer.alive:
+            return  # not watching (the adapter is parked): attached at its first step once it watches again
+        optimizer = optimizer_running_step_hooks(optimizer)
+        if optimizer in self._attached:
+            return
+        ref = weakref.ref(self)
+        self._hook_handles += [
+            optimizer.register_step_pre_hook(partial(_call, ref, "_before_step")),
+            optimizer.register_step_post_hook(partial(_call, ref, "_after_step")),
+        ]
+        self._attached.add(optimizer)
+
+    def _find_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The process-wide pre-hook: attach an optimizer that is about to step over the units unattached (a plain
+        loop). torch calls an optimizer's own pre-hooks after the process-wide ones, so they watch this step too."""
+        if not self.active or optimizer in self._attached:
+            return
+        if not self._depth and self.resolve is not None:  # as _before_step: the parameters the model holds now
+            self.resolve()
+            self._unit_of = {id(p): index for index, unit in enumerate(self.units) for p in unit.params}
+        if any(id(p) in self._unit_of for group in optimizer.param_groups for p in group["params"]):
+            self.attach(optimizer)
+
     def __getstate__(self) -> dict:
         """A copy (deepcopy, pickle) watches the copy's parameters with hooks of its own; the optimizers seen are the
         original's, not the copy's; parameter ids become (unit, position) pairs."""
-        state = {key: value for key, value in self.__dict__.items() if key != "_finalizer"}
+        private = {"_finalizer", "_hook_handles", "_attached"}
+        state = {key: value for key, value in self.__dict__.items() if key not in private}
         state["_optimizers"], state["_last_optimizers"] = [], []
         positions = {id(p): (i, j) for i, unit in enumerate(self.units) for j, p in enumerate(unit.params)}
         state["_stepped"] = sorted(positions[key] for key in self._stepped if key in positions)
@@ -189,7 +222,8 @@ class StepObserver:
         if watching:
             self._register()
         else:
-            self._finalizer = weakref.finalize(self, _remove_handles, [])
+            self._attached, self._hook_handles = weakref.WeakSet(), []
+            self._finalizer = weakref.finalize(self, _remove_handles, self._hook_handles)
             self._finalizer()
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -246,9 +280,11 @@ class StepObserver:
         return {index: finish_score(self.metric, parts, self.epsilon) for index, parts in totals.items()}
 
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """An attached optimizer's step pre-hook: snapshot the training units it holds (the 'gradient' metric reads
+        their gradients now)."""
         if not self.active:
             return
-        if self._depth:  # a wrapper's step (accelerate) around the inner optimizer's: one snapshot
+        if self._depth:  # a wrapper optimizer's step around its wrapped one's, both attached: one snapshot
             self._depth += 1
             return
         if self.resolve is not None:  # the optimizer holds the parameters the model holds between steps
@@ -299,6 +335,9 @@ class StepObserver:
         self._snapshot = (indices, params, before, gradients)
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """An attached optimizer's step post-hook: score its update of the units, and apply the catch-up
+        (``SlimFitConfig.catch_up``: a unit that trains after frozen steps moves its factor times the update). One
+        pass over the tensors does both (``step_parts``; ``scale_updates`` for the 'gradient' metric)."""
         if not self._depth:
             return
         self._depth -= 1

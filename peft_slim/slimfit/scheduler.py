@@ -118,11 +118,6 @@ class FreezeScheduler:
         self.history = [[c == "1" for c in row] for row in state["history"]]
 
 
-def unit_score(metric: str, before: list[torch.Tensor], after: list[torch.Tensor], epsilon: float) -> float:
-    """How much a unit changed in one step; consumes ``before`` (a snapshot it may overwrite)."""
-    return finish_score(metric, score_parts(metric, before, after, epsilon), epsilon)
-
-
 def score_parts(metric: str, before: list[torch.Tensor], after: list[torch.Tensor], epsilon: float) -> list[float]:
     """The two sums a unit's score is made of, over some of its tensors; consumes ``before``.
 

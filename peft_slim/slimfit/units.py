@@ -9,15 +9,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..compat import (
-    auxiliary_training_wrapper_cls,
-    loading_marks_differ_across_processes,
-    newly_initialized_parameters,
-)
-from ..trainable import trainable_parameter_names
+from ..compat import loading_marks_differ_across_processes, newly_initialized_parameters
+from ..trainable import is_under, peft_wrapped_names, trainable_parameter_names
 from .config import SlimFitConfig
 
-AuxiliaryTrainingWrapper = auxiliary_training_wrapper_cls()
 LORA_MARK = ".lora_"  # lora_A, lora_B, lora_embedding_A/B, lora_magnitude_vector (DoRA)
 
 
@@ -33,16 +28,7 @@ class Unit:
 def saved_by_peft(model: nn.Module, config: SlimFitConfig) -> list[str]:
     """The modules PEFT trains and saves itself: `modules_to_save` (with a task type, also "classifier"/"score"),
     which PEFT wraps after the tuner is built, and any wrapper already there."""
-    to_save = config.modules_to_save or []
-    return [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, AuxiliaryTrainingWrapper) or any(name == t or name.endswith("." + t) for t in to_save)
-    ]
-
-
-def _under(name: str, modules: list[str]) -> bool:
-    return any(name == module or name.startswith(module + ".") for module in modules)
+    return peft_wrapped_names(model, config.modules_to_save)
 
 
 def new_weights(model: nn.Module, config: SlimFitConfig) -> list[str]:
@@ -51,7 +37,7 @@ def new_weights(model: nn.Module, config: SlimFitConfig) -> list[str]:
     if not config.train_new_weights or config.lora is not None:
         return []
     wrapped = saved_by_peft(model, config)
-    new = [name for name in newly_initialized_parameters(model) or [] if not _under(name, wrapped)]
+    new = [name for name in newly_initialized_parameters(model) or [] if not is_under(name, wrapped)]
     if new and loading_marks_differ_across_processes():
         warnings.warn(
             f"SlimFit: under FSDP with CPU-RAM-efficient loading, transformers marks every weight as loaded on the "
@@ -89,7 +75,7 @@ def find_units(
         }
     candidates, always = [], []
     for name, param in model.named_parameters():
-        if _under(name, wrapped):
+        if is_under(name, wrapped):
             continue  # PEFT trains and saves modules_to_save itself
         if config.lora is not None:
             if LORA_MARK not in name or not param.requires_grad:

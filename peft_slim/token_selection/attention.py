@@ -9,7 +9,11 @@ when gradient checkpointing replays the layer), so no global state is needed:
 * selected pass (grad, selected queries only): put the selected keys/values into the recorded
   ones, whose other positions stay constants, and attend over all positions.
 
-With no ``BlockPass`` in the arguments the original implementation runs unchanged.
+With no ``BlockPass`` in the arguments the original implementation runs unchanged. transformers picks the
+attention function by the config's name only (no per-call choice), so the switch is on the config object itself,
+for the length of the training forward; another model holding the same config (TRL's reference model can) that runs
+meanwhile reaches these functions without a ``BlockPass`` and computes exactly what it computes without TokenTune
+(tests/test_tokentune_semantics.py: ``test_a_model_sharing_the_config_is_unaffected``).
 """
 
 from __future__ import annotations

@@ -82,9 +82,7 @@ class TokenSelector:
         self._decoder = is_decoder(model)
         self._warned_cache = False
         self._warned_fused = False
-        # The TrainingArguments of the Trainer training the model, from TokenTuneCallback.on_train_begin (None
-        # outside one): TRL's fused-head call is exact for SFTTrainer only, and only the trainer's arguments say which.
-        self.trainer_args: Any = None
+        self._trainer_args: Any = None  # set_trainer_args
         self._state: _TrainingForward | None = None
         # Computed once: inspecting the signature on every forward cost ~19% of a tiny model's generate().
         self._forward_signature = inspect.signature(model.forward)
@@ -110,6 +108,17 @@ class TokenSelector:
             head = model.get_output_embeddings()
             self._handles.append(head.register_forward_pre_hook(self._before_head))
             self._handles.append(head.register_forward_hook(self._after_head))
+
+    @property
+    def trainer_args(self) -> Any:
+        """The training arguments of the Trainer training the model now (``set_trainer_args``), or None."""
+        return self._trainer_args
+
+    def set_trainer_args(self, args: Any) -> None:
+        """Tell the selector which Trainer trains the model (its ``TrainingArguments``; None once training ends):
+        TRL's fused-LM-head call is exact under SFTTrainer only, and only the trainer's arguments say which.
+        ``TokenTuneCallback`` calls it when training begins and ends."""
+        self._trainer_args = args
 
     @classmethod
     def attach(cls, model: nn.Module, config: TokenSelectionConfig) -> TokenSelector:
@@ -179,7 +188,7 @@ class TokenSelector:
         # selected positions, and the end of the forward answers in the fused head's format (fused_head.py).
         fused = bool(kwargs.pop(TRL_FUSED_HEAD_ARGUMENT, False))
         if fused:
-            check_fused_call(self._head.kind, kwargs, self.trainer_args)
+            check_fused_call(self._head.kind, kwargs, self._trainer_args)
             if not self._warned_fused:
                 self._warned_fused = True
                 warnings.warn(FUSED_METRICS_NOTE, UserWarning, stacklevel=2)

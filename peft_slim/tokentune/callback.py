@@ -14,15 +14,13 @@ from ..compat import ExportableState
 from ..process_rank import rank
 from ..token_selection import TokenSelector
 from ..trainer_state import stored_callback_attribute
-from ..tuner import MethodTuner
+from ..tuner import find_tuner
 
 
 def find_token_selector(model: nn.Module) -> TokenSelector | None:
     """The token selector of the peft_slim tuner in ``model`` (TokenTune, or SlimFit with ``tokentune``), or None."""
-    for module in model.modules():
-        if isinstance(module, MethodTuner) and getattr(module, "_selector", None) is not None:
-            return module._selector
-    return None
+    tuner = find_tuner(model)
+    return None if tuner is None else tuner.token_selector
 
 
 def _world_size() -> int:
@@ -63,7 +61,7 @@ class TokenTuneCallback(TrainerCallback, ExportableState):
                 "TokenTuneCallback: the Trainer's model has no token selection (a TokenTune adapter, or SlimFit with "
                 "`tokentune`); remove the callback or wrap the model with get_peft_model first."
             )
-        self._selector.trainer_args = args  # which trainer: TRL's fused-head call is exact under SFTTrainer only
+        self._selector.set_trainer_args(args)  # which trainer: TRL's fused-head call is exact under SFTTrainer only
         stored = self.generator_states
         if stored is None and state.global_step > 0:  # resuming: the checkpoint's trainer_state.json has it
             stored = stored_callback_attribute(state, self, "generator_states")
@@ -101,7 +99,7 @@ class TokenTuneCallback(TrainerCallback, ExportableState):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._selector is not None:
-            self._selector.trainer_args = None
+            self._selector.set_trainer_args(None)
 
     def on_step_end(self, args, state, control, **kwargs):
         # Only the main process writes trainer_state.json: it needs every rank's state, gathered here on all ranks

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
 from ..token_selection import TokenSelectionConfig
 from ..trainable import trainable_parameter_names
 from ..tuner import MethodTuner
-from ..tuner.model import BaseWeightsSwitch
+from ..tuner.model import AdapterState, BaseWeightsSwitch
 from .config import TokenTuneConfig
 
 STANDALONE_FIX = (
     "To compare with or return to the base model, train a LoRA with TokenTune (TokenTuneConfig(lora=LoraConfig(...)): "
     "the base weights then never change), or load the base model again."
 )
+
+
+@dataclass(eq=False)
+class TokenTuneState(AdapterState):
+    """One TokenTune adapter's state: without LoRA, the base parameters it trains in place (and saves)."""
+
+    saved_names: set[str] = field(default_factory=set)
 
 
 class TokenTuneModel(MethodTuner):
@@ -28,7 +37,7 @@ class TokenTuneModel(MethodTuner):
     """
 
     prefix: str = "tokentune_"
-    _adapter_state = (*MethodTuner._adapter_state, "_saved_names")
+    state_cls = TokenTuneState
 
     def _token_selection(self, config: TokenTuneConfig) -> TokenSelectionConfig:
         return config.selection_config()
@@ -37,7 +46,7 @@ class TokenTuneModel(MethodTuner):
         return trainable_parameter_names(model, config.trainable_modules, "TokenTuneConfig.trainable_modules")
 
     def _setup(self, model: nn.Module, config: TokenTuneConfig) -> None:
-        self._saved_names = set(self._trainable_base_parameters(model, config)) if config.lora is None else set()
+        self._state.saved_names = set(self._trainable_base_parameters(model, config)) if config.lora is None else set()
         if config.lora is None:  # so that disable_adapter() reaches disable_adapter_layers (and its clear refusal)
             self.tokentune_base_weights = BaseWeightsSwitch(self.active_adapters[0])
 
@@ -46,7 +55,7 @@ class TokenTuneModel(MethodTuner):
         if self._config.lora is None:
             raise ValueError(
                 "TokenTune: disable_adapter() cannot give the base model's outputs: without `lora` TokenTune trains "
-                f"{len(self._saved_names)} base tensors in place (trainable_modules) and keeps no originals, so "
+                f"{len(self._state.saved_names)} base tensors in place (trainable_modules) and keeps no originals, so "
                 f"there is no adapter to disable. {STANDALONE_FIX}"
             )
         super().disable_adapter_layers()
@@ -60,4 +69,4 @@ class TokenTuneModel(MethodTuner):
         return super()._unload_and_optionally_merge(merge=merge, **kwargs)
 
     def _saves_base_tensor(self, name: str, tensor: torch.Tensor) -> bool:
-        return name in self._saved_names  # standalone TokenTune trains these base tensors in place
+        return name in self._state.saved_names  # standalone TokenTune trains these base tensors in place

@@ -5,6 +5,8 @@ A method subclasses :class:`MethodTuner` and fills in the hooks it needs:
 
 * ``_check_model(model, config)``: refuse a model before anything changes;
 * ``_trainable_base_parameters(model, config)``: which base parameters train (and save) without LoRA;
+* ``state_cls``: its ``AdapterState`` subclass, the per-adapter state ``_setup`` fills in (``self._state``, the
+  active adapter's);
 * ``_setup(model, config)``: the method's own state and hooks, after LoRA injection;
 * ``_remove_method_hooks()``: undo ``_setup``'s hooks;
 * ``_token_selection(config)``: the token selection its config asks for, if any;
@@ -18,6 +20,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,17 +34,16 @@ from ..lora_inputs import keep_lora_inputs_narrow
 from ..memory import SavedActivationBytes
 from ..nested_lora import inject_lora
 from ..token_selection import TokenSelectionConfig, TokenSelector
+from ..trainable import is_under, peft_wrapped_names
 from .config import MISMATCH_FLAG, MethodConfig
 from .model_kinds import check_model_kind
 from .record import (
     RECORD_KEY,
-    _under,
     base_parameter_names,
     identity,
     record_from_tensor,
     record_tensor,
     tensor_digest,
-    wrapper_module_names,
 )
 
 
@@ -169,6 +171,35 @@ def refuse_outer_saved_tensor_hooks() -> None:
     )
 
 
+@dataclass(eq=False)
+class AdapterState:
+    """One adapter's method state, kept by adapter name (``MethodTuner._states``) as PEFT keys an adapter's weights;
+    only the active adapter's hooks are on the model. A method subclasses it with what its ``_setup`` fills in and
+    names the subclass in ``MethodTuner.state_cls``."""
+
+    selector: TokenSelector | None = None
+    compression: TrainingCompression | None = None
+    inference_only: InferenceOnly | None = None
+
+    def detach(self) -> None:
+        """Take this state's shared hooks (token selection, compression, the inference-only guard) off the model."""
+        if self.selector is not None:
+            self.selector.detach()
+        if self.compression is not None:
+            self.compression.remove()
+        if self.inference_only is not None:
+            self.inference_only.remove()
+
+    def reattach(self) -> None:
+        """Put them back, in the order ``MethodTuner._inject`` installs them."""
+        if self.selector is not None:
+            self.selector.reattach()
+        if self.compression is not None:
+            self.compression.reattach()
+        if self.inference_only is not None:
+            self.inference_only.reattach()
+
+
 # (model, tuners): the tuners created on `model` inside `unchanged_if_raises(model)`.
 _NEW_TUNERS: ContextVar[tuple[nn.Module, list] | None] = ContextVar("peft_slim_new_tuners", default=None)
 
@@ -196,20 +227,17 @@ class MethodTuner(BaseTuner):
     training (eval mode or no grad) the model computes exactly what the base model (+ LoRA) does.
 
     Several LoRA-stacked adapters can live on one model, as with LoRA: each has its own config and its own method
-    state (the attributes ``_adapter_state`` names: selection generator, SlimFit schedule, ...), and only the active
-    adapter's hooks are on the model. ``set_adapter`` switches them; one active adapter at a time.
+    state (an ``AdapterState`` in ``_states``, by adapter name: selection generator, SlimFit schedule, ...), and only
+    the active adapter's hooks are on the model. ``set_adapter`` switches them; one active adapter at a time.
     """
 
     tuner_layer_cls = LoraLayer
     target_module_mapping: dict = {}
-    # The attributes that hold one adapter's method state; a method adds its own (those its ``_setup`` sets).
-    _adapter_state: tuple[str, ...] = ("_selector", "_compression", "_inference_only")
+    state_cls: type[AdapterState] = AdapterState  # a method's own, with the fields its ``_setup`` fills in
 
     def _pre_injection_hook(self, model: nn.Module, config: MethodConfig, adapter_name: str) -> None:
-        self._selector: TokenSelector | None = None
-        self._compression: TrainingCompression | None = None
-        self._inference_only: InferenceOnly | None = None
-        self._parked: dict[str, dict[str, Any]] = {}  # the method state of every adapter but the active one
+        self._states: dict[str, AdapterState] = {}  # every adapter's method state, by adapter name
+        self._parked: set[str] = set()  # the adapters whose hooks are off the model: all but the active one
         # What taking the tuner off again restores (a get_peft_model or load that raised: `_take_off`).
         self._given_requires_grad = {name: param.requires_grad for name, param in model.named_parameters()}
         watched = _NEW_TUNERS.get()
@@ -275,8 +303,10 @@ class MethodTuner(BaseTuner):
             self.active_adapter = adapter_name
             self._inject(model, adapter_name, low_cpu_mem_usage, state_dict)
         except BaseException:
-            self._park(adapter_name)  # off the model: whatever hooks the failed set-up installed
-            del self._parked[adapter_name]
+            if adapter_name in self._states:
+                self._park(adapter_name)  # off the model: whatever hooks the failed set-up installed
+                del self._states[adapter_name]
+                self._parked.discard(adapter_name)
             BaseTuner.set_adapter(self, live)  # then its LoRA out again (not active: deleted without a warning)
             delete_adapter(model, adapter_name, prefix="lora_", layer_cls=self.tuner_layer_cls)
             raise
@@ -296,6 +326,7 @@ class MethodTuner(BaseTuner):
     def _inject(self, model: nn.Module, adapter_name: str, low_cpu_mem_usage: bool, state_dict) -> None:
         """Inject adapter ``adapter_name`` (the active one while this runs) with its method's hooks."""
         config: MethodConfig = self.peft_config[adapter_name]
+        state = self._states[adapter_name] = self.state_cls()
         selection = self._token_selection(config)
         check_model_kind(model, self.method_name, selects_tokens=selection is not None)
         if selection is not None:
@@ -307,16 +338,15 @@ class MethodTuner(BaseTuner):
             if len(self.peft_config) > 1:  # only this adapter's LoRA trainable while it is set up, as PEFT sets it
                 BaseTuner.set_adapter(self, adapter_name)
         self._mark_only_adapters_as_trainable(model)
-        self._selector, self._compression, self._inference_only = None, None, None
         self._setup(model, config)
         if config.inference_mode:  # the method's hooks are not set up: a forward that would train it is refused
             model.requires_grad_(False)
-            self._inference_only = InferenceOnly(model, self.method_name, adapter_name)
+            state.inference_only = InferenceOnly(model, self.method_name, adapter_name)
             return
         if selection is not None:
-            self._selector = TokenSelector.attach(model, selection)
+            state.selector = TokenSelector.attach(model, selection)
         if config.activation_compression is not None:  # after the selector: its loss is compressed too
-            self._compression = TrainingCompression(model, config.activation_compression)
+            state.compression = TrainingCompression(model, config.activation_compression)
 
     def _check_another_adapter(self, adapter_name: str, others: list[str]) -> None:
         """Refuse a second adapter where two cannot be exact: a standalone one (base weights trained in place, which
@@ -347,28 +377,22 @@ class MethodTuner(BaseTuner):
             )
         return names[0]
 
+    @property
+    def _state(self) -> AdapterState:
+        """The active adapter's method state."""
+        return self._states[self.active_adapters[0]]
+
     def _park(self, adapter_name: str) -> None:
-        """Take the active adapter's hooks off the model and keep its method state aside."""
-        if self._selector is not None:
-            self._selector.detach()
-        if self._compression is not None:
-            self._compression.remove()
-        if self._inference_only is not None:
-            self._inference_only.remove()
+        """Take the hooks of ``adapter_name`` (the active adapter) off the model; its state stays in ``_states``."""
+        self._states[adapter_name].detach()
         self._remove_method_hooks()
-        self._parked[adapter_name] = {attribute: getattr(self, attribute) for attribute in self._adapter_state}
+        self._parked.add(adapter_name)
 
     def _unpark(self, adapter_name: str) -> None:
-        """Make ``adapter_name``'s method state the live one, hooks in the order ``_inject`` installs them."""
-        for attribute, value in self._parked.pop(adapter_name).items():
-            setattr(self, attribute, value)
+        """Put the hooks of ``adapter_name`` (the active adapter) back, in the order ``_inject`` installs them."""
+        self._parked.discard(adapter_name)
         self._restore_method_hooks()
-        if self._selector is not None:
-            self._selector.reattach()
-        if self._compression is not None:
-            self._compression.reattach()
-        if self._inference_only is not None:
-            self._inference_only.reattach()
+        self._states[adapter_name].reattach()
 
     def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
         """PEFT's ``set_adapter``; switching to another adapter switches the method state with it. One name only."""
@@ -409,16 +433,14 @@ class MethodTuner(BaseTuner):
                 "merge_and_unload() for the tuned model as a plain model, or load the base model again (SlimFit "
                 "with keep_base_weights=True: unload() returns it)."
             )
-        if adapter_name in self._parked:
-            parked = self._parked.pop(adapter_name)
-            observer = parked.get("_observer")
-            if observer is not None:  # removed when parked; dropped with the state
-                observer.remove()
+        if adapter_name in self._parked:  # its hooks are off the model already
+            del self._states[adapter_name]
+            self._parked.discard(adapter_name)
             super().delete_adapter(adapter_name)
             return
         self.remove_hooks()
         super().delete_adapter(adapter_name)
-        self._selector, self._compression, self._inference_only = None, None, None
+        del self._states[adapter_name]
         if len(self.active_adapters) == 1 and self.active_adapters[0] in self._parked:
             self._unpark(self.active_adapters[0])
             self._after_set_adapter()
@@ -444,26 +466,35 @@ class MethodTuner(BaseTuner):
 
     # ------------------------------------------------------------------ what the last training forward did
 
+    def _active_state(self) -> AdapterState | None:
+        names = self.active_adapters
+        return self._states.get(names[0]) if len(names) == 1 else None
+
+    @property
+    def token_selector(self) -> TokenSelector | None:
+        """The active adapter's token selection (TokenTune, SlimFit with ``tokentune``), or None."""
+        state = self._active_state()
+        return None if state is None else state.selector
+
     @property
     def last_token_mask(self) -> torch.Tensor | None:
         """The positions selected in the latest training forward ([batch, length], bool); None without selection."""
-        return None if self._selector is None else self._selector.last_token_mask
+        selector = self.token_selector
+        return None if selector is None else selector.last_token_mask
 
     @property
     def last_compression_stats(self) -> CompressionStats | None:
         """Saved-activation bytes of the latest training forward, with `activation_compression` set."""
-        return None if self._compression is None else self._compression.last_stats
+        state = self._active_state()
+        return None if state is None or state.compression is None else state.compression.last_stats
 
     # ------------------------------------------------------------------ unloading and saving
 
     def remove_hooks(self) -> None:
         """Detach the method from the model (done by unload / merge_and_unload)."""
-        if self._selector is not None:
-            self._selector.detach()
-        if self._compression is not None:
-            self._compression.remove()
-        if self._inference_only is not None:
-            self._inference_only.remove()
+        state = self._active_state()
+        if state is not None:
+            state.detach()
         self._remove_method_hooks()
 
     def _take_off(self) -> None:
@@ -647,11 +678,16 @@ class MethodTuner(BaseTuner):
             warnings.warn(f"Found missing adapter keys while loading the checkpoint: {missing}.", stacklevel=2)
         # Not warned about: the copies PEFT itself saves of a modules_to_save head's bias with bias="all" (loaded
         # through the head's own key).
-        wrapped = wrapper_module_names(peft_model)
-        unexpected = sorted(key for key in loaded - set(state_dict) if not _under(key, wrapped))
+        wrapped = peft_wrapped_names(peft_model)
+        unexpected = sorted(key for key in loaded - set(state_dict) if not is_under(key, wrapped))
         if unexpected:
             warnings.warn(
                 f"{self.method_name} adapter: found unexpected keys (tensors this model has no place for; they were "
                 f"not loaded) in the adapter file: {unexpected}.",
                 stacklevel=2,
             )
+
+
+def find_tuner(model: nn.Module, cls: type[MethodTuner] = MethodTuner) -> MethodTuner | None:
+    """The first ``cls`` tuner inside ``model`` (a PeftModel, possibly wrapped by DDP or accelerate), or None."""
+    return next((module for module in model.modules() if isinstance(module, cls)), None)

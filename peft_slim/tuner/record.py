@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compat import auxiliary_training_wrapper_cls
 from ..configuration import Check
+from ..trainable import is_under, peft_wrapped_names
 
 # The key under which a standalone adapter's file holds the record of its base model (a uint8 tensor of JSON).
 RECORD_KEY = "peft_slim.base_weights"
@@ -80,18 +80,8 @@ def identity(entries: Iterable[tuple[str, str, tuple, bytes]]) -> dict[str, Any]
     return {"count": count, "dtypes": sorted(dtypes), "blake2b": joint.hexdigest()}
 
 
-def wrapper_module_names(model: nn.Module) -> list[str]:
-    """Names of the modules PEFT wraps (``modules_to_save``, trainable tokens) in ``model``."""
-    wrapper_cls = auxiliary_training_wrapper_cls()
-    return [name for name, module in model.named_modules() if isinstance(module, wrapper_cls)]
-
-
-def _under(name: str, modules: list[str]) -> bool:
-    return any(name == module or name.startswith(module + ".") for module in modules)
-
-
 def base_parameter_names(model: nn.Module) -> list[str]:
     """The base model's parameters that an adapter may rely on: all but those under PEFT's wrappers (whose trained
     copies PEFT saves itself) and LoRA's own."""
-    wrapped = wrapper_module_names(model)
-    return [name for name, _ in model.named_parameters() if ".lora_" not in name and not _under(name, wrapped)]
+    wrapped = peft_wrapped_names(model)
+    return [name for name, _ in model.named_parameters() if ".lora_" not in name and not is_under(name, wrapped)]
