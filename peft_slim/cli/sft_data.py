@@ -305,6 +305,8 @@ def _check_messages(messages, refuse) -> None:
             refuse(f"message {number} with content {_found(message['content'])}", "string content")
     if not any(message["role"] == "assistant" for message in messages):
         refuse("no assistant message", "at least one assistant turn to learn")
+    if messages[0]["role"] == "assistant":  # its prompt: an empty conversation, which transformers refuses
+        refuse("message 1 with role 'assistant'", "a turn before the first assistant turn")
 
 
 def _chat_pieces(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
