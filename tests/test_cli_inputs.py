@@ -65,6 +65,7 @@ BAD_CHATS = {
     "unknown role": ([{"role": "human", "content": "Hi?"}, ANSWER], "found message 1 with role 'human'"),
     "content not a string": ([USER, {"role": "assistant", "content": 7}], "found int, expected str as on line 1"),
     "no assistant turn": ([USER], "found no assistant message"),
+    "assistant turn first": ([ANSWER, USER], "found message 1 with role 'assistant'"),
     "empty conversation": ([], "found"),
 }
 

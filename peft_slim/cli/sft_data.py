@@ -4,6 +4,9 @@ Three formats, recognised by their columns: plain text (``text``: every token is
 (``prompt`` + ``completion``) and chat (``messages``: a list of ``{"role", "content"}``). With completion-only
 loss (the default) the prompt, and in a chat everything but the assistant turns, is labelled -100, so the loss
 and TokenTune's label-first selection see only the answers.
+
+TRL's ``SFTTrainer`` prepares the same formats; where this module does a job its own way, a one-line comment there
+says why (its results differ from TRL's on some inputs, tests/test_sft_data.py pins them).
 """
 
 from __future__ import annotations
@@ -227,6 +230,7 @@ def read_rows(dataset: str | None, split: str) -> Rows:
 
 def find_columns(rows: list[dict], text=None, prompt=None, completion=None, messages=None) -> Columns:
     """The format of ``rows``: the column flags given, else the first of messages, prompt + completion, text."""
+    # Not trl.is_conversational: it reads the values of fixed column names (an empty list fails); flags rename them.
     if not rows:
         raise DataError("--dataset has no rows.")
     present = set().union(*(row.keys() for row in rows))
@@ -269,6 +273,7 @@ def check_rows(rows: list[dict], columns: Columns) -> None:
     """Every row holds what its format needs, or the first that does not is refused, naming the file, the row (the
     line of a jsonl file), the column, what was found and what was expected. No row is skipped or coerced: a
     missing or null value, a number where text belongs, an empty completion or text are mistakes in the data."""
+    # TRL checks no row: SFTTrainer trains on what it is given or fails later without naming the row.
 
     def refuse(index: int, column: str, found: str, expected: str):
         raise DataError(f"{_where(rows, index)}: column {column!r}: found {found}, expected {expected}.")
@@ -300,6 +305,8 @@ def _check_messages(messages, refuse) -> None:
             refuse(f"message {number} with content {_found(message['content'])}", "string content")
     if not any(message["role"] == "assistant" for message in messages):
         refuse("no assistant message", "at least one assistant turn to learn")
+    if messages[0]["role"] == "assistant":  # its prompt: an empty conversation, which transformers refuses
+        refuse("message 1 with role 'assistant'", "a turn before the first assistant turn")
 
 
 def _chat_pieces(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
@@ -308,6 +315,9 @@ def _chat_pieces(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
     Each assistant turn is what the template adds between the conversation before it rendered with the
     generation prompt and the conversation up to it; templates that do not render prefixes this way are refused.
     """
+    # Not SFTTrainer's assistant_only_loss: it needs a template marking its assistant turns with {% generation %}.
+    # Not trl.apply_chat_template's prompt/completion split per turn: it continues a turn after an assistant turn,
+    # refuses one after a system turn, and cuts silently at the common prefix where this refuses the template.
 
     def render(turns, generation_prompt=False):
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
@@ -329,15 +339,33 @@ def _chat_pieces(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
 
 
 def _pieces(row: dict, columns: Columns, tokenizer, chat_template: bool) -> list[tuple[str, bool]]:
-    if columns.format == "text":
-        return [(row[columns.text], True)]
+    """The row's text cut into (piece, is_target) pieces: the chat template's turns, else the text or the prompt and
+    the completion, then an end-of-sequence token when ``chat_template`` is off."""
+    if columns.format == "messages":
+        return _chat_pieces(tokenizer, row[columns.messages])
     if columns.format == "prompt-completion":
         prompt, completion = row[columns.prompt], row[columns.completion]
-        if chat_template:
+        if chat_template:  # TRL renders text prompt/completion rows without the template
             messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
             return _chat_pieces(tokenizer, messages)
-        return [(prompt, False), (completion, True)]
-    return _chat_pieces(tokenizer, row[columns.messages])
+        pieces = [(prompt, False), (completion, True)]
+    else:
+        pieces = [(row[columns.text], True)]
+    if not chat_template and tokenizer.eos_token is not None:
+        pieces.append((tokenizer.eos_token, True))  # always: SFTTrainer skips a text already ending in it
+    return pieces
+
+
+def _example(pieces: list[tuple[str, bool]], tokenizer, completion_only: bool) -> dict:
+    """``input_ids`` and ``labels`` (-100 on the pieces that are no target when ``completion_only``)."""
+    # Each piece tokenised apart, no special token added: SFTTrainer tokenises prompt + completion as one text
+    # (a token may then straddle the boundary) and adds the tokenizer's special tokens (a BOS) to plain text.
+    input_ids, labels = [], []
+    for text, target in pieces:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        input_ids += ids
+        labels += ids if (target or not completion_only) else [IGNORE_INDEX] * len(ids)
+    return {"input_ids": input_ids, "labels": labels}
 
 
 def tokenize(
@@ -370,19 +398,12 @@ def tokenize(
             pieces = _pieces(row, columns, tokenizer, chat_template)
         except DataError as error:
             raise DataError(f"{_where(rows, index)}: {error}") from None
-        if not chat_template and columns.format != "messages" and tokenizer.eos_token is not None:
-            pieces.append((tokenizer.eos_token, True))
-        input_ids, labels = [], []
-        for text, labelled in pieces:
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            input_ids += ids
-            labels += ids if (labelled or not completion_only) else [IGNORE_INDEX] * len(ids)
-        input_ids, labels = input_ids[:max_length], labels[:max_length]
-        # A causal LM predicts position t from t-1: the first position's label is never scored.
-        if all(label == IGNORE_INDEX for label in labels[1:]):
+        example = {key: ids[:max_length] for key, ids in _example(pieces, tokenizer, completion_only).items()}
+        # A causal LM predicts position t from t-1: the first label is never scored (SFTTrainer keeps such an example).
+        if all(label == IGNORE_INDEX for label in example["labels"][1:]):
             dropped += 1
             continue
-        examples.append({"input_ids": input_ids, "labels": labels})
+        examples.append(example)
     if not examples:
         raise DataError(f"--max-length {max_length}: no example keeps a labelled token; raise --max-length.")
     return examples, dropped
@@ -390,6 +411,7 @@ def tokenize(
 
 def collate(examples: list[dict], pad_token_id: int) -> dict:
     """Right-pad a batch to its longest example: ``input_ids``, ``attention_mask`` and ``labels`` (-100 on padding)."""
+    # The batch of TRL's DataCollatorForLanguageModeling(pad_token_id), but trl is no dependency of peft-slim[train].
     import torch
 
     longest = max(len(example["input_ids"]) for example in examples)
