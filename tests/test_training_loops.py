@@ -13,7 +13,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from reference import reference_forward, selected_causal_lm_loss
-from tiny_models import LORA_TARGETS, VOCAB, build, make_batch
+from tiny_models import LORA_TARGETS, ONE_SGD_STEP, VOCAB, build, make_batch, trainer_kwargs
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     DataCollatorForLanguageModeling,
@@ -69,20 +69,7 @@ def make_dataset(tokenizer, lengths: list[int], seed: int = 0):
 
 
 def training_args(tmp_path, **overrides) -> TrainingArguments:
-    args = dict(
-        output_dir=str(tmp_path),
-        report_to=[],
-        use_cpu=True,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-        dataloader_num_workers=0,
-    )
-    args.update(overrides)
-    return TrainingArguments(**args)
+    return TrainingArguments(**trainer_kwargs(tmp_path, **overrides))
 
 
 class Recorder:
@@ -202,17 +189,7 @@ def run_one_step(tmp_path, peft_model, dataset, **args):
     before = trainable(peft_model)
     trainer = Trainer(
         model=peft_model,
-        args=training_args(
-            tmp_path,
-            max_steps=1,
-            optim="sgd",
-            learning_rate=1.0,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            weight_decay=0.0,
-            max_grad_norm=0.0,
-            **args,
-        ),
+        args=training_args(tmp_path, **ONE_SGD_STEP, **args),
         train_dataset=dataset,
         data_collator=DataCollatorForLanguageModeling(make_tokenizer(), mlm=False),
         callbacks=[capture],
