@@ -16,8 +16,8 @@ import os
 
 import pytest
 import torch
+from adapter_cases import METHODS, eval_inputs, eval_logits, method_config
 from peft import (
-    LoraConfig,
     PeftModel,
     get_peft_model,
     get_peft_model_state_dict,
@@ -29,28 +29,7 @@ from tiny_models import build, make_batch
 from trl.trainer.utils import use_adapter
 
 import peft_slim
-from peft_slim import ActivationCompressionConfig, SlimFitConfig, TokenSelectionConfig, TokenTuneConfig
-
-LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
-
-
-def _config(name: str, seed: int = 0, **lora):
-    lora_config = LoraConfig(**{**LORA, **lora})
-    if name == "tokentune_lora":
-        return TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.5, seed=seed, lora=lora_config)
-    if name == "slimfit_lora":
-        return SlimFitConfig(task_type="CAUSAL_LM", freeze_ratio=0.5, seed=seed, lora=lora_config)
-    return SlimFitConfig(  # the full stack
-        task_type="CAUSAL_LM",
-        freeze_ratio=0.5,
-        seed=seed,
-        lora=lora_config,
-        tokentune=TokenSelectionConfig(token_ratio=0.5, seed=seed),
-        activation_compression=ActivationCompressionConfig(bits=4, min_numel=0),
-    )
-
-
-METHODS = ["tokentune_lora", "slimfit_lora", "full_stack"]
+from peft_slim import SlimFitConfig, TokenTuneConfig
 
 
 def _step(model, optimizer, seed: int, between=None) -> torch.Tensor | None:
@@ -84,29 +63,19 @@ def _schedule(model):
     return tuner.slimfit_history() if hasattr(tuner, "slimfit_history") else None
 
 
-def _inputs():
-    return {k: v for k, v in make_batch("llama", seed=9).items() if k != "labels"}
-
-
-def _logits(model) -> torch.Tensor:
-    model.eval()
-    with torch.no_grad():
-        return model(**_inputs()).logits
-
-
 def _alone(name: str, adapter_name: str, seed: int, init_seed: int):
     base = build("llama")
     torch.manual_seed(init_seed)  # LoRA's initialisation draws
-    return get_peft_model(base, _config(name, seed), adapter_name=adapter_name)
+    return get_peft_model(base, method_config(name, seed), adapter_name=adapter_name)
 
 
 def _two(name: str):
     """'default' (selection/schedule seed 0) and 'b' (seed 5), each LoRA initialised from its own seed."""
     base = build("llama")
     torch.manual_seed(1)
-    model = get_peft_model(base, _config(name, 0))
+    model = get_peft_model(base, method_config(name, 0))
     torch.manual_seed(2)
-    model.add_adapter("b", _config(name, 5))
+    model.add_adapter("b", method_config(name, 5))
     return model
 
 
@@ -135,7 +104,7 @@ def test_two_adapters_trained_in_turns_equal_each_trained_alone(name):
         assert ours.keys() == theirs.keys() and ours
         assert all(torch.equal(ours[k], theirs[k]) for k in ours), adapter_name
         model.set_adapter(adapter_name)
-        assert torch.equal(_logits(model), _logits(alone))
+        assert torch.equal(eval_logits(model), eval_logits(alone))
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +124,7 @@ def two_saved(tmp_path_factory):
         out[name] = {"folder": root / name, "logits": {}}
         for adapter_name in ("default", "b"):
             model.set_adapter(adapter_name)
-            out[name]["logits"][adapter_name] = _logits(model)
+            out[name]["logits"][adapter_name] = eval_logits(model)
     return out
 
 
@@ -178,8 +147,8 @@ def test_each_loaded_adapter_computes_what_it_computes_loaded_alone(two_saved, n
     for adapter_name in ("default", "b", "default"):
         model.set_adapter(adapter_name)
         expected = two_saved[name]["logits"][adapter_name]
-        assert torch.equal(_logits(alone[adapter_name]), expected)
-        assert torch.equal(_logits(model), expected)
+        assert torch.equal(eval_logits(alone[adapter_name]), expected)
+        assert torch.equal(eval_logits(model), expected)
     assert not torch.equal(two_saved[name]["logits"]["default"], two_saved[name]["logits"]["b"])
     # PEFT's own load_adapter reads the LoRA config and refuses it beside a TokenTune / SlimFit adapter.
     with pytest.raises(ValueError, match="Cannot combine adapters with different peft types"):
@@ -210,7 +179,7 @@ def test_a_trainable_second_adapter_continues_training_as_loaded_alone(two_saved
     for step in range(2):
         assert torch.equal(_step(model, ours, 40 + step), _step(alone, theirs, 40 + step))
         assert _schedule(model) == _schedule(alone)
-    assert torch.equal(_logits(model), _logits(alone))
+    assert torch.equal(eval_logits(model), eval_logits(alone))
 
 
 def _hooks(module: torch.nn.Module) -> list[int]:
@@ -243,7 +212,7 @@ def test_after_delete_adapter_the_model_is_one_that_never_had_it(name, active):
         masks = [_step(m, o, step) for m, o in zip((model, never), optimizers)]
         assert torch.equal(masks[0], masks[1])
         assert _schedule(model) == _schedule(never)
-    assert torch.equal(_logits(model), _logits(never))
+    assert torch.equal(eval_logits(model), eval_logits(never))
 
 
 @pytest.mark.parametrize("name", METHODS)
@@ -258,12 +227,12 @@ def test_trl_reference_adapter_leaves_the_training_of_default_unchanged(name):
     for param_name, param in model.named_parameters():
         if ".default." in param_name:
             model.get_parameter(param_name.replace(".default.", ".ref.")).data.copy_(param.data)
-    initial = _logits(model)
+    initial = eval_logits(model)
     optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (model, without)]
 
     def reference():
         with use_adapter(model, "ref"), torch.no_grad():
-            assert torch.equal(model(**_inputs()).logits, initial)
+            assert torch.equal(model(**eval_inputs()).logits, initial)
 
     for step in range(3):
         masks = [_step(model, optimizers[0], step, reference), _step(without, optimizers[1], step)]
@@ -271,7 +240,7 @@ def test_trl_reference_adapter_leaves_the_training_of_default_unchanged(name):
         assert _schedule(model) == _schedule(without)
     ours, theirs = _lora_weights(model, "default"), _lora_weights(without, "default")
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
-    assert not torch.equal(_logits(model), initial)
+    assert not torch.equal(eval_logits(model), initial)
 
 
 def test_the_prefix_of_a_lora_stacked_adapter_marks_its_parameters():
@@ -290,13 +259,13 @@ def test_the_prefix_of_a_lora_stacked_adapter_marks_its_parameters():
 
 def test_a_standalone_adapter_beside_another_is_refused_by_name():
     standalone = TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.5, trainable_modules=["q_proj"])
-    model = get_peft_model(build("llama"), _config("tokentune_lora"))
+    model = get_peft_model(build("llama"), method_config("tokentune_lora"))
     with pytest.raises(ValueError, match=r"adapter 'alone' has no `lora`"):
         model.add_adapter("alone", standalone)
     assert list(model.peft_config) == ["default"]
     model = get_peft_model(build("llama"), standalone)
     with pytest.raises(ValueError, match=r"adapter 'default' has no `lora`.*trains the base weights in place"):
-        model.add_adapter("other", _config("tokentune_lora"))
+        model.add_adapter("other", method_config("tokentune_lora"))
 
 
 def test_two_active_adapters_and_two_biased_adapters_are_refused():
@@ -304,16 +273,16 @@ def test_two_active_adapters_and_two_biased_adapters_are_refused():
     with pytest.raises(ValueError, match=r"set_adapter\(\['default', 'b'\]\): a peft_slim model runs one adapter"):
         model.base_model.set_adapter(["default", "b"])
     assert model.active_adapters == ["default"]
-    biased = get_peft_model(build("llama"), _config("tokentune_lora", bias="lora_only"))
+    biased = get_peft_model(build("llama"), method_config("tokentune_lora", bias="lora_only"))
     with pytest.raises(ValueError, match=r"adapters \['second', 'default'\] all train biases"):
-        biased.add_adapter("second", _config("tokentune_lora", bias="all"))
+        biased.add_adapter("second", method_config("tokentune_lora", bias="all"))
 
 
 @pytest.mark.parametrize("name", ["tokentune_lora", "full_stack"])
 def test_a_failed_add_adapter_leaves_the_model_as_it_was(name):
     model, never = _alone(name, "default", 0, 1), _alone(name, "default", 0, 1)
     with pytest.raises(ValueError, match="not found in the base model"):
-        model.add_adapter("bad", _config(name, target_modules=["no_such_module"]))
+        model.add_adapter("bad", method_config(name, target_modules=["no_such_module"]))
     assert list(model.peft_config) == ["default"] and model.active_adapters == ["default"]
     assert _hooks(model) == _hooks(never)
     optimizers = (_optimizer(model, "default"), _optimizer(never, "default"))
@@ -340,35 +309,35 @@ def _standalone(name: str):
 
 @pytest.mark.parametrize("name", ["tokentune_lora", "full_stack", "tokentune_alone", "slimfit_alone"])
 def test_low_cpu_mem_usage_load_equals_a_normal_load(tmp_path, name):
-    config = _config(name) if name in METHODS else _standalone(name)
+    config = method_config(name) if name in METHODS else _standalone(name)
     trained = get_peft_model(build("llama"), config)
     optimizer = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=1e-2)
     _step(trained, optimizer, 0)
     trained.save_pretrained(tmp_path / "adapter")
-    expected = _logits(trained)
+    expected = eval_logits(trained)
     loads = {
         low: peft_slim.from_pretrained(build("llama"), tmp_path / "adapter", is_trainable=True, low_cpu_mem_usage=low)
         for low in (False, True)
     }
     for model in loads.values():
-        assert torch.equal(_logits(model), expected)
+        assert torch.equal(eval_logits(model), expected)
     optimizers = {
         low: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for low, m in loads.items()
     }
     for step in range(2):  # and it trains on exactly as the normal load
         masks = [_step(loads[low], optimizers[low], 50 + step) for low in (False, True)]
         assert (masks[0] is None and masks[1] is None) or torch.equal(masks[0], masks[1])
-    assert torch.equal(_logits(loads[True]), _logits(loads[False]))
+    assert torch.equal(eval_logits(loads[True]), eval_logits(loads[False]))
     # PEFT's own loader (a standalone adapter's type is peft_slim's, a stacked one is LoRA).
     vanilla = PeftModel.from_pretrained(build("llama"), tmp_path / "adapter", low_cpu_mem_usage=True)
-    assert torch.equal(_logits(vanilla), expected)
+    assert torch.equal(eval_logits(vanilla), expected)
 
 
 # ---------------------------------------------------------------------------------------------- direct injection
 
 
 def test_inject_adapter_in_model_with_tokentune_lora_trains_and_saves_as_get_peft_model():
-    config = _config("tokentune_lora")
+    config = method_config("tokentune_lora")
     base = build("llama")
     torch.manual_seed(3)  # LoRA's initialisation draws, as in _alone
     bare = inject_adapter_in_model(config, base)
@@ -386,12 +355,12 @@ def test_inject_adapter_in_model_with_tokentune_lora_trains_and_saves_as_get_pef
     result = set_peft_model_state_dict(fresh, saved)
     assert result.unexpected_keys == []
     with torch.no_grad():
-        assert torch.equal(fresh.eval()(**_inputs()).logits, bare.eval()(**_inputs()).logits)
+        assert torch.equal(fresh.eval()(**eval_inputs()).logits, bare.eval()(**eval_inputs()).logits)
 
 
 def test_inject_adapter_in_model_refuses_what_cannot_work_on_a_bare_model():
     with pytest.raises(ValueError, match=r"does not support \S*SLIMFIT because it uses shared state.*get_peft_model"):
-        inject_adapter_in_model(_config("slimfit_lora"), build("llama"))
+        inject_adapter_in_model(method_config("slimfit_lora"), build("llama"))
     bare = inject_adapter_in_model(_standalone("tokentune_alone"), build("llama"))
     with pytest.raises(ValueError, match=r"standalone adapter.*bare LlamaForCausalLM.*get_peft_model"):
         get_peft_model_state_dict(bare)

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from peft import LoraConfig, get_peft_model
 from reference import reference_forward, selected_causal_lm_loss
-from tiny_models import make_batch
+from tiny_models import VOCAB, decoder_config, make_batch
 from tokentune_cases import assert_grads_match, grads_of_trainable, training_step
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -24,7 +24,6 @@ from peft_slim.token_selection import chunked_loss
 from peft_slim.token_selection.blocks import find_blocks
 from peft_slim.token_selection.chunked_loss import chunked_head_loss
 
-VOCAB = 97
 HIDDEN = 32
 
 
@@ -142,17 +141,7 @@ def test_shapes_are_checked():
 
 
 def _llama(tied: bool, dtype=torch.float32, **extra) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        hidden_size=HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        vocab_size=VOCAB,
-        pad_token_id=0,
-        tie_word_embeddings=tied,
-        **extra,
-    )
+    config = decoder_config(tie_word_embeddings=tied, **extra)
     torch.manual_seed(0)
     return LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=dtype)
 
@@ -312,15 +301,8 @@ def test_a_forward_that_changes_the_logits_is_refused():
 def test_on_cuda_gradients_match_and_the_peak_is_lower():
     """bf16 on a GPU, a 32k vocabulary: the chunked loss's gradients equal the materialised path's (to bf16
     rounding) and the step's peak allocation is lower (no [rows, vocab] fp32 logits, log-softmax or gradient)."""
-    config = LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=32000,
-        pad_token_id=0,
-        use_cache=False,
+    config = decoder_config(
+        hidden_size=64, num_hidden_layers=1, intermediate_size=128, vocab_size=32000, use_cache=False
     )
     ids = torch.randint(1, 32000, (4, 512), device="cuda")
     results = {}

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from planner_cases import llama_config
 
 from peft_slim.cli import main, sft_data
 from peft_slim.planner import estimate_memory, plan
@@ -158,20 +158,9 @@ def test_tokenize_never_trains_on_a_missing_completion():
 
 
 # ------------------------------------------------------------------------------------------------- sizes
-def llama_config():
-    return transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=100,
-        max_position_embeddings=512,
-        architectures=["LlamaForCausalLM"],
-    )
-
-
-CONFIG = llama_config()
+CONFIG = llama_config(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=100, max_position_embeddings=512
+)
 NOT_AN_INT = st.one_of(st.floats(allow_nan=True), st.booleans(), st.text(max_size=3), st.none())
 
 

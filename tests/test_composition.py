@@ -279,6 +279,13 @@ class TimmLike(nn.Module):
 MODULES = {"mlp": (MLP, (3, 8), ["fc1", "fc2"]), "timm": (TimmLike, (3, 5, 8), ["mlp.0", "mlp.2", "head"])}
 
 
+def _module_and_input(kind: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A module of ``kind`` (one of MODULES) and an input for it, both drawn from seed 0."""
+    cls, shape, _ = MODULES[kind]
+    torch.manual_seed(0)
+    return cls(), torch.randn(*shape)
+
+
 @pytest.mark.parametrize("kind", sorted(MODULES))
 @pytest.mark.parametrize(
     "method",
@@ -298,10 +305,8 @@ def test_token_selection_on_a_non_transformers_module_is_refused(kind, method):
 @pytest.mark.parametrize("kind", sorted(MODULES))
 def test_slimfit_lora_on_a_non_transformers_module_matches_vanilla_lora(kind):
     """Every unit trains at the first step: SlimFit + LoRA's gradients are vanilla PEFT LoRA's."""
-    cls, shape, targets = MODULES[kind]
-    torch.manual_seed(0)
-    base = cls()
-    x = torch.randn(*shape)
+    _, _, targets = MODULES[kind]
+    base, x = _module_and_input(kind)
     lora = LoraConfig(r=2, target_modules=targets, init_lora_weights=False)
     torch.manual_seed(1)
     vanilla = get_peft_model(copy.deepcopy(base), copy.deepcopy(lora))
@@ -319,10 +324,7 @@ def test_slimfit_lora_on_a_non_transformers_module_matches_vanilla_lora(kind):
 @pytest.mark.parametrize("kind", sorted(MODULES))
 def test_standalone_slimfit_on_a_non_transformers_module_trains_the_trained_units_exactly(kind):
     """Base weights trained in place: a trained unit's gradient is autograd's on a plain copy; frozen ones get none."""
-    cls, shape, _ = MODULES[kind]
-    torch.manual_seed(0)
-    base = cls()
-    x = torch.randn(*shape)
+    base, x = _module_and_input(kind)
     reference = copy.deepcopy(base)
     reference(x).pow(2).mean().backward()
     slim = get_peft_model(base, SlimFitConfig(freeze_ratio=0.5, activation_compression=None)).train()

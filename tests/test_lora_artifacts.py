@@ -20,40 +20,17 @@ import sys
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from adapter_cases import METHODS, eval_inputs, eval_logits, method_config
+from peft import PeftModel, get_peft_model
 from tiny_models import build, make_batch
 from tokenizers import Tokenizer, pre_tokenizers, trainers
 from tokenizers import models as tokenizer_models
 from transformers import PreTrainedTokenizerFast
 
 import peft_slim
-from peft_slim import (
-    ActivationCompressionConfig,
-    SlimFitConfig,
-    TokenSelectionConfig,
-    TokenTuneCallback,
-    TokenTuneConfig,
-)
+from peft_slim import TokenTuneCallback, TokenTuneConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
-
-
-def _config(name: str):
-    if name == "tokentune_lora":
-        return TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.5, seed=0, lora=LoraConfig(**LORA))
-    if name == "slimfit_lora":
-        return SlimFitConfig(task_type="CAUSAL_LM", freeze_ratio=0.5, lora=LoraConfig(**LORA))
-    return SlimFitConfig(  # the full stack
-        task_type="CAUSAL_LM",
-        freeze_ratio=0.5,
-        lora=LoraConfig(**LORA),
-        tokentune=TokenSelectionConfig(token_ratio=0.5, seed=0),
-        activation_compression=ActivationCompressionConfig(bits=4, min_numel=0),
-    )
-
-
-METHODS = ["tokentune_lora", "slimfit_lora", "full_stack"]
 
 
 def _train(model, steps: int = 3, seed: int = 0):
@@ -69,17 +46,7 @@ def _train(model, steps: int = 3, seed: int = 0):
 
 
 def _trained(name: str, steps: int = 3):
-    return _train(get_peft_model(build("llama"), _config(name)), steps)
-
-
-def _inputs():
-    return {k: v for k, v in make_batch("llama", seed=9).items() if k != "labels"}
-
-
-def _logits(model) -> torch.Tensor:
-    model.eval()
-    with torch.no_grad():
-        return model(**_inputs()).logits
+    return _train(get_peft_model(build("llama"), method_config(name)), steps)
 
 
 # A process that never imports peft_slim: PEFT's own loader on each folder, every warning recorded.
@@ -114,7 +81,7 @@ def _child(script: str) -> dict:
 
 
 def _vanilla_loads(folders: dict, root) -> dict:
-    torch.save(_inputs(), root / "inputs.pt")
+    torch.save(eval_inputs(), root / "inputs.pt")
     return _child(_VANILLA.format(tests=HERE, folders=json.dumps(folders), inputs=str(root / "inputs.pt")))
 
 
@@ -131,8 +98,8 @@ def saved(tmp_path_factory):
 
 def _assert_vanilla_load(report: dict, folder: str, model) -> None:
     assert report == {"config": "LoraConfig", "tuner": "LoraModel", "warnings": []}
-    expected = _logits(model)
-    assert not torch.equal(expected, _logits(build("llama")))  # training changed the outputs
+    expected = eval_logits(model)
+    assert not torch.equal(expected, eval_logits(build("llama")))  # training changed the outputs
     assert torch.equal(torch.load(folder + ".vanilla.pt"), expected)
     with open(os.path.join(folder, "adapter_config.json")) as handle:
         assert json.load(handle)["peft_type"] == "LORA"
@@ -187,7 +154,7 @@ def test_peft_slim_continues_with_the_method_and_its_settings(saved, name):
         for key in ("inference_mode", "base_model_name_or_path", "peft_slim_version"):
             values.pop(key)
     assert ours == theirs
-    assert torch.equal(_logits(model), _logits(trained))
+    assert torch.equal(eval_logits(model), eval_logits(trained))
     _train(model, steps=1, seed=20)  # it trains with the method: token selection where the config has it
     if name != "slimfit_lora":
         assert model.base_model.last_token_mask is not None
@@ -292,13 +259,13 @@ def versions(tmp_path_factory):
     model = _trained("tokentune_lora", steps=1)
     old_tokenizer = _tokenizer(["alpha beta", "gamma"], "{{ messages }}", root / "t1")
     peft_slim.save_pretrained(model, root / "v1", tokenizer=old_tokenizer)
-    first = _logits(model)
+    first = eval_logits(model)
     _train(model, steps=2, seed=5)
     new_tokenizer = _tokenizer(["delta epsilon", "zeta"], "{{ messages }}!", root / "t2")
     peft_slim.save_pretrained(model, root / "v2", tokenizer=new_tokenizer)
     files = {version: _tokenizer_files(root / version) for version in ("v1", "v2")}
     assert files["v1"].keys() == files["v2"].keys() and files["v1"] != files["v2"]
-    return {"root": root, "v1": first, "v2": _logits(model), "files": files}
+    return {"root": root, "v1": first, "v2": eval_logits(model), "files": files}
 
 
 @pytest.mark.parametrize("stage, no_exchange", STAGES, ids=[stage for stage, _ in STAGES])
@@ -316,14 +283,14 @@ def test_a_save_killed_at_each_stage_leaves_the_old_or_the_new_adapter(versions,
 
     if target.exists():  # the target path always holds a complete folder: a reader that never recovers sees it
         plain = PeftModel.from_pretrained(build("llama"), target)
-        seen = [v for v in ("v1", "v2") if torch.equal(_logits(plain), versions[v])]
+        seen = [v for v in ("v1", "v2") if torch.equal(eval_logits(plain), versions[v])]
         assert seen and _tokenizer_files(target) == versions["files"][seen[0]], stage  # adapter and tokenizer agree
     else:  # only between the two renames of the fallback path
         assert (stage, no_exchange) == ("aside", True)
     # peft_slim's loader recovers first; the old folder before the swap, the new one from it on.
     loaded = peft_slim.from_pretrained(build("llama"), target)
     expected = "v1" if stage in ("staged", "complete") else "v2"
-    assert torch.equal(_logits(loaded), versions[expected]), stage
+    assert torch.equal(eval_logits(loaded), versions[expected]), stage
     assert _tokenizer_files(target) == versions["files"][expected], stage
     assert (target / "notes.txt").read_text() == "kept"
     assert (target / "runs" / "empty").is_dir() and os.readlink(target / "latest-run") == "runs"
@@ -331,7 +298,7 @@ def test_a_save_killed_at_each_stage_leaves_the_old_or_the_new_adapter(versions,
     # The next save cleans every leftover, beside the folder and inside it.
     peft_slim.save_pretrained(loaded, target)
     assert _leftovers(target) == []
-    assert torch.equal(_logits(PeftModel.from_pretrained(build("llama"), target)), versions[expected])
+    assert torch.equal(eval_logits(PeftModel.from_pretrained(build("llama"), target)), versions[expected])
     assert (target / "notes.txt").read_text() == "kept"
     assert (target / "runs" / "empty").is_dir() and os.readlink(target / "latest-run") == "runs"
 
@@ -343,7 +310,7 @@ def test_a_save_that_completes_replaces_the_folder_and_leaves_nothing_beside_it(
     peft_slim.save_pretrained(model, target)
     assert _leftovers(target) == []
     assert sorted(os.listdir(target)) == sorted(os.listdir(versions["root"] / "v2"))
-    assert torch.equal(_logits(PeftModel.from_pretrained(build("llama"), target)), versions["v2"])
+    assert torch.equal(eval_logits(PeftModel.from_pretrained(build("llama"), target)), versions["v2"])
 
 
 def test_a_save_with_a_tokenizer_replaces_every_tokenizer_file_of_the_folder(versions, tmp_path):
@@ -357,5 +324,5 @@ def test_a_save_with_a_tokenizer_replaces_every_tokenizer_file_of_the_folder(ver
     peft_slim.save_pretrained(model, target, tokenizer=_tokenizer(["delta epsilon", "zeta"], None, tmp_path / "t"))
     assert not (target / "vocab.txt").exists() and not (target / "chat_template.jinja").exists()
     assert (target / "tokenizer.json").is_file() and (target / "notes.txt").read_text() == "kept"
-    assert torch.equal(_logits(PeftModel.from_pretrained(build("llama"), target)), versions["v2"])
+    assert torch.equal(eval_logits(PeftModel.from_pretrained(build("llama"), target)), versions["v2"])
     assert _leftovers(target) == []

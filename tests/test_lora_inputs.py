@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_models import decoder_config
+from transformers import LlamaForCausalLM
 
 import peft_slim
 from peft_slim import lora_inputs
@@ -75,15 +76,7 @@ def test_dropout_autocast_and_fp32_keep_peft_behaviour():
 
 
 def _llama_bf16():
-    config = LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=100,
-        pad_token_id=0,
-    )
+    config = decoder_config(hidden_size=64, intermediate_size=128, vocab_size=100)
     torch.manual_seed(0)
     return LlamaForCausalLM._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
 

@@ -15,6 +15,7 @@ import transformers
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from peft import LoraConfig, get_peft_model
+from planner_cases import llama_config
 from tiny_models import build
 
 import peft_slim
@@ -27,12 +28,6 @@ from peft_slim.planner.plan import ladder
 from peft_slim.planner.trace import LiveBytes
 
 COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations")
-
-
-def llama_config(**extra):
-    values = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-    values.update(num_key_value_heads=2, vocab_size=500, architectures=["LlamaForCausalLM"])
-    return transformers.LlamaConfig(**{**values, **extra})
 
 
 def bert_config():

@@ -3,7 +3,6 @@ own measurement, the order follows the numbers, and each setting's evidence name
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import shlex
@@ -12,11 +11,10 @@ import sys
 import warnings
 
 import pytest
-import transformers
+from planner_cases import checked_train_args, llama_config
 
 from peft_slim.cli import main as cli_main
 from peft_slim.cli.plan import train_command
-from peft_slim.cli.train import add_arguments, check_flags
 from peft_slim.planner import plan
 from peft_slim.planner.measured import measurement_for
 from peft_slim.planner.plan import NOT_MEASURED, Candidate, ladder
@@ -25,12 +23,6 @@ from peft_slim.recipe import Recipe
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGED = json.loads((ROOT / "peft_slim" / "planner" / "measured.json").read_text())
 OPTIONS = dict(lora_r=4, min_token_ratio=0.2)
-
-
-def llama_config():
-    values = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-    values |= dict(num_key_value_heads=2, vocab_size=500, architectures=["LlamaForCausalLM"])
-    return transformers.LlamaConfig(**values)
 
 
 @pytest.fixture(autouse=True)
@@ -54,15 +46,6 @@ def build_page():
     import build_benchmarks_page
 
     return build_benchmarks_page
-
-
-def train_args(flags: list[str]) -> argparse.Namespace:
-    """``flags`` parsed and checked by the real ``peft-slim train`` code."""
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(flags)
-    check_flags(args)
-    return args
 
 
 def benchmark_name(candidate: Candidate) -> str | None:
@@ -112,7 +95,7 @@ def test_a_candidate_stands_for_what_its_train_line_trains():
     candidates += [Candidate(**{**c.__dict__, "gradient_checkpointing": True}) for c in candidates]
     for candidate in candidates:
         line = shlex.split(train_command(None, candidate, 2, 32, "float32"))[2:]
-        assert candidate.recipe == Recipe.from_train_args(train_args(line)), candidate.name
+        assert candidate.recipe == Recipe.from_train_args(checked_train_args(line)), candidate.name
 
 
 def test_a_measurement_is_attached_only_to_the_setting_it_was_measured_for():
@@ -198,7 +181,7 @@ def test_cli_prints_each_settings_evidence_and_trains_the_first(tmp_path, capsys
     assert lines[0].split(" | ")[-1] == "evidence"
     rows = [line.split(" | ") for line in lines[1:-1]]
     assert [(row[0], row[-1]) for row in rows] == [(c.name, c.evidence) for c in ranked]
-    first = train_args(shlex.split(lines[-1])[2:])
+    first = checked_train_args(shlex.split(lines[-1])[2:])
     assert Recipe.from_train_args(first) == ranked[0].recipe
 
 

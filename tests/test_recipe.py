@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from peft import LoraConfig
+from planner_cases import checked_train_args
 
 from peft_slim import SlimFitConfig, TokenSelectionConfig, TokenTuneConfig
-from peft_slim.cli.train import add_arguments, check_flags
 from peft_slim.compression import ActivationCompressionConfig
 from peft_slim.planner.plan import Candidate, ladder
 from peft_slim.recipe import MAX_LORA_R, Recipe
@@ -24,15 +24,6 @@ from peft_slim.token_selection.config import SELECTION_RULES
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NAMES = st.from_regex(r"[a-z_][a-z0-9_.]{0,8}", fullmatch=True)
 COMPRESSION = st.sampled_from([None, "none", 8, 4, 2])
-
-
-def parse(flags: list[str]) -> argparse.Namespace:
-    """``flags`` parsed and checked by ``peft-slim train``'s own code."""
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(flags)
-    check_flags(args)
-    return args
 
 
 @st.composite
@@ -147,7 +138,7 @@ def planner_config(candidate: Candidate, task_type, target_modules):
 @settings(max_examples=150, deadline=None)
 @given(recipe=recipes(), seed=st.integers(0, 2**32 - 1))
 def test_the_flags_give_the_recipe_back_and_build_the_commands_config(recipe, seed):
-    args = parse([*recipe.to_flags(), "--seed", str(seed)])
+    args = checked_train_args([*recipe.to_flags(), "--seed", str(seed)])
     assert Recipe.from_train_args(args) == recipe
     assert recipe.to_peft_config(seed=seed) == train_config(args)
     assert recipe.key == measured_key(args)
@@ -155,7 +146,7 @@ def test_the_flags_give_the_recipe_back_and_build_the_commands_config(recipe, se
 
 @pytest.mark.parametrize("flags", [[], ["--method", "slimfit"], ["--method", "lora"], ["--method", "full"]])
 def test_the_methods_defaults_are_filled_in_once(flags):
-    args = parse(flags)
+    args = checked_train_args(flags)
     recipe = Recipe.from_train_args(args)
     assert recipe == Recipe(method=args.method)
     assert (recipe.token_ratio, recipe.selection) == (args.token_ratio, args.selection)
@@ -170,13 +161,13 @@ def test_a_planner_setting_builds_its_config_and_key(targets, task_type):
     for candidate in candidates:
         assert candidate.peft_config(task_type, targets) == planner_config(candidate, task_type, targets)
         line = [*candidate.recipe.to_flags(), "--lora-target-modules", "all-linear"]
-        assert candidate.recipe.key == measured_key(parse(line)), candidate.name
+        assert candidate.recipe.key == measured_key(checked_train_args(line)), candidate.name
 
 
 def test_the_measured_tables_keys_read_back():
     data = json.loads((ROOT / "peft_slim" / "planner" / "measured.json").read_text())
     for name, method in data["methods"].items():
-        assert Recipe.from_train_args(parse(method["flags"])).key == method["setting"], name
+        assert Recipe.from_train_args(checked_train_args(method["flags"])).key == method["setting"], name
 
 
 @pytest.mark.parametrize(

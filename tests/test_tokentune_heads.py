@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 from peft import LoraConfig, get_peft_model
-from tiny_models import BUILDERS, VOCAB, build
+from tiny_models import BUILDERS, IMAGE_SIZES, TEXT_SIZES, VOCAB, build
 from tokentune_cases import (
     assert_grads_match,
     build_decoder_classifier,
@@ -44,26 +44,8 @@ from peft_slim.token_selection.heads import (
 TOKENTUNE_PAGE = Path(__file__).resolve().parents[1] / "docs" / "tokentune.md"
 PAD = 0
 EOS = 2
-TEXT = dict(
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=64,
-    vocab_size=VOCAB,
-    num_labels=3,
-    max_position_embeddings=64,
-    head_dim=8,
-)
-IMAGE = dict(
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=64,
-    num_labels=3,
-    image_size=16,
-    patch_size=4,
-)
+TEXT = dict(TEXT_SIZES, num_key_value_heads=2, num_labels=3, max_position_embeddings=64, head_dim=8)
+IMAGE = dict(IMAGE_SIZES, num_labels=3)
 # Another value of each pooling field FIRST_POSITION_HEADS names: the head then averages over positions.
 POOLING_OTHER_VALUE = {"classifier_pooling": "mean", "use_mean_pooling": True}
 # Some of transformers' GenericForSequenceClassification subclasses.

@@ -13,7 +13,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from reference import reference_forward, selected_causal_lm_loss
-from tiny_models import LORA_TARGETS, VOCAB, build, make_batch
+from tiny_models import LORA_TARGETS, ONE_SGD_STEP, VOCAB, build, make_batch, trainer_kwargs
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     DataCollatorForLanguageModeling,
@@ -69,20 +69,7 @@ def make_dataset(tokenizer, lengths: list[int], seed: int = 0):
 
 
 def training_args(tmp_path, **overrides) -> TrainingArguments:
-    args = dict(
-        output_dir=str(tmp_path),
-        report_to=[],
-        use_cpu=True,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-        dataloader_num_workers=0,
-    )
-    args.update(overrides)
-    return TrainingArguments(**args)
+    return TrainingArguments(**trainer_kwargs(tmp_path, **overrides))
 
 
 class Recorder:
@@ -202,17 +189,7 @@ def run_one_step(tmp_path, peft_model, dataset, **args):
     before = trainable(peft_model)
     trainer = Trainer(
         model=peft_model,
-        args=training_args(
-            tmp_path,
-            max_steps=1,
-            optim="sgd",
-            learning_rate=1.0,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            weight_decay=0.0,
-            max_grad_norm=0.0,
-            **args,
-        ),
+        args=training_args(tmp_path, **ONE_SGD_STEP, **args),
         train_dataset=dataset,
         data_collator=DataCollatorForLanguageModeling(make_tokenizer(), mlm=False),
         callbacks=[capture],
@@ -223,6 +200,26 @@ def run_one_step(tmp_path, peft_model, dataset, **args):
     logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(logged) == 1 and len(recorder.calls) == 2 and len(capture.steps) == 1
     return before, after, logged[0], recorder.calls, capture.steps[0]
+
+
+def run_two_steps(tmp_path, peft_model, dataset_seed: int = 0, **args) -> list[dict]:
+    """Two optimizer steps of Trainer (lr 1e-2) over 8 texts of unequal lengths, each step 2 micro-batches of 2
+    padded by the collator; both logged losses are finite and positive. Returns the 4 forwards Recorder saw."""
+    tokenizer = make_tokenizer()
+    dataset = make_dataset(tokenizer, lengths=[6, 11, 8, 12, 5, 9, 10, 7], seed=dataset_seed)
+    recorder = Recorder(peft_model)
+    trainer = Trainer(
+        model=peft_model,
+        args=training_args(tmp_path, max_steps=2, learning_rate=1e-2, **args),
+        train_dataset=dataset,
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+    )
+    trainer.train()
+    recorder.remove()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses), losses
+    assert len(recorder.calls) == 4  # 2 optimizer steps x 2 micro-batches
+    return recorder.calls
 
 
 # ---------------------------------------------------------------------------------------------- plain loop
@@ -274,30 +271,17 @@ def test_plain_pytorch_loop_trains_lora_only_and_loss_decreases():
 
 def test_trainer_with_collator_and_gradient_accumulation(tmp_path):
     model = tokentune_lora(token_ratio=0.5, seed=0)
-    tokenizer = make_tokenizer()
-    dataset = make_dataset(tokenizer, lengths=[6, 11, 8, 12, 5, 9, 10, 7])
     base_before = frozen(model)
     lora_before = trainable(model)
-    recorder = Recorder(model)
-    trainer = Trainer(
-        model=model,
-        args=training_args(tmp_path, max_steps=2, learning_rate=1e-2),
-        train_dataset=dataset,
-        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
-    )
-    trainer.train()
-    recorder.remove()
+    calls = run_two_steps(tmp_path, model)
 
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses), losses
-    assert len(recorder.calls) == 4  # 2 optimizer steps x 2 micro-batches
-    assert any((call["attention_mask"] == 0).any() for call in recorder.calls)  # the collator padded
-    assert_tokentune_was_active(recorder.calls)
-    for call in recorder.calls:
+    assert any((call["attention_mask"] == 0).any() for call in calls)  # the collator padded
+    assert_tokentune_was_active(calls)
+    for call in calls:
         # Trainer counted the labelled positions of both micro-batches of the step and passed them on.
         assert call["num_items_in_batch"] is not None
     for step in range(2):
-        first, second = recorder.calls[2 * step : 2 * step + 2]
+        first, second = calls[2 * step : 2 * step + 2]
         expected = labelled_count(first["labels"]) + labelled_count(second["labels"])
         assert int(first["num_items_in_batch"]) == int(second["num_items_in_batch"]) == expected
     base_after = frozen(model)
@@ -503,23 +487,10 @@ def test_bf16_autocast_on_cpu_is_close_to_fp32():
 
 def test_trainer_bf16_on_cpu(tmp_path):
     model = tokentune_lora(token_ratio=0.5, seed=15)
-    tokenizer = make_tokenizer()
-    dataset = make_dataset(tokenizer, lengths=[6, 11, 8, 12, 5, 9, 10, 7], seed=16)
     lora_before = trainable(model)
-    recorder = Recorder(model)
-    trainer = Trainer(
-        model=model,
-        args=training_args(tmp_path, max_steps=2, learning_rate=1e-2, bf16=True),
-        train_dataset=dataset,
-        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
-    )
-    trainer.train()
-    recorder.remove()
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses), losses
-    assert len(recorder.calls) == 4
-    assert all(call["autocast"] for call in recorder.calls)  # Trainer ran the forwards under bf16 autocast
-    assert_tokentune_was_active(recorder.calls)
+    calls = run_two_steps(tmp_path, model, dataset_seed=16, bf16=True)
+    assert all(call["autocast"] for call in calls)  # Trainer ran the forwards under bf16 autocast
+    assert_tokentune_was_active(calls)
     lora_after = trainable(model)
     assert all(not torch.equal(lora_before[n], lora_after[n]) for n in lora_before)
     assert all(torch.isfinite(p).all() for p in lora_after.values())

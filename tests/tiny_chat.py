@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tiny_models import decoder_config
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -39,15 +40,6 @@ def save_tiny_chat_llama(folder: Path) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|end|>", chat_template=CHAT_TEMPLATE)
     fast.save_pretrained(folder)
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(fast),
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.eos_token_id,
-    )
+    config = decoder_config(vocab_size=len(fast), eos_token_id=fast.eos_token_id, pad_token_id=fast.eos_token_id)
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder

@@ -23,39 +23,39 @@ from transformers import (
 )
 
 VOCAB = 97
-_TEXT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB)
+# The sizes the tiny text models share, and the tiny ViT's.
+TEXT_SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB)
+IMAGE_SIZES = dict(
+    hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16, patch_size=4
+)
 _NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def decoder_config(config_cls=LlamaConfig, **fields):
+    """The tiny decoders' config (what ``build("llama")`` and the other decoders use), ``fields`` changed or added."""
+    return config_cls(**{**TEXT_SIZES, "num_key_value_heads": 2, "pad_token_id": 0, **fields})
 
 
 def _decoder(config_cls, model_cls, **extra):
     def build(attn_implementation="sdpa"):
-        config = config_cls(**_TEXT, num_key_value_heads=2, pad_token_id=0, **extra)
+        config = decoder_config(config_cls, **extra)
         return model_cls._from_config(config, attn_implementation=attn_implementation)
 
     return build
 
 
 def _bert(attn_implementation="sdpa"):
-    config = BertConfig(**_TEXT, **_NO_DROPOUT, num_labels=3, pad_token_id=0)
+    config = BertConfig(**TEXT_SIZES, **_NO_DROPOUT, num_labels=3, pad_token_id=0)
     return BertForSequenceClassification._from_config(config, attn_implementation=attn_implementation)
 
 
 def _roberta(attn_implementation="sdpa"):
-    config = RobertaConfig(**_TEXT, **_NO_DROPOUT, num_labels=3, pad_token_id=1, max_position_embeddings=64)
+    config = RobertaConfig(**TEXT_SIZES, **_NO_DROPOUT, num_labels=3, pad_token_id=1, max_position_embeddings=64)
     return RobertaForSequenceClassification._from_config(config, attn_implementation=attn_implementation)
 
 
 def _vit(attn_implementation="sdpa"):
-    config = ViTConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        image_size=16,
-        patch_size=4,
-        num_labels=3,
-        **_NO_DROPOUT,
-    )
+    config = ViTConfig(**IMAGE_SIZES, num_labels=3, **_NO_DROPOUT)
     return ViTForImageClassification._from_config(config, attn_implementation=attn_implementation)
 
 
@@ -128,3 +128,34 @@ def make_batch(arch: str, batch: int = 3, length: int = 10, seed: int = 0) -> di
     else:
         labels = torch.randint(0, 3, (batch,), generator=generator)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def trainer_kwargs(output_dir, **overrides) -> dict:
+    """What the tests' Trainer arguments (TrainingArguments, TRL's configs) start from: the CPU, seed 0, 2
+    micro-batches of 2 a step, every step logged, nothing reported or saved, no progress bar or loader workers;
+    ``overrides`` change or add fields."""
+    args = dict(
+        output_dir=str(output_dir),
+        report_to=[],
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    return args | overrides
+
+
+# One optimizer step whose update is minus the gradient itself: SGD, lr=1, no schedule, warm-up, decay or clipping.
+ONE_SGD_STEP = dict(
+    max_steps=1,
+    optim="sgd",
+    learning_rate=1.0,
+    lr_scheduler_type="constant",
+    warmup_steps=0,
+    weight_decay=0.0,
+    max_grad_norm=0.0,
+)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from reference import reference_forward
-from tiny_models import VOCAB
+from tiny_models import ONE_SGD_STEP, VOCAB, trainer_kwargs
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 
@@ -70,30 +70,9 @@ def sft_dataset(kind: str, n: int = 4, seed: int = 0):
 
 def sft_args(tmp_path, **overrides):
     """One optimizer step: SGD, lr=1, no clipping or decay, so the applied update is the gradient itself."""
-    args = dict(
-        output_dir=str(tmp_path),
-        report_to=[],
-        use_cpu=True,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=1,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-        dataloader_num_workers=0,
-        optim="sgd",
-        learning_rate=1.0,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=0.0,
-        max_length=64,
-        dataset_num_proc=None,
-        bf16=False,  # TRL defaults to bf16 autocast, on CPU too; the bf16 test turns it on
-    )
-    args.update(overrides)
-    return trl.SFTConfig(**args)
+    # bf16=False: TRL defaults to bf16 autocast, on CPU too; the bf16 test turns it on.
+    args = trainer_kwargs(tmp_path, **ONE_SGD_STEP, max_length=64, dataset_num_proc=None, bf16=False)
+    return trl.SFTConfig(**args | overrides)
 
 
 class ForwardRecorder:
