@@ -42,6 +42,7 @@ def _optional(config: type, name: str) -> Check:
 @dataclass(frozen=True)
 class Recipe:
     """How one run trains: the fields ``peft-slim train``'s method flags set, with the method's defaults filled in.
+    Each field's ``"flag"`` metadata is its flag's help (and default, where it differs) in ``peft-slim train``.
 
     Fields that do not apply to the method are refused (a ``ValueError`` naming the field), never ignored.
     """
@@ -53,6 +54,7 @@ class Recipe:
             "'slimfit' (LoRA or the base weights, a changing fraction frozen at each step), 'lora', or 'full' (every "
             "base weight).",
             "check": OneOf(METHODS),
+            "flag": {"help": "What trains."},
         },
     )
     lora_r: int | None = field(
@@ -61,6 +63,10 @@ class Recipe:
             "help": f"LoRA rank (0 to {MAX_LORA_R}); 0 with tokentune or slimfit trains the base weights. None: "
             f"{DEFAULT_LORA_R}, or 0 with 'full' (the only rank it takes).",
             "check": Integer(0, MAX_LORA_R, optional=True),
+            "flag": {
+                "help": f"LoRA rank (default {DEFAULT_LORA_R}); 0 with tokentune or slimfit trains the base weights. "
+                "Not with --method full."
+            },
         },
     )
     lora_alpha: float | None = field(
@@ -68,6 +74,7 @@ class Recipe:
         metadata={
             "help": "LoRA alpha, a finite float > 0. None: 2 * lora_r.",
             "check": Real(0.0, math.inf, low_open=True, high_open=True, optional=True, keep_int=True),
+            "flag": {"help": "LoRA alpha (default 2 * --lora-r)."},
         },
     )
     lora_target_modules: str | tuple[str, ...] | None = field(
@@ -76,6 +83,11 @@ class Recipe:
             "help": "The modules LoRA adapts: 'all-linear', module names (a tuple), one regex (a string) or None "
             "(PEFT's default for the model type).",
             "check": ModuleNames(),
+            # None: not given (a method without LoRA refuses the flag even as all-linear)
+            "flag": {
+                "help": "Comma-separated module names LoRA adapts, or `all-linear` (the default).",
+                "default": None,
+            },
         },
     )
     token_ratio: float | None = field(
@@ -84,6 +96,10 @@ class Recipe:
             "help": f"tokentune, slimfit: fraction in (0, 1] of each sequence's tokens that get gradients. None: "
             f"{DEFAULT_TOKEN_RATIO} with tokentune, every token with slimfit.",
             "check": _optional(TokenSelectionConfig, "token_ratio"),
+            "flag": {
+                "help": "tokentune, slimfit: fraction of each sequence's tokens that get gradients (tokentune "
+                f"default {DEFAULT_TOKEN_RATIO}; slimfit: none, all tokens, unless given)."
+            },
         },
     )
     selection: str | None = field(
@@ -92,6 +108,10 @@ class Recipe:
             "help": f"With a token ratio: which tokens, one of {SELECTION_RULES}. None: {LABEL_FIRST!r} (the "
             "labelled answer tokens first, then the rest at random).",
             "check": _optional(TokenSelectionConfig, "selection"),
+            "flag": {
+                "help": f"tokentune, slimfit with --token-ratio: which tokens (default {LABEL_FIRST!r}: the labelled "
+                "answer tokens first, then the rest at random)."
+            },
         },
     )
     freeze_ratio: float | None = field(
@@ -100,6 +120,9 @@ class Recipe:
             "help": f"slimfit: fraction in [0, 1) of units frozen at each step. None: "
             f"{SLIMFIT_DEFAULTS.freeze_ratio} (SlimFitConfig's default).",
             "check": _optional(SlimFitConfig, "freeze_ratio"),
+            "flag": {
+                "help": f"slimfit: fraction of units frozen at each step (default {SLIMFIT_DEFAULTS.freeze_ratio})."
+            },
         },
     )
     catch_up: str | None = field(
@@ -108,6 +131,10 @@ class Recipe:
             "help": f"slimfit: how far a unit moves when it trains after missed steps, one of {CATCH_UP}. None: "
             f"{SLIMFIT_DEFAULTS.catch_up!r} (SlimFitConfig's default).",
             "check": _optional(SlimFitConfig, "catch_up"),
+            "flag": {
+                "help": f"slimfit: how far a unit moves when it trains after missed steps (default "
+                f"{SLIMFIT_DEFAULTS.catch_up!r}; 'none': the paper's update)."
+            },
         },
     )
     compression_bits: int | str | None = field(
@@ -116,6 +143,10 @@ class Recipe:
             "help": "Bits the saved activations are stored in: 8, 4 or 2; 'none': exact (slimfit: its own "
             "compression off). None: the method's default (slimfit's own recipe, exact for the others).",
             "check": OneOf(COMPRESSION_BITS, optional=True),
+            "flag": {
+                "help": "Store saved activations in this many bits (none: exact). Default: slimfit's own recipe "
+                "(4-bit GELU/SiLU inputs, 8-bit elsewhere), none for the other methods."
+            },
         },
     )
     gradient_checkpointing: bool = field(

