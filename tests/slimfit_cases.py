@@ -31,11 +31,14 @@ def loss_of(model, batch: dict) -> torch.Tensor:
     return output[0].float().pow(2).mean()  # a headless model: any scalar of its output
 
 
-def train(model, arch: str, steps: int, optimizer=None, lr: float = 1e-2, set_to_none: bool = True):
-    """``steps`` plain-loop steps (AdamW with weight decay); returns the optimizer."""
+def train(
+    model, arch: str, steps: int, optimizer=None, lr: float = 1e-2, weight_decay: float = 0.1, set_to_none: bool = True
+):
+    """``steps`` plain-loop steps (by default AdamW with weight decay); returns the optimizer."""
     model.train()
     if optimizer is None:
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.1)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
     for step in range(steps):
         torch.manual_seed(step)  # dropout: the same masks in every run of the same steps
         loss_of(model, make_batch(arch, seed=step)).backward()

@@ -157,23 +157,24 @@ CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d
 CONVS += (nn.LazyConv2d, nn.LazyConvTranspose1d)
 
 
+def assert_private_base(module, name: str, bases: tuple, classes: tuple, kind: str) -> None:
+    """``bases`` starts with torch's private ``module.name``, the base of every class of ``classes``, each of
+    which ``module_kind`` calls ``kind``."""
+    api = f"{module.__name__}.{name}"
+    private = getattr(module, name, None)
+    assert private is not None and bases[0] is private, moved(api)
+    for cls in classes:
+        assert issubclass(cls, bases), moved(f"{api} (base of {cls.__name__})")
+        assert module_kind(cls) == kind
+
+
 def test_norm_base_covers_batch_and_instance_norms():
-    api = "torch.nn.modules.batchnorm._NormBase"
-    private = getattr(nn.modules.batchnorm, "_NormBase", None)
-    assert private is not None and compat.NORM_BASE_CLASSES[0] is private, moved(api)
-    for cls in NORMS:
-        assert issubclass(cls, compat.NORM_BASE_CLASSES), moved(f"{api} (base of {cls.__name__})")
-        assert module_kind(cls) == "norm"
+    assert_private_base(nn.modules.batchnorm, "_NormBase", compat.NORM_BASE_CLASSES, NORMS, "norm")
     assert not issubclass(nn.LayerNorm, compat.NORM_BASE_CLASSES)
 
 
 def test_conv_base_covers_convolutions():
-    api = "torch.nn.modules.conv._ConvNd"
-    private = getattr(nn.modules.conv, "_ConvNd", None)
-    assert private is not None and compat.CONV_BASE_CLASSES[0] is private, moved(api)
-    for cls in CONVS:
-        assert issubclass(cls, compat.CONV_BASE_CLASSES), moved(f"{api} (base of {cls.__name__})")
-        assert module_kind(cls) == "linear"
+    assert_private_base(nn.modules.conv, "_ConvNd", compat.CONV_BASE_CLASSES, CONVS, "linear")
 
 
 def test_activation_classes_live_in_the_listed_modules():

@@ -18,6 +18,7 @@ import torch
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from reference import reference_forward, selected_causal_lm_loss
 from tiny_models import LORA_TARGETS, build, make_batch
+from tokentune_cases import train_on_one_batch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from peft_slim import TokenTuneConfig
@@ -116,15 +117,7 @@ def test_qlora_tokentune_training_loop_keeps_4bit_base(saved_llama):
     assert quantized
     lora_before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    model.train()
-    losses = []
-    for _ in range(4):
-        out = model(**batch)
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(out.loss.item())
-        assert int(model.base_model.last_token_mask.sum()) < int(batch["attention_mask"].sum())
+    losses = train_on_one_batch(model, batch, optimizer, steps=4)
     assert all(math.isfinite(x) for x in losses)
     for name, value in model.named_parameters():
         if name in quantized:

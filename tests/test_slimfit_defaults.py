@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from slimfit_cases import loss_of, slimfit_model
+from slimfit_cases import loss_of, slimfit_model, train
 from tiny_models import make_batch
 
 from peft_slim import SlimFitConfig
@@ -138,13 +138,8 @@ def test_catch_up_does_not_change_the_scores():
     scores, weights = [], []
     for catch_up in ("linear", "none"):
         model = slimfit_model("bert", freeze_ratio=0.5, freeze_by="count", catch_up=catch_up)
-        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-        model.train()
-        for step in range(2):
-            loss_of(model, make_batch("bert", seed=step)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            model.slimfit_step()
+        sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        train(model, "bert", steps=2, optimizer=sgd)
         scores.append(model.base_model.scheduler.scores)
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert not any(math.isinf(s) for s in scores[0])

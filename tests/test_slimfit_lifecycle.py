@@ -3,6 +3,7 @@ order of slimfit_step(), pausing the schedule, a second Trainer, and load_best_m
 
 from __future__ import annotations
 
+import functools
 import gc
 import re
 import warnings
@@ -12,11 +13,11 @@ import pytest
 import torch
 from peft import PeftModel
 from slimfit_cases import loss_of, slimfit_model, step_hook_counts, train
-from test_training_loops import make_dataset, make_tokenizer, training_args
+from test_slimfit_training import slimfit_trainer
 from tiny_models import build, make_batch
-from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback
+from transformers import TrainerCallback
 
-from peft_slim import SlimFitCallback, TokenSelectionConfig
+from peft_slim import TokenSelectionConfig
 from peft_slim.slimfit.observer import ORDER
 
 
@@ -335,25 +336,8 @@ def test_pause_restores_the_trainable_set_and_resume_continues_the_schedule():
     ]
 
 
-def _trainer(tmp_path, model, steps: int, callbacks=(), **overrides) -> Trainer:
-    tokenizer = make_tokenizer()
-    args = training_args(
-        tmp_path,
-        max_steps=steps,
-        learning_rate=1e-2,
-        weight_decay=0.1,
-        gradient_accumulation_steps=1,
-        lr_scheduler_type="constant",
-        **overrides,
-    )
-    return Trainer(
-        model=model,
-        args=args,
-        train_dataset=make_dataset(tokenizer, [9, 7, 12, 8] * 4),
-        eval_dataset=make_dataset(tokenizer, [10, 6, 11, 9], seed=1),
-        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
-        callbacks=[SlimFitCallback(), *callbacks],
-    )
+# Every Trainer here holds the evaluation set too (load_best_model_at_end evaluates on it).
+_trainer = functools.partial(slimfit_trainer, evaluate=True)
 
 
 class _Watch(TrainerCallback):

@@ -128,9 +128,10 @@ def test_compression_config_is_applied_with_lora():
 # ---------------------------------------------------------------------------------------------- Trainer
 
 
-def _trainer(tmp_path, model, steps: int, **overrides):
+def slimfit_trainer(tmp_path, model, steps: int, callbacks=(), evaluate: bool = False, **overrides) -> Trainer:
+    """A Trainer with SlimFitCallback (and ``callbacks``) over 16 short texts: ``steps`` AdamW steps of one
+    micro-batch at a constant lr of 1e-2, weight decay 0.1; with ``evaluate``, 4 other texts to evaluate on."""
     tokenizer = make_tokenizer()
-    dataset = make_dataset(tokenizer, [9, 7, 12, 8] * 4)
     args = training_args(
         tmp_path,
         max_steps=steps,
@@ -140,26 +141,30 @@ def _trainer(tmp_path, model, steps: int, **overrides):
         lr_scheduler_type="constant",
         **overrides,
     )
-    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
     return Trainer(
-        model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[SlimFitCallback()]
+        model=model,
+        args=args,
+        train_dataset=make_dataset(tokenizer, [9, 7, 12, 8] * 4),
+        eval_dataset=make_dataset(tokenizer, [10, 6, 11, 9], seed=1) if evaluate else None,
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+        callbacks=[SlimFitCallback(), *callbacks],
     )
 
 
 def test_trainer_callback_steps_and_resume_restores_the_schedule(tmp_path):
     """Trainer + SlimFitCallback: one schedule step per optimizer step; a resumed run repeats the same schedule."""
     straight = slimfit_model("llama", freeze_ratio=0.8, seed=5)
-    _trainer(tmp_path / "straight", straight, steps=6).train()
+    slimfit_trainer(tmp_path / "straight", straight, steps=6).train()
     history = straight.base_model.slimfit_history()["trained"]
     assert len(history) == 6
     assert all(sum(row) == straight.base_model.scheduler.num_trained for row in history)
 
     first = slimfit_model("llama", freeze_ratio=0.8, seed=5)
-    _trainer(tmp_path / "resumed", first, steps=6, save_strategy="steps", save_steps=3).train()
+    slimfit_trainer(tmp_path / "resumed", first, steps=6, save_strategy="steps", save_steps=3).train()
     resumed = slimfit_model(
         "llama", freeze_ratio=0.8, seed=77, base_seed=5
     )  # another seed: the checkpoint must override it
-    _trainer(tmp_path / "resumed", resumed, steps=6).train(
+    slimfit_trainer(tmp_path / "resumed", resumed, steps=6).train(
         resume_from_checkpoint=str(tmp_path / "resumed/checkpoint-3")
     )
     assert resumed.base_model.slimfit_history()["trained"] == history
@@ -182,7 +187,7 @@ def test_trainer_without_task_type_and_frozen_units_unchanged(tmp_path):
                 same = all(torch.equal(o, p) for o, p in zip(old, unit.params))
                 assert same != t, unit.name
 
-    trainer = _trainer(tmp_path, model, steps=3)
+    trainer = slimfit_trainer(tmp_path, model, steps=3)
     trainer.add_callback(Watch())
     trainer.train()
     assert len(snapshots) == 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import IA3Config, LoraConfig, get_peft_model
-from tiny_models import VOCAB, build, make_batch
+from tiny_models import TEXT_SIZES, VOCAB, build, decoder_config, make_batch
 from tokentune_cases import tokentune_config, tokentune_model
 from transformers import (
     BertConfig,
@@ -16,7 +16,6 @@ from transformers import (
     DebertaV2ForSequenceClassification,
     GPTNeoConfig,
     GPTNeoForCausalLM,
-    LlamaConfig,
     LlamaForSequenceClassification,
 )
 
@@ -113,16 +112,7 @@ def test_token_mask_must_select_cls_for_encoder_classification():
 
 def test_token_mask_must_select_last_token_for_decoder_classification():
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        vocab_size=VOCAB,
-        pad_token_id=0,
-        num_labels=3,
-    )
+    config = decoder_config(num_labels=3)
     base = LlamaForSequenceClassification._from_config(config, attn_implementation="sdpa")
     model = get_peft_model(
         base, TokenTuneConfig(task_type="SEQ_CLS", token_ratio=0.5, lora=LoraConfig(r=4, target_modules=["q_proj"]))
@@ -184,9 +174,7 @@ def _bloom():
 
 
 def _deberta():
-    config = DebertaV2Config(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB
-    )
+    config = DebertaV2Config(**TEXT_SIZES)
     return DebertaV2ForSequenceClassification._from_config(config, attn_implementation="eager")
 
 
@@ -229,9 +217,7 @@ def test_blocks_without_registry_attention_are_refused(builder, block_class, lor
 
 def test_unknown_head_class_refused_at_get_peft_model():
     torch.manual_seed(0)
-    config = BertConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB
-    )
+    config = BertConfig(**TEXT_SIZES)
     base = BertForQuestionAnswering._from_config(config, attn_implementation="sdpa")
     for task_type in (None, "QUESTION_ANS"):
         with pytest.raises(ValueError, match="BertForQuestionAnswering"):

@@ -15,6 +15,7 @@ from peft import LoraConfig, get_peft_model
 from reference import reference_forward, selected_causal_lm_loss
 from tiny_models import LORA_TARGETS, ONE_SGD_STEP, VOCAB, build, make_batch, trainer_kwargs
 from tokenizers import Tokenizer, models, pre_tokenizers
+from tokentune_cases import train_on_one_batch
 from transformers import (
     DataCollatorForLanguageModeling,
     PreTrainedTokenizerFast,
@@ -243,16 +244,7 @@ def test_plain_pytorch_loop_trains_lora_only_and_loss_decreases():
         return loss
 
     start = full_loss()
-    losses = []
-    model.train()
-    for _ in range(20):
-        out = model(**batch)
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(out.loss.item())
-        mask = model.base_model.last_token_mask
-        assert int(mask.sum()) < int(batch["attention_mask"].sum())  # TokenTune was active
+    losses = train_on_one_batch(model, batch, optimizer, steps=20)
     end = full_loss()
 
     assert all(math.isfinite(x) for x in losses)

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from tiny_models import LORA_TARGETS, build
+from tiny_models import LORA_TARGETS, build, trainer_kwargs
 from trl_cases import (
     documents,
     load,
@@ -270,21 +270,13 @@ def trl_cases_datasets():
     return datasets
 
 
+# TRL's own defaults where trainer_kwargs differs: one micro-batch a step, seed 42.
+TRL_DEFAULTS = dict(gradient_accumulation_steps=1, seed=42)
+
+
 def dpo_args(tmp_path, **overrides):
-    args = dict(
-        output_dir=str(tmp_path),
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        per_device_train_batch_size=2,
-        max_steps=1,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        max_length=32,
-    )
-    args.update(overrides)
-    return trl.DPOConfig(**args)
+    args = trainer_kwargs(tmp_path, **TRL_DEFAULTS, bf16=False, max_steps=1, max_length=32)
+    return trl.DPOConfig(**args | overrides)
 
 
 @pytest.mark.parametrize("make", [tokentune, slimfit_tokentune], ids=["tokentune", "slimfit_tokentune"])
@@ -461,23 +453,13 @@ def test_answer_selection_takes_the_answer_under_sft(tmp_path, kind, overrides, 
 
 
 def _grpo(tmp_path, model, peft_config=None, **overrides):
-    args = dict(
-        output_dir=str(tmp_path),
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=4,
-        max_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
+    args = trainer_kwargs(
+        tmp_path, **TRL_DEFAULTS, logging_steps=10, bf16=False, num_generations=2, max_completion_length=4, max_steps=1
     )
-    args.update(overrides)
     return trl.GRPOTrainer(
         model=model,
         reward_funcs=lambda completions, **kwargs: [float(len(c)) for c in completions],
-        args=trl.GRPOConfig(**args),
+        args=trl.GRPOConfig(**args | overrides),
         train_dataset=trl_cases_datasets().Dataset.from_dict({"prompt": ["w6 w7 w8", "w9 w10 w11"] * 2}),
         processing_class=sft_tokenizer(),
         peft_config=peft_config,

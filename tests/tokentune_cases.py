@@ -118,3 +118,18 @@ def training_step(model, batch: dict, token_mask: torch.Tensor | None = None):
     grads = grads_of_trainable(model)
     model.zero_grad(set_to_none=True)
     return output, mask, grads
+
+
+def train_on_one_batch(model, batch: dict, optimizer, steps: int) -> list[float]:
+    """``steps`` plain-loop steps on ``batch``; returns their losses. Each training forward must have selected
+    fewer tokens than the batch holds (TokenTune was active)."""
+    model.train()
+    losses = []
+    for _ in range(steps):
+        out = model(**batch)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(out.loss.item())
+        assert int(model.base_model.last_token_mask.sum()) < int(batch["attention_mask"].sum())
+    return losses
