@@ -63,14 +63,27 @@ FLAGS = [
     ),
     (("--gguf-file",), None, None, False, "Read --model's config from this GGUF file in it (needs `gguf`)."),
     (("--budget",), None, None, False, "Memory budget, e.g. 24GB (default: none)."),
-    (("--batch-size",), None, None, True, None),
+    (("--batch-size",), None, None, True, "Sequences (or images) per training step."),
     (("--seq-len",), None, None, False, "Tokens per sequence (not for image models)."),
-    (("--lora-r",), 8, None, False, None),
-    (("--optimizer",), "adamw", ("adamw", "sgd"), False, None),
+    (("--lora-r",), 8, None, False, "LoRA rank of the settings with LoRA (default 8)."),
+    (("--optimizer",), "adamw", ("adamw", "sgd"), False, "Optimizer whose state is counted (default adamw)."),
     (("--dtype",), "float32", ("float32", "bfloat16"), False, "dtype of the weights (default float32)."),
-    (("--min-token-ratio",), 0.1, None, False, "Fewest tokens TokenTune may keep."),
+    (
+        ("--min-token-ratio",),
+        0.1,
+        None,
+        False,
+        "Fewest tokens TokenTune may keep, a fraction of each sequence (default 0.1).",
+    ),
     (("--no-checkpointing",), False, None, False, "Do not try gradient checkpointing (faster planning)."),
-    (("--task",), None, ("causal_lm", "sequence_classification", "image_classification"), False, None),
+    (
+        ("--task",),
+        None,
+        ("causal_lm", "sequence_classification", "image_classification"),
+        False,
+        "What the model is trained for (default: read from the model config's architectures; causal_lm for a GGUF "
+        "file).",
+    ),
     (
         ("--rank",),
         "measured",
@@ -236,7 +249,7 @@ def test_help_shows_every_flag_in_order_with_its_help(capsys, monkeypatch):
     for *_, help_ in FLAGS:
         if help_ is not None:
             assert "".join(help_.split()) in text
-    assert text.count("(default:") == 1  # only --budget's own words: the help adds no defaults
+    assert text.count("(default:") == 2  # --budget's and --task's own words: the help adds no defaults
 
 
 def test_the_defaults_are_the_parsed_values_of_the_required_flag():

@@ -48,19 +48,34 @@ class PlanArguments:
     budget: int | None = field(
         default=None, metadata={"help": "Memory budget, e.g. 24GB (default: none).", "parse": parse_bytes}
     )
-    batch_size: int = field(metadata={"help": None, "check": Integer(1, MAX_BATCH_SIZE)})
+    batch_size: int = field(
+        metadata={"help": "Sequences (or images) per training step.", "check": Integer(1, MAX_BATCH_SIZE)}
+    )
     seq_len: int | None = field(
         default=None,
         metadata={"help": "Tokens per sequence (not for image models).", "check": Integer(1, MAX_SEQ_LEN)},
     )
-    lora_r: int = field(default=DEFAULT_LORA_R, metadata={"help": None, "check": Integer(1, MAX_LORA_R)})
-    optimizer: str = field(default="adamw", metadata={"help": None, "check": OneOf(("adamw", "sgd"))})
+    lora_r: int = field(
+        default=DEFAULT_LORA_R,
+        metadata={
+            "help": f"LoRA rank of the settings with LoRA (default {DEFAULT_LORA_R}).",
+            "check": Integer(1, MAX_LORA_R),
+        },
+    )
+    optimizer: str = field(
+        default="adamw",
+        metadata={"help": "Optimizer whose state is counted (default adamw).", "check": OneOf(("adamw", "sgd"))},
+    )
     dtype: str = field(
         default="float32",
         metadata={"help": "dtype of the weights (default float32).", "check": OneOf(("float32", "bfloat16"))},
     )
     min_token_ratio: float = field(
-        default=0.1, metadata={"help": "Fewest tokens TokenTune may keep.", "check": Real(0.0, 1.0, low_open=True)}
+        default=0.1,
+        metadata={
+            "help": "Fewest tokens TokenTune may keep, a fraction of each sequence (default 0.1).",
+            "check": Real(0.0, 1.0, low_open=True),
+        },
     )
     no_checkpointing: bool = field(
         default=False,
@@ -68,7 +83,11 @@ class PlanArguments:
     )
     task: str | None = field(
         default=None,
-        metadata={"help": None, "check": OneOf(("causal_lm", "sequence_classification", "image_classification"))},
+        metadata={
+            "help": "What the model is trained for (default: read from the model config's architectures; causal_lm "
+            "for a GGUF file).",
+            "check": OneOf(("causal_lm", "sequence_classification", "image_classification")),
+        },
     )
     rank: str = field(
         default="measured",
