@@ -326,3 +326,28 @@ def test_budget_method_rows_are_added_by_flags_and_checked():
     finally:
         bench_budget.METHODS.clear()
         bench_budget.METHODS.update(saved)
+
+
+# ---- benchmarks.step_parts: the parts of TokenTune's step peak, on a tiny random Llama ------------------------
+
+
+def test_step_parts_measures_the_kept_keys_and_values_and_writes_its_report(tmp_path):
+    """The keys/values read from TokenTune's graph are the unselected tokens' (their analytic size), within what
+    autograd saves; both methods at both quick lengths, JSON and Markdown written."""
+    from benchmarks import step_parts
+
+    with restored_global_state():
+        report = step_parts.main(["--quick", "--out", str(tmp_path)])
+    rows = {(r["method"], r["tokens"]): r for r in report["rows"]}
+    assert set(rows) == {(m, n) for m in step_parts.METHODS for n in step_parts.QUICK_LENGTHS}
+    for length in step_parts.QUICK_LENGTHS:
+        tokentune = rows[(step_parts.TOKENTUNE, length)]
+        assert 0 < tokentune["unselected_tokens"] < length
+        assert tokentune["kv_bytes"] == tokentune["kv_unselected_analytic_bytes"] > 0
+        assert 0 < tokentune["kv_bytes"] + tokentune["inputs_bytes"] <= tokentune["saved_bytes"]
+        assert tokentune["saved_bytes"] <= tokentune["step_peak_bytes"]
+    written = json.loads((tmp_path / "step_parts.json").read_text())
+    assert written["command"].startswith("python -m benchmarks.step_parts")
+    markdown = (tmp_path / "step_parts.md").read_text()
+    assert markdown.count(f"| {step_parts.TOKENTUNE} | ") == len(step_parts.QUICK_LENGTHS)
+    assert "Measured on:" in markdown
