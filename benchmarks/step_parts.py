@@ -23,13 +23,16 @@ answer, as bench_budget's ``longqa`` task). Measured per length and method, afte
   unselected ones (a cross-check of the measured keys/values).
 
 ``python -m benchmarks.step_parts`` writes ``benchmarks/results/step_parts/step_parts.json`` and ``.md``;
-``--quick`` measures a tiny random Llama at a few tokens into ``benchmarks/results/quick/step_parts``.
+``--quick`` measures a tiny random Llama at a few tokens into ``benchmarks/results/quick/step_parts``. Lengths can be
+measured in separate processes (``--lengths 2048 --out <folder>``) and joined with ``--merge <folder>/step_parts.json
+...``.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 
@@ -50,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--lengths", nargs="+", type=int, help=f"tokens a row (default {LENGTHS}; quick {QUICK_LENGTHS})"
     )
     parser.add_argument("--quick", action="store_true", help="a tiny random Llama, a few tokens")
+    parser.add_argument(
+        "--merge", nargs="+", metavar="JSON", help="join these reports (runs at other lengths), measuring nothing"
+    )
     parser.add_argument("--out", help="default benchmarks/results/step_parts (quick: benchmarks/results/quick/...)")
     args = parser.parse_args(argv)
     args.lengths = args.lengths or (QUICK_LENGTHS if args.quick else LENGTHS)
@@ -226,6 +232,29 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     hf_logging.set_verbosity_error()
     args = parse_args(argv)
+    command = " ".join(["python", "-m", "benchmarks.step_parts", *(sys.argv[1:] if argv is None else argv)])
+    report = merged(args.merge, command) if args.merge else measured(args, command)
+    os.makedirs(args.out, exist_ok=True)
+    write_report(args.out, "step_parts", report, markdown(report))
+    return report
+
+
+def merged(paths: list[str], command: str) -> dict:
+    """One report of the rows of ``paths`` (reports of runs at other lengths), rows by method then length."""
+    reports = []
+    for path in paths:
+        with open(path) as handle:
+            reports.append(json.load(handle))
+    rows = sorted(
+        (row for report in reports for row in report["rows"]), key=lambda r: (METHODS.index(r["method"]), r["tokens"])
+    )
+    lengths = sorted({length for report in reports for length in report["lengths"]})
+    commands = [report["command"] for report in reports]
+    return reports[0] | {"lengths": lengths, "rows": rows, "command": "; ".join([*commands, command])}
+
+
+def measured(args, command: str) -> dict:
+    """The report of ``args.lengths``, measured in this process."""
     if args.quick:
         base, model_name = tiny_llama()
     else:
@@ -233,11 +262,7 @@ def main(argv=None) -> dict:
 
         path, gguf_file, model_name = models.resolve_model(None, None)
         base, _ = models.load_model(path, gguf_file)
-    report = run(args, base, model_name)
-    report["command"] = " ".join(["python", "-m", "benchmarks.step_parts", *(sys.argv[1:] if argv is None else argv)])
-    os.makedirs(args.out, exist_ok=True)
-    write_report(args.out, "step_parts", report, markdown(report))
-    return report
+    return run(args, base, model_name) | {"command": command}
 
 
 if __name__ == "__main__":
