@@ -18,7 +18,10 @@ answer, as bench_budget's ``longqa`` task). Measured per length and method, afte
   (the last two tensors each node keeps; the selected tokens' are recomputed in backward) and the selected pass's
   inputs (the selected hidden states, the cut mask and rotary tensors shared by every block);
 * other saved: saved for backward minus those two (the head and loss, the scatters' indices);
-* the rest of the peak: step peak minus saved for backward (the head's and one block's working memory, gradients);
+* the rest of the peak: step peak minus saved for backward (working memory: a block's pass, the head, gradients);
+* TokenTune's two working memories measured on their own (peaks above what was held before): one block's pass
+  over every token without grad (the base model's last block) and the head + loss on the selected rows, forward
+  and backward (``chunked_head_loss``, as TokenTune calls it, on random hidden states);
 * the analytic K/V size, ``2 x kv_heads x head_dim x layers x tokens x bytes``, for every token and for the
   unselected ones (a cross-check of the measured keys/values).
 
@@ -124,6 +127,45 @@ def kv_bytes(config, tokens: int, element_size: int) -> int:
     return 2 * kv_heads * head_dim * config.num_hidden_layers * tokens * element_size
 
 
+def head_loss_peak(base, rows: int) -> int:
+    """Peak bytes of TokenTune's head and loss on ``rows`` selected rows, forward and backward: ``chunked_head_loss``
+    (what TokenTune calls, with its chunk size) on random hidden states, the base model's head."""
+    import torch
+
+    from peft_slim.memory import peak_memory_bytes
+    from peft_slim.token_selection.chunked_loss import chunk_rows, chunked_head_loss
+
+    head = base.get_output_embeddings()
+    vocab, width = head.weight.shape
+    hidden = torch.randn(rows, width, requires_grad=True)
+    targets = torch.randint(vocab, (rows,), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        chunked_head_loss(head, [], hidden, targets, chunk_rows(vocab, width, rows)).backward()
+
+    return peak_memory_bytes(step)
+
+
+def block_pass_peak(base, tokens: int) -> int:
+    """Peak bytes of one block (the base model's last) on every token without grad, TokenTune's forward pass of a
+    block; causal attention, no mask (the batch has no padding). Llama-style models (``model.rotary_emb``)."""
+    import torch
+
+    from peft_slim.memory import peak_memory_bytes
+    from peft_slim.token_selection.blocks import find_blocks
+
+    _, blocks = find_blocks(base)
+    hidden = torch.randn(1, tokens, base.config.hidden_size)
+    positions = torch.arange(tokens)[None]
+    with torch.no_grad():
+        rotary = base.model.rotary_emb(hidden, positions)
+
+        def step() -> None:
+            blocks[-1](hidden, attention_mask=None, position_embeddings=rotary, position_ids=positions)
+
+        return peak_memory_bytes(step)
+
+
 def measure(name: str, model, context, optimizer, after_step, trl_head: bool, batch: dict) -> dict:
     from peft_slim.memory import SavedActivationBytes, peak_memory_bytes
 
@@ -162,6 +204,8 @@ def run(args, base, model_name: str) -> dict:
             row["kv_all_tokens_analytic_bytes"] = kv_bytes(config, length, element_size)
             if "unselected_tokens" in row:
                 row["kv_unselected_analytic_bytes"] = kv_bytes(config, row["unselected_tokens"], element_size)
+                row["head_loss_peak_bytes"] = head_loss_peak(base, length - row["unselected_tokens"])
+                row["block_pass_peak_bytes"] = block_pass_peak(base, length)
             rows.append(row)
             print(f"  {name} {length}: peak {row['step_peak_bytes'] / 2**20:.1f} MiB", file=sys.stderr)
         del model, optimizer
@@ -197,6 +241,8 @@ def markdown(report: dict) -> str:
                 mib(r.get("inputs_bytes")),
                 mib(other),
                 mib(r["step_peak_bytes"] - r["saved_bytes"]),
+                mib(r.get("block_pass_peak_bytes")),
+                mib(r.get("head_loss_peak_bytes")),
             ]
         )
     header = [
@@ -211,6 +257,8 @@ def markdown(report: dict) -> str:
         "of which selected pass's inputs",
         "of which other saved",
         "peak minus saved",
+        "one block, every token, no grad (peak)",
+        "head + loss on the selected rows (peak)",
     ]
     env = report["environment"]
     return "\n".join(

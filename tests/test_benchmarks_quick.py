@@ -351,6 +351,7 @@ def test_step_parts_measures_the_kept_keys_and_values_and_writes_its_report(tmp_
         assert tokentune["kv_bytes"] == tokentune["kv_unselected_analytic_bytes"] > 0
         assert 0 < tokentune["kv_bytes"] + tokentune["inputs_bytes"] <= tokentune["saved_bytes"]
         assert tokentune["saved_bytes"] <= tokentune["step_peak_bytes"]
+        assert tokentune["head_loss_peak_bytes"] > 0 and tokentune["block_pass_peak_bytes"] > 0
     written = json.loads((tmp_path / "step_parts.json").read_text())
     assert written["command"].startswith("python -m benchmarks.step_parts --quick --lengths 32")
     assert written["command"].endswith("--out " + str(tmp_path))
