@@ -326,3 +326,35 @@ def test_budget_method_rows_are_added_by_flags_and_checked():
     finally:
         bench_budget.METHODS.clear()
         bench_budget.METHODS.update(saved)
+
+
+# ---- benchmarks.step_parts: the parts of TokenTune's step peak, on a tiny random Llama ------------------------
+
+
+def test_step_parts_measures_the_kept_keys_and_values_and_writes_its_report(tmp_path):
+    """The keys/values read from TokenTune's graph are the unselected tokens' (their analytic size), within what
+    autograd saves; each quick length measured in its own run, then both methods at both lengths merged into one
+    report, JSON and Markdown."""
+    from benchmarks import step_parts
+
+    with restored_global_state():
+        for length in step_parts.QUICK_LENGTHS:
+            step_parts.main(["--quick", "--lengths", str(length), "--out", str(tmp_path / str(length))])
+        parts = [str(tmp_path / str(length) / "step_parts.json") for length in step_parts.QUICK_LENGTHS]
+        report = step_parts.main(["--merge", *parts, "--out", str(tmp_path)])
+    assert report["lengths"] == step_parts.QUICK_LENGTHS
+    rows = {(r["method"], r["tokens"]): r for r in report["rows"]}
+    assert set(rows) == {(m, n) for m in step_parts.METHODS for n in step_parts.QUICK_LENGTHS}
+    for length in step_parts.QUICK_LENGTHS:
+        tokentune = rows[(step_parts.TOKENTUNE, length)]
+        assert 0 < tokentune["unselected_tokens"] < length
+        assert tokentune["kv_bytes"] == tokentune["kv_unselected_analytic_bytes"] > 0
+        assert 0 < tokentune["kv_bytes"] + tokentune["inputs_bytes"] <= tokentune["saved_bytes"]
+        assert tokentune["saved_bytes"] <= tokentune["step_peak_bytes"]
+        assert tokentune["head_loss_peak_bytes"] > 0 and tokentune["block_pass_peak_bytes"] > 0
+    written = json.loads((tmp_path / "step_parts.json").read_text())
+    assert written["command"].startswith("python -m benchmarks.step_parts --quick --lengths 32")
+    assert written["command"].endswith("--out " + str(tmp_path))
+    markdown = (tmp_path / "step_parts.md").read_text()
+    assert markdown.count(f"| {step_parts.TOKENTUNE} | ") == len(step_parts.QUICK_LENGTHS)
+    assert "Measured on:" in markdown
