@@ -14,7 +14,7 @@ from tiny_models import LORA_TARGETS, build, make_batch
 from tokentune_cases import reference_loss_and_grads, training_step
 
 import peft_slim
-from peft_slim import ActivationCompressionConfig, TokenTuneConfig
+from peft_slim import ActivationCompressionConfig, SlimFitConfig, TokenSelectionConfig, TokenTuneConfig
 from peft_slim.compression.format import Quantized
 from peft_slim.compression.tensor import CompressedTensor
 from peft_slim.memory import SavedActivationBytes
@@ -170,10 +170,23 @@ def _held_keys_values(monkeypatch) -> list[dict]:
     return recorded
 
 
+def _selecting_config(method: str, compression: ActivationCompressionConfig):
+    """TokenTune's config, or SlimFit's with token selection, both with ``compression``."""
+    if method == "tokentune":
+        return _config(compression)
+    lora = LoraConfig(r=4, target_modules=LORA_TARGETS["llama"], init_lora_weights=False)
+    selection = TokenSelectionConfig(token_ratio=0.5, seed=0)
+    return SlimFitConfig(
+        task_type="CAUSAL_LM", freeze_ratio=0.5, lora=lora, tokentune=selection, activation_compression=compression
+    )
+
+
+@pytest.mark.parametrize("method", ["tokentune", "slimfit"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_keys_and_values_kept_for_backward_are_stored_quantized(monkeypatch, dtype):
+def test_the_keys_and_values_kept_for_backward_are_stored_quantized(monkeypatch, dtype, method):
     recorded = _held_keys_values(monkeypatch)
-    model = _peft_model(build("llama").to(dtype), _config(ActivationCompressionConfig(bits=8, min_numel=0))).train()
+    config = _selecting_config(method, ActivationCompressionConfig(bits=8, min_numel=0))
+    model = _peft_model(build("llama").to(dtype), config).train()
     loss = model(**make_batch("llama", batch=4, length=32)).loss
     text = model.base_model.model.config
     assert len(recorded) == 2 * text.num_hidden_layers
