@@ -1,10 +1,12 @@
 """What TokenTune's step peak is made of, at 512 to 2048 tokens, next to the baseline a TRL user has.
 
-One training step (forward, backward, AdamW) of two rows of ``benchmarks.bench_step``, on SmolLM2-135M-Instruct
-(LoRA r=8 on every linear layer), batch 1, one intra-op thread:
+One training step (forward, backward, AdamW) of two rows of ``benchmarks.bench_step`` and of TokenTune with 8-bit
+compression, on SmolLM2-135M-Instruct (LoRA r=8 on every linear layer), batch 1, one intra-op thread:
 
 * ``tokentune (defaults)``: ``peft-slim train --method tokentune --lora-r 8 --lora-target-modules all-linear``
   (token ratio 0.3, answer tokens selected first);
+* ``tokentune (defaults) + 8-bit``: the same with ``--compression-bits 8`` (everything autograd keeps, the unselected
+  tokens' keys and values included, stored by ``activation_compression`` in 8 bits);
 * ``lora+ckpt+trl-head``: LoRA + checkpointing with TRL's fused LM head (bench_step's baseline).
 
 The rows are synthetic: uniformly random token ids, the last 5% of the row labelled (a long prompt, a short
@@ -12,7 +14,10 @@ answer, as bench_budget's ``longqa`` task). Measured per length and method, afte
 
 * step peak: ``peft_slim.memory.peak_memory_bytes`` of one step (above what was held before it);
 * forward peak: the same of the forward alone;
-* saved for backward: ``peft_slim.memory.SavedActivationBytes`` of the forward;
+* saved for backward: ``peft_slim.memory.SavedActivationBytes`` of the forward (not for the compressed row: its
+  compression is a saved-tensor hook itself, which cannot run inside another);
+* held after the forward: ``peft_slim.memory.held_memory_bytes`` of the forward (what it leaves allocated: the
+  saved tensors, packed or not, and the loss), for every row;
 * TokenTune's parts of it, read from the autograd graph after the forward (the saved tensors of each block's
   ``SelectedPass`` node, distinct storages, ``untyped_storage().nbytes()``): the unselected tokens' keys and values
   (the last two tensors each node keeps; the selected tokens' are recomputed in backward) and the selected pass's
@@ -44,7 +49,12 @@ from benchmarks import bench_budget, bench_sft, bench_step  # noqa: E402
 from benchmarks.report import markdown_table, write_report  # noqa: E402
 
 TOKENTUNE = "tokentune (defaults)"
-METHODS = [TOKENTUNE, bench_step.BASELINE]
+TOKENTUNE_8BIT = "tokentune (defaults) + 8-bit"
+# name -> (`peft-slim train` flags, TRL's fused head, the previous TokenTune step), as bench_step.METHODS
+FLAGS = bench_step.METHODS | {
+    TOKENTUNE_8BIT: ([*bench_step.METHODS[TOKENTUNE][0], "--compression-bits", "8"], False, False)
+}
+METHODS = [TOKENTUNE, TOKENTUNE_8BIT, bench_step.BASELINE]
 LENGTHS = [512, 1024, 2048]
 QUICK_LENGTHS = [32, 64]
 ANSWER_SHARE = 0.05  # the labelled tail of each row
@@ -55,6 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--lengths", nargs="+", type=int, help=f"tokens a row (default {LENGTHS}; quick {QUICK_LENGTHS})"
     )
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS, help="rows to measure (default all)")
     parser.add_argument("--quick", action="store_true", help="a tiny random Llama, a few tokens")
     parser.add_argument(
         "--merge", nargs="+", metavar="JSON", help="join these reports (runs at other lengths), measuring nothing"
@@ -167,32 +178,45 @@ def block_pass_peak(base, tokens: int) -> int:
 
 
 def measure(name: str, model, context, optimizer, after_step, trl_head: bool, batch: dict) -> dict:
-    from peft_slim.memory import SavedActivationBytes, peak_memory_bytes
+    from peft_slim.memory import SavedActivationBytes, held_memory_bytes, peak_memory_bytes
 
     batch = batch | ({"fused_lm_head": True} if trl_head else {})
     bench_sft.train_step(model, optimizer, batch, context, after_step)  # warm-up: AdamW's state exists
-    with context(), SavedActivationBytes(model.parameters()) as saved:
-        loss = model(**batch).loss
-    parts = selected_pass_parts(loss) if name == TOKENTUNE else {}
+    saved_bytes, parts = None, {}
+    if name != TOKENTUNE_8BIT:
+        with context(), SavedActivationBytes(model.parameters()) as saved:
+            loss = model(**batch).loss
+        saved_bytes = saved.bytes
+        parts = selected_pass_parts(loss) if name == TOKENTUNE else {}
+        del loss
+        optimizer.zero_grad(set_to_none=True)
+
+    def forward():
+        with context():
+            return model(**batch).loss
+
+    held_bytes, loss = held_memory_bytes(forward)
     del loss
     optimizer.zero_grad(set_to_none=True)
-
-    def forward() -> None:
-        with context():
-            model(**batch)
 
     forward_peak = peak_memory_bytes(forward)
     step = functools.partial(bench_sft.train_step, model, optimizer, batch, context, after_step)
     step_peak = peak_memory_bytes(step)
-    return {"step_peak_bytes": step_peak, "forward_peak_bytes": forward_peak, "saved_bytes": saved.bytes, **parts}
+    return {
+        "step_peak_bytes": step_peak,
+        "forward_peak_bytes": forward_peak,
+        "saved_bytes": saved_bytes,
+        "held_after_forward_bytes": held_bytes,
+        **parts,
+    }
 
 
 def run(args, base, model_name: str) -> dict:
     config = base.config
     element_size = next(base.parameters()).element_size()
     rows = []
-    for name in METHODS:
-        flags, trl_head, _ = bench_step.METHODS[name]
+    for name in args.methods:
+        flags, trl_head, _ = FLAGS[name]
         parsed = bench_sft.method_args(
             flags, argparse.Namespace(steps=100, learning_rate=1e-3, base_learning_rate=1e-4), 0
         )
@@ -235,12 +259,13 @@ def markdown(report: dict) -> str:
                 mib(r["step_peak_bytes"]),
                 mib(r["forward_peak_bytes"]),
                 mib(r["saved_bytes"]),
+                mib(r.get("held_after_forward_bytes")),
                 mib(r.get("kv_bytes")),
                 mib(r.get("kv_unselected_analytic_bytes")),
                 mib(r["kv_all_tokens_analytic_bytes"]),
                 mib(r.get("inputs_bytes")),
                 mib(other),
-                mib(r["step_peak_bytes"] - r["saved_bytes"]),
+                mib(None if r["saved_bytes"] is None else r["step_peak_bytes"] - r["saved_bytes"]),
                 mib(r.get("block_pass_peak_bytes")),
                 mib(r.get("head_loss_peak_bytes")),
             ]
@@ -251,6 +276,7 @@ def markdown(report: dict) -> str:
         "step peak",
         "forward peak",
         "saved for backward",
+        "held after the forward",
         "of which K/V kept (unselected)",
         "K/V analytic, unselected",
         "K/V analytic, every token",
