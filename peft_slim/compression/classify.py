@@ -7,7 +7,7 @@ any model built from ``nn.Module``s, including code that calls functional ops in
 
 The hooks are global (``register_module_forward_pre_hook``) and registered only while a context is active: a
 tuner's compression enters it for the length of its model's training forward only. They cannot be the model's
-own: a model runs modules that are not its submodules (transformers' kernelized functions, e.g. Llama's
+own: a model runs modules that are not its submodules (recent transformers releases' kernelized functions, e.g. Llama's
 ``apply_rotary_pos_emb``, are module-level ``nn.Module``s), and the tensors those save take their kind. Global hooks
 run for every model in every thread, so each stack only follows the thread and the ``contextvars`` context that
 started it: another thread's model (even one run in a copy of this context, as ``asyncio.to_thread`` does) or an
