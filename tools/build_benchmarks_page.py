@@ -127,7 +127,7 @@ def render_readme_table() -> str:
     return "\n".join(lines)
 
 
-def render_readme_budget(folder: str = "budget") -> str:
+def render_readme_budget(folder: str) -> str:
     """One table per task: each method against the budget method's memory and CPU time (``folder``/budget.json)."""
     sys.path.insert(0, str(ROOT))
     from benchmarks.bench_budget import mean_spread
