@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import markdown_table, write_report  # noqa: E402
 from peft_slim.cli import models, sft_data  # noqa: E402
 from peft_slim.cli import train as cli  # noqa: E402
-from peft_slim.memory import peak_memory_bytes  # noqa: E402
+from peft_slim.memory import SavedActivationBytes, peak_memory_bytes  # noqa: E402
 from peft_slim.recipe import LABEL_FIRST, Recipe  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -162,6 +162,22 @@ def record(losses: list[float], step) -> None:
     losses.append(step())
 
 
+def saved_activation_bytes(model, batch: dict, context) -> int:
+    """Bytes autograd saves for backward in one training forward, parameters excluded (what a method's own
+    activation compression stores, where it compresses)."""
+    model.train()
+    with context() as compression:
+        if compression is not None:  # compress_activations around the forward: its own count
+            loss = model(**batch).loss
+            del loss
+            return compression.stats.stored_bytes
+        with SavedActivationBytes(model.parameters()) as saved:
+            loss = model(**batch).loss
+    del loss
+    stats = getattr(getattr(model, "base_model", None), "last_compression_stats", None)
+    return saved.bytes if stats is None else stats.stored_bytes
+
+
 def build_method(base, parsed: argparse.Namespace, seed: int, trl_head: bool = False):
     """A copy of ``base`` wrapped as ``parsed`` (the method's `peft-slim train` flags) asks, in training mode, with
     its AdamW and what to call after each optimizer step. Returns (model, context, optimizer, after_step).
@@ -197,7 +213,7 @@ def run_one(name: str, base, train, held_out, pad_id: int, args: argparse.Namesp
         )
         for s in range(args.steps)
     ]
-    saved = cli.saved_activation_bytes(model, batches[0], context)
+    saved = saved_activation_bytes(model, batches[0], context)
     losses, cpu_seconds, peak = [], [], None
     for index, batch in enumerate(batches):
         if index == len(batches) - 1:

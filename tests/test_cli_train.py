@@ -173,8 +173,48 @@ def test_each_method_reports_and_ends_with_the_saved_path(name, trained):
     output, lines = trained[name]
     assert lines[-1] == str(output.resolve())
     assert any("steps/s" in line for line in lines)
-    assert any(line.startswith("peak memory") and "MiB" in line for line in lines)
-    assert any(line.startswith("saved activations") and "ratio" in line for line in lines)
+    assert any(line.startswith("peak memory of one training step") and "MiB" in line for line in lines)
+    assert any(line.startswith("the same step of LoRA") and "ratio" in line for line in lines)
+
+
+def test_the_baseline_loss_is_the_models_loss_with_the_head_only_at_labelled_positions():
+    """The baseline's loss is the model's own next-token loss, and its LM head sees only the labelled positions."""
+    from tiny_models import build, make_batch
+
+    from peft_slim.cli.train import labelled_positions_loss
+
+    model = build("llama")
+    batch = make_batch("llama", batch=4, length=40)
+    batch["labels"][:, :6] = -100  # a prompt: only the last positions carry labels
+    rows = []
+    handle = model.get_output_embeddings().register_forward_hook(lambda m, i, o: rows.append(i[0].shape[:-1].numel()))
+    loss = labelled_positions_loss(model, batch)
+    handle.remove()
+    assert torch.allclose(loss, model(**batch).loss, atol=1e-6)
+    assert sum(rows) == (batch["labels"][:, 1:] != -100).sum()  # the head ran on the labelled positions only
+    assert max(rows) < sum(rows)  # in chunks: never all the rows' logits at once
+
+
+def test_the_baseline_step_leaves_the_model_as_it_was():
+    """Measuring the baseline wraps LoRA and checkpointing around the model and takes both off again."""
+    import argparse
+
+    from tiny_models import build, make_batch
+
+    from peft_slim.cli.train import add_arguments, baseline_step_peak, check_flags
+
+    model = build("llama")
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--method", "tokentune", "--lora-r", "4"])
+    check_flags(args)
+    peak = baseline_step_peak(model, args, make_batch("llama"))
+    assert peak > 0
+    assert not model.is_activation_checkpointing
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in before.items())
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_slimfit_flags_reach_the_saved_config(trained):

@@ -170,6 +170,20 @@ def test_the_evidence_gives_the_measured_numbers_and_their_source(everything):
         else:
             best = statistics.mean(t["best_within_budget_ratio"] for t in tasks.values())
             assert f"best perplexity in that time {best:.3f}x LoRA's final" in text
+        stronger = PACKAGED["methods"][benchmark_name(candidate)].get("against_trl_head")
+        assert ("budget_trl/budget.md" in text) == (stronger is not None)
+        if stronger is not None:  # the run against the baseline a TRL user has: its own numbers, after the first
+            peak = statistics.mean(t["peak_ratio_to_budget_method"] for t in stronger["tasks"].values())
+            clause = text.split("; ", 4)[-1]
+            assert "LoRA + checkpointing with TRL's fused LM head" in clause and f"{peak:.2f}x its step peak" in clause
+
+
+def test_a_method_the_trl_head_run_measured_carries_those_ratios_too():
+    trl_head = json.loads((ROOT / "benchmarks" / "results" / "budget_trl" / "budget.json").read_text())
+    stronger = {name for task in trl_head["summary"].values() for name in task} - {trl_head["budget_method"]}
+    assert stronger, "the TRL-head run measured no method"
+    for name, method in PACKAGED["methods"].items():
+        assert ("against_trl_head" in method) == (name in stronger), name
 
 
 def test_cli_prints_each_settings_evidence_and_trains_the_first(tmp_path, capsys, everything):

@@ -2,14 +2,16 @@
 
 Every flag is checked before the model loads, and a flag that does not apply to the chosen method is refused
 (never ignored). Training runs in ``transformers.Trainer`` with the method's callback; before it, one batch
-measures the bytes autograd saves for backward against plain LoRA on the same model, and the first training
-step's peak memory is measured while it runs (CUDA: the allocator's peak; CPU: the profiler's memory timeline).
+measures the peak memory of one training step of the method and of the baseline a TRL SFT user has (LoRA + gradient
+checkpointing, the LM head only at labelled positions; CUDA: the allocator's peak; CPU: the profiler's memory
+timeline).
 The saved adapter's path is the last line printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import os
 import sys
@@ -20,6 +22,8 @@ from pathlib import Path
 from ..configuration import Boolean, Integer, OneOf, Real
 from ..planner.setup import MAX_BATCH_SIZE, MAX_SEQ_LEN, MAX_TOKENS, max_positions
 from ..recipe import DEFAULT_LORA_R, Recipe
+from ..token_selection.chunked_loss import chunk_rows, chunked_head_loss
+from ..token_selection.loss import IGNORE_INDEX
 from . import models, sft_data
 from .flags import MAX_EPOCHS, MAX_SEED, MAX_STEPS, add_fields
 
@@ -315,34 +319,73 @@ def wrap(model, args: argparse.Namespace):
     return _get_peft_model(model, config), nullcontext
 
 
-def saved_activation_bytes(model, batch: dict, context) -> int:
-    """Bytes autograd saves for backward in one training forward, parameters excluded (what a method's own
-    activation compression stores, where it compresses)."""
-    from ..memory import SavedActivationBytes
+def step_peak(model, batch: dict, context, bf16: bool = False, loss_of=None) -> int:
+    """Peak memory of one training step (forward + backward) on ``batch``, above what was held before it (CUDA: the
+    allocator's peak; CPU: the profiler's memory timeline). ``loss_of(model, batch)``: the loss (default: the
+    model's own). The gradients the step leaves are dropped."""
+    import torch
+
+    from ..memory import peak_memory_bytes, timeline_peak_bytes
+
+    device = next(model.parameters()).device
+    measure = peak_memory_bytes if device.type == "cuda" else timeline_peak_bytes
+    batch = {key: value.to(device) for key, value in batch.items()}
+
+    def step():
+        with context(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = model(**batch).loss if loss_of is None else loss_of(model, batch)
+        loss.backward()
 
     model.train()
-    with context() as compression:
-        if compression is not None:  # compress_activations around the forward: its own count
-            loss = model(**batch).loss
-            del loss
-            return compression.stats.stored_bytes
-        with SavedActivationBytes(model.parameters()) as saved:
-            loss = model(**batch).loss
-    del loss
-    stats = getattr(getattr(model, "base_model", None), "last_compression_stats", None)
-    return saved.bytes if stats is None else stats.stored_bytes
+    try:
+        return measure(step)
+    finally:
+        model.zero_grad(set_to_none=True)
 
 
-def plain_lora_saved_bytes(model, args: argparse.Namespace, batch: dict) -> int:
-    """Saved-activation bytes of plain LoRA (this run's rank and targets, no checkpointing, no compression) on
-    ``batch``; the model is given back unchanged (LoRA unloaded)."""
+def labelled_positions_loss(model, batch: dict):
+    """Next-token cross-entropy with the LM head run only at positions whose next token has a label, a chunk of
+    rows at a time, as TRL's fused SFT loss computes it (no full-vocabulary logits): a pre-hook takes the head's
+    input at those positions and hands the model's own head call no rows."""
+    import torch.nn.functional as F
+
+    labels = batch["labels"]
+    scored = labels[:, 1:] != IGNORE_INDEX
+    keep = F.pad(scored, (0, 1))  # hidden state t predicts token t + 1
+    head = model.get_output_embeddings()
+    taken = []
+
+    def take_rows(module, inputs):
+        taken.append(inputs[0][keep])
+        return (inputs[0][:, :0],) + inputs[1:]
+
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if "use_cache" in inspect.signature(base.forward).parameters:
+        inputs["use_cache"] = False  # training fills no cache (and checkpointing would say so)
+    handle = head.register_forward_pre_hook(take_rows)
+    try:
+        model(**inputs)
+    finally:
+        handle.remove()
+    (hidden,) = taken
+    rows = chunk_rows(head.weight.shape[0], hidden.shape[-1], hidden.shape[0])
+    trained = [p for p in head.parameters() if p.requires_grad]
+    return chunked_head_loss(head, trained, hidden, labels[:, 1:][scored], rows) / hidden.shape[0]
+
+
+def baseline_step_peak(model, args: argparse.Namespace, batch: dict) -> int:
+    """``step_peak`` of the baseline a TRL SFT user has, on ``batch``: LoRA (this run's rank and targets) with
+    gradient checkpointing, the LM head only at labelled positions. The model is given back unchanged."""
     from contextlib import nullcontext
 
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     plain = _get_peft_model(model, lora_config(args))
     try:
-        return saved_activation_bytes(plain, batch, nullcontext)
+        return step_peak(plain, batch, nullcontext, args.bf16, labelled_positions_loss)
     finally:
         plain.unload()
+        model.activation_checkpointing_disable()
 
 
 def save(model, tokenizer, output: Path) -> None:
@@ -368,27 +411,13 @@ def make_trainer(model, tokenizer, examples, args, context):
     from transformers import Trainer, TrainingArguments
 
     from .. import SlimFitCallback, TokenTuneCallback
-    from ..memory import peak_memory_bytes, timeline_peak_bytes
 
-    step_peak_bytes = peak_memory_bytes if torch.cuda.is_available() else timeline_peak_bytes
-
-    class MeasuredTrainer(Trainer):
-        """Trainer whose training forwards run in ``context`` and whose first step's peak memory is recorded."""
-
-        step_peak: int | None = None
+    class ContextTrainer(Trainer):
+        """Trainer whose training forwards run in ``context`` (the method's activation compression, if any)."""
 
         def compute_loss(self, *a, **kw):
             with context():
                 return super().compute_loss(*a, **kw)
-
-        def training_step(self, *a, **kw):
-            if self.step_peak is not None:
-                return super().training_step(*a, **kw)
-            result = []
-            self.step_peak = step_peak_bytes(
-                lambda: result.append(super(MeasuredTrainer, self).training_step(*a, **kw))
-            )
-            return result[0]
 
     training_args = TrainingArguments(
         output_dir=str(args.output),
@@ -412,7 +441,7 @@ def make_trainer(model, tokenizer, examples, args, context):
         use_cpu=not torch.cuda.is_available(),  # bf16 autocast on CPU needs it
     )
     callbacks = {"tokentune": [TokenTuneCallback()], "slimfit": [SlimFitCallback()]}.get(args.method, [])
-    return MeasuredTrainer(
+    return ContextTrainer(
         model=model,
         args=training_args,
         train_dataset=examples,
@@ -455,12 +484,14 @@ def _run(args: argparse.Namespace) -> int:
 
     set_seed(args.seed)
     batch = sft_data.collate(examples[: args.batch_size], tokenizer.pad_token_id)
-    baseline_bytes = plain_lora_saved_bytes(model, args, batch)
+    if torch.cuda.is_available():
+        model.cuda()  # where Trainer would put it: both step peaks are measured on the device that trains
+    baseline_peak = baseline_step_peak(model, args, batch)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     set_seed(args.seed)
     model, context = wrap(model, args)
-    method_bytes = saved_activation_bytes(model, batch, context)
+    method_peak = step_peak(model, batch, context, args.bf16)
 
     trainer = make_trainer(model, tokenizer, examples, args, context)
     start = time.perf_counter()
@@ -472,15 +503,16 @@ def _run(args: argparse.Namespace) -> int:
     steps = result.global_step
     speed = f"{steps / seconds:.3f} steps/s"
     print(f"trained {steps} steps in {seconds:.1f} s: {speed}, final loss {result.training_loss:.4f}")
-    peak = f"{trainer.step_peak / MIB:.1f} MiB" if trainer.step_peak is not None else "not measured"
-    print(f"peak memory of one training step (forward + backward, above what was held before): {peak}")
+    print(
+        f"peak memory of one training step on the first batch (forward + backward, above what was held before): "
+        f"{method_peak / MIB:.1f} MiB"
+    )
+    print(
+        f"the same step of LoRA r={args.lora_r or DEFAULT_LORA_R} + gradient checkpointing with the LM head only at "
+        f"labelled positions (what TRL's SFT loss computes): {baseline_peak / MIB:.1f} MiB "
+        f"(ratio {method_peak / baseline_peak:.2f})"
+    )
     if torch.cuda.is_available():
         print(f"peak CUDA memory of the run: {torch.cuda.max_memory_allocated() / MIB:.1f} MiB")
-    ratio = method_bytes / baseline_bytes if baseline_bytes else float("nan")
-    print(
-        f"saved activations on one batch: {method_bytes / MIB:.2f} MiB vs {baseline_bytes / MIB:.2f} MiB for plain "
-        f"LoRA r={args.lora_r or DEFAULT_LORA_R} (ratio {ratio:.3f})"
-        + (" (checkpointed layers' inputs not counted)" if args.gradient_checkpointing else "")
-    )
     print(output)
     return 0

@@ -28,55 +28,73 @@ class Measurement:
     tasks: dict  # task -> {"seeds", "seeds_reaching_reference", "time_to_reference_ratio", ...}
     lora: dict  # the LoRA it was measured with: {"r", "alpha", "target_modules"}
     source: dict  # the file's provenance (model, machine, report, command)
+    against_trl_head: dict | None = None  # {"report", "tasks"}: ratios against LoRA + ckpt with TRL's fused head
 
     @property
     def reaches(self) -> bool:
         """Reached LoRA's final perplexity (within 2%) in the time budget in every seed of every task."""
-        return all(t["seeds_reaching_reference"] == len(t["seeds"]) for t in self.tasks.values())
+        return _reaches(self.tasks)
 
     @property
     def time_to_reference(self) -> float | None:
         """Mean over tasks of the mean time to LoRA's final perplexity / the budget (seeds that reached it)."""
-        values = [t["time_to_reference_ratio"] for t in self.tasks.values()]
-        values = [v for v in values if v is not None]
-        return statistics.mean(values) if values else None
+        return _mean_over(self.tasks, "time_to_reference_ratio")
 
     @property
     def best_within_budget(self) -> float:
         """Mean over tasks of the best perplexity within the time budget / LoRA's final perplexity."""
-        values = [t["best_within_budget_ratio"] for t in self.tasks.values()]
-        values = [v for v in values if v is not None]
-        return statistics.mean(values) if values else math.inf
+        best = _mean_over(self.tasks, "best_within_budget_ratio")
+        return math.inf if best is None else best
 
     @property
     def peak(self) -> float | None:
         """Mean over tasks of the measured step peak / LoRA + checkpointing's (None: not measured)."""
-        values = [t["peak_ratio_to_budget_method"] for t in self.tasks.values()]
-        values = [v for v in values if v is not None]
-        return statistics.mean(values) if values else None
+        return _mean_over(self.tasks, "peak_ratio_to_budget_method")
 
     def sort_key(self) -> tuple:
         """Those that reach LoRA's perplexity first, soonest first; then the rest by best perplexity in the budget."""
         return (0, self.time_to_reference) if self.reaches else (1, self.best_within_budget)
 
     def evidence(self) -> str:
-        seeds = sum(len(t["seeds"]) for t in self.tasks.values())
-        reached = sum(t["seeds_reaching_reference"] for t in self.tasks.values())
-        reach = "reaches LoRA's final perplexity (within 2%) in"
-        if self.reaches:
-            head = f"{reach} {self.time_to_reference:.2f}x the time of LoRA + checkpointing"
-        else:
-            head = (
-                f"{reach} {reached} of {seeds} runs within LoRA + checkpointing's time; "
-                f"best perplexity in that time {self.best_within_budget:.3f}x LoRA's final"
-            )
-        peak = self.peak
-        peak = f"{peak:.2f}x its step peak" if peak is not None else "step peak not measured"
-        tasks = ", ".join(f"{task} ({_count(len(t['seeds']), 'seed')})" for task, t in self.tasks.items())
+        """The measured numbers and where they come from, against LoRA + checkpointing and, where that run has
+        this setting, against LoRA + checkpointing with TRL's fused LM head (the baseline a TRL user has)."""
         lora = f"LoRA r={self.lora['r']} on {self.lora['target_modules']}"
-        where = f"{self.source['model']}, {lora}; {'task' if len(self.tasks) == 1 else 'tasks'} {tasks}; "
-        where += f"{self.source['hardware']}; {self.source['report']}"
-        return f"measured: {head}, {peak} ({where})"
+        where = f"{self.source['model']}, {lora}; {_tasks(self.tasks)}; {self.source['hardware']}; "
+        text = f"measured: {_numbers(self.tasks, 'LoRA + checkpointing')} ({where}{self.source['report']})"
+        if self.against_trl_head:
+            stronger = self.against_trl_head
+            baseline = "LoRA + checkpointing with TRL's fused LM head"
+            text += f"; {_numbers(stronger['tasks'], baseline)} ({_tasks(stronger['tasks'])}; {stronger['report']})"
+        return text
+
+
+def _reaches(tasks: dict) -> bool:
+    return all(t["seeds_reaching_reference"] == len(t["seeds"]) for t in tasks.values())
+
+
+def _mean_over(tasks: dict, key: str) -> float | None:
+    values = [t[key] for t in tasks.values() if t[key] is not None]
+    return statistics.mean(values) if values else None
+
+
+def _numbers(tasks: dict, baseline: str) -> str:
+    """Time to LoRA's final perplexity (or how close the budget got) and the step peak, against ``baseline``."""
+    reach = "reaches LoRA's final perplexity (within 2%) in"
+    if _reaches(tasks):
+        head = f"{reach} {_mean_over(tasks, 'time_to_reference_ratio'):.2f}x the time of {baseline}"
+    else:
+        seeds = sum(len(t["seeds"]) for t in tasks.values())
+        reached = sum(t["seeds_reaching_reference"] for t in tasks.values())
+        best = _mean_over(tasks, "best_within_budget_ratio")
+        head = f"{reach} {reached} of {seeds} runs within the time of {baseline}; best perplexity in that time "
+        head += f"{best:.3f}x LoRA's final"
+    peak = _mean_over(tasks, "peak_ratio_to_budget_method")
+    return head + (f", {peak:.2f}x its step peak" if peak is not None else ", step peak not measured")
+
+
+def _tasks(tasks: dict) -> str:
+    listed = ", ".join(f"{task} ({_count(len(t['seeds']), 'seed')})" for task, t in tasks.items())
+    return f"{'task' if len(tasks) == 1 else 'tasks'} {listed}"
 
 
 def _count(n: int, noun: str) -> str:
@@ -94,5 +112,5 @@ def measurement_for(candidate, data: dict | None = None) -> Measurement | None:
     wanted = candidate.recipe.key
     for name, m in data["methods"].items():
         if m["setting"] == wanted:
-            return Measurement(name, m["tasks"], m["lora"], data["source"])
+            return Measurement(name, m["tasks"], m["lora"], data["source"], m.get("against_trl_head"))
     return None
