@@ -36,10 +36,6 @@ MISMATCH_FLAG = "ignore_base_mismatch"  # the loading keyword that accepts anoth
 _HUB_KEYWORDS = ("revision", "cache_dir", "token", "local_files_only", "force_download")
 
 
-def _has_record(model_id: str, subfolder: str | None, hub_kwargs: dict) -> bool:
-    return adapter_file(model_id, RECORD_NAME, subfolder, **hub_kwargs) is not None
-
-
 @config_dataclass
 class MethodConfig(PeftConfig, ValidatedConfig):
     """Base of the PEFT configs of peft_slim's methods (a subclass sets ``method``, e.g. "TOKENTUNE").
@@ -129,17 +125,12 @@ class MethodConfig(PeftConfig, ValidatedConfig):
         if os.path.isfile(save_directory):
             raise ValueError(f"save_pretrained: {save_directory!r} is a file; give a directory.")
         auto_mapping = kwargs.pop("auto_mapping_dict", None)
-        record = self.to_dict()
-        if auto_mapping is not None:
-            record["auto_mapping"] = auto_mapping
-        record_text = dump_json(record)  # fails here, before the disk is touched
+        extra = {} if auto_mapping is None else {"auto_mapping": auto_mapping}
+        record_text = dump_json({**self.to_dict(), **extra})  # fails here, before the disk is touched
         if self.lora is None:
             atomic_write_text(os.path.join(save_directory, CONFIG_NAME), record_text)
             return
-        lora = to_json_value(self.lora_export_config())
-        if auto_mapping is not None:
-            lora["auto_mapping"] = auto_mapping
-        lora_text = dump_json(lora)
+        lora_text = dump_json({**to_json_value(self.lora_export_config()), **extra})
         atomic_write_text(os.path.join(save_directory, RECORD_NAME), record_text)
         atomic_write_text(os.path.join(save_directory, CONFIG_NAME), lora_text)
 
@@ -150,7 +141,7 @@ class MethodConfig(PeftConfig, ValidatedConfig):
         for the base-model check of a standalone adapter."""
         ignore_mismatch = bool(kwargs.pop(MISMATCH_FLAG, False))
         hub_kwargs = {key: value for key, value in kwargs.items() if key in _HUB_KEYWORDS}
-        if _has_record(pretrained_model_name_or_path, subfolder, hub_kwargs):
+        if adapter_file(pretrained_model_name_or_path, RECORD_NAME, subfolder, **hub_kwargs) is not None:
             config = load_config(pretrained_model_name_or_path, subfolder=subfolder, **hub_kwargs)
         else:
             config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)

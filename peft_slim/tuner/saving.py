@@ -96,19 +96,16 @@ def save_pretrained(
     if not kwargs.get("is_main_process", True):  # PEFT and transformers write nothing then
         model.save_pretrained(save_directory, **kwargs)
         return
-    folders: set[str] = set()
+    folders = None  # the adapters' folders, for a PeftModel
     if hasattr(model, "peft_config"):
         selected = kwargs.get("selected_adapters") or list(model.peft_config)
         folders = {"" if name == "default" else name for name in selected}
 
-        def written_by_model(relative: str) -> bool:  # the files PEFT writes for these adapters
-            folder, file = os.path.split(relative)
-            return folder in folders and file in ADAPTER_FILES
-
-    else:
-
-        def written_by_model(relative: str) -> bool:  # a transformers model's weights (all shards) and configs
-            return os.path.dirname(relative) == "" and bool(MODEL_FILES.fullmatch(relative))
+    def written_by_model(relative: str) -> bool:  # PEFT's files of these adapters, or a transformers model's
+        folder, file = os.path.split(relative)  # weights (all shards) and configs
+        if folders is None:
+            return folder == "" and bool(MODEL_FILES.fullmatch(relative))
+        return folder in folders and file in ADAPTER_FILES
 
     with tempfile.TemporaryDirectory(prefix="peft_slim-tokenizer-") as tokenizer_files:
         tokenizer_names: set[str] = set()
@@ -122,7 +119,7 @@ def save_pretrained(
 
         with replaced_folder(save_directory, rewritten) as staging:
             model.save_pretrained(staging, **kwargs)
-            for folder in folders:
+            for folder in folders or ():
                 stamp_weights(os.path.join(staging, folder))
             if tokenizer is not None:
                 shutil.copytree(tokenizer_files, staging, dirs_exist_ok=True)
