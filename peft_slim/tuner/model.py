@@ -291,7 +291,13 @@ class MethodTuner(BaseTuner):
         # and leave the model as it was: the same adapter active, every existing parameter's requires_grad kept
         # (SlimFit's frozen units included), the new adapter frozen until set_adapter, as PEFT leaves a new LoRA.
         self._check_another_adapter(adapter_name, others)
-        live = self._single_active("add_adapter")
+        if len(self.active_adapters) != 1:
+            raise ValueError(
+                f"{self.method_name}: add_adapter with active adapters {self.active_adapters}: a peft_slim model runs "
+                "one adapter at a time (each carries its own token selection, schedule and compression, which cannot "
+                "be combined). Call set_adapter(name) with one name."
+            )
+        live = self.active_adapters[0]
         kept = [(param, param.requires_grad) for param in model.parameters()]
         self._park(live)
         try:
@@ -361,16 +367,6 @@ class MethodTuner(BaseTuner):
                 "one adapter of a model may (the biases are the base model's, shared by every adapter). Set "
                 "lora.bias='none' in all but one."
             )
-
-    def _single_active(self, what: str) -> str:
-        names = self.active_adapters
-        if len(names) != 1:
-            raise ValueError(
-                f"{self.method_name}: {what} with active adapters {names}: a peft_slim model runs one adapter at a "
-                "time (each carries its own token selection, schedule and compression, which cannot be combined). "
-                "Call set_adapter(name) with one name."
-            )
-        return names[0]
 
     @property
     def _state(self) -> AdapterState:
