@@ -36,6 +36,11 @@ MISMATCH_FLAG = "ignore_base_mismatch"  # the loading keyword that accepts anoth
 _HUB_KEYWORDS = ("revision", "cache_dir", "token", "local_files_only", "force_download")
 
 
+def _lora_value(name: str, without_lora: Any) -> property:
+    """A config property read from its nested LoRA (``without_lora`` when it has none)."""
+    return property(lambda self: without_lora if self.lora is None else getattr(self.lora, name))
+
+
 @config_dataclass
 class MethodConfig(PeftConfig, ValidatedConfig):
     """Base of the PEFT configs of peft_slim's methods (a subclass sets ``method``, e.g. "TOKENTUNE").
@@ -90,17 +95,9 @@ class MethodConfig(PeftConfig, ValidatedConfig):
     # save_embedding_layers="auto" saves the embedding layers). A stacked adapter answers with its LoRA's values,
     # so that PEFT treats it exactly as that LoRA adapter; without LoRA, as a config that has none of them.
 
-    @property
-    def bias(self) -> str:
-        return "none" if self.lora is None else self.lora.bias
-
-    @property
-    def target_modules(self) -> Any:
-        return None if self.lora is None else self.lora.target_modules
-
-    @property
-    def trainable_token_indices(self) -> Any:
-        return None if self.lora is None else self.lora.trainable_token_indices
+    bias = _lora_value("bias", "none")
+    target_modules = _lora_value("target_modules", None)
+    trainable_token_indices = _lora_value("trainable_token_indices", None)
 
     @property
     def runtime_config(self) -> Any:
