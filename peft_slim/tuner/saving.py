@@ -1,4 +1,4 @@
-"""Saving and loading peft_slim adapters through PEFT's own methods, plus two explicit functions.
+"""Saving and loading peft_slim adapters through PEFT's own methods, plus explicit functions.
 
 PEFT's ``PeftModel.save_pretrained`` (and so ``push_to_hub`` and Trainer checkpoints) writes a LoRA-stacked
 adapter as a plain LoRA adapter: the config's own ``save_pretrained`` (``MethodConfig``) writes LoRA's
@@ -7,17 +7,10 @@ such a folder as LoRA, without peft_slim; :func:`from_pretrained` loads it with 
 A standalone adapter (base tensors, no LoRA) keeps peft_slim's own type in ``adapter_config.json``.
 
 Nothing of PEFT is replaced: what PEFT's methods cannot do for us is done by the tuner's hooks (the base-model
-check at injection, missing and unexpected keys at load) or here:
-
-* :func:`save_pretrained`: PEFT's save into a new sibling folder that replaces the old one whole
-  (``peft_slim.atomic_folder``), with peft_slim's section in the model card; ``peft-slim train`` uses it. The weights
-  record their config files' digest, which the loads below check (:func:`consistent_read`).
-* :func:`from_pretrained`: ``PeftModel.from_pretrained`` with the config ``tuner.config.load_config`` reads (from
-  ``peft_slim_config.json``, or a standalone adapter's from ``adapter_config.json``);
-  :func:`load_adapter`: the same for a further adapter on a model (``PeftModel.load_adapter`` reads the LoRA config
-  and cannot be given another).
-
-The model card's section is ``tuner.card``'s; the record of a standalone adapter's base model, ``tuner.record``'s.
+check at injection, missing and unexpected keys at load) or here: :func:`save_pretrained` (atomic, with peft_slim's
+section in the model card; ``peft-slim train`` uses it), :func:`from_pretrained` and :func:`load_adapter` (with the
+config ``tuner.config.load_config`` reads, which ``PeftModel.load_adapter`` cannot be given), both reading one save
+of a folder (:func:`consistent_read`).
 """
 
 from __future__ import annotations
