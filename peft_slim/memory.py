@@ -6,6 +6,7 @@ tensors and allocations that actually happen.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -65,11 +66,8 @@ def peak_memory_bytes(step: Callable[[], object]) -> int:
         return torch.cuda.max_memory_allocated() - before
     with native_stderr_without(), _cpu_profile() as prof:
         step()
-    running = peak = 0
-    for _, change in sorted(_allocation_changes(prof)):  # replayed in time order
-        running += change
-        peak = max(peak, running)
-    return peak
+    changes = (change for _, change in sorted(_allocation_changes(prof)))  # replayed in time order
+    return max(itertools.accumulate(changes, initial=0))
 
 
 def held_memory_bytes(step: Callable[[], object]) -> tuple[int, object]:

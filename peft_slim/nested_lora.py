@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 from peft import LoraConfig, LoraModel, PeftConfig
 from torch import nn
 
 from .configuration import NameList
-
-
-def lora_to_dict(lora: LoraConfig) -> dict[str, Any]:
-    """A JSON-ready dict of a nested LoraConfig (PEFT only converts top-level sets)."""
-    return {key: sorted(value) if isinstance(value, set) else value for key, value in lora.to_dict().items()}
-
 
 # LoraConfig settings whose effect comes from LoraModel machinery that a peft_slim tuner does not run (it stands on
 # PEFT's BaseTuner and injects the LoRA layers through a LoraModel it then drops): refused rather than ignored.
@@ -61,7 +54,8 @@ def lora_export_config(lora: LoraConfig | None, owner: PeftConfig) -> LoraConfig
     """The plain LoraConfig that vanilla PEFT would save for ``owner``'s nested ``lora`` adapter."""
     if lora is None:
         raise ValueError(f"{type(owner).__name__}.lora is None: this adapter trains base weights, not LoRA.")
-    config = LoraConfig.from_peft_type(**lora_to_dict(lora))
+    values = {key: sorted(value) if isinstance(value, set) else value for key, value in lora.to_dict().items()}
+    config = LoraConfig.from_peft_type(**values)  # its sets as lists: PEFT only converts a config's top-level sets
     config.base_model_name_or_path = owner.base_model_name_or_path
     config.revision = owner.revision
     config.task_type = owner.task_type

@@ -16,11 +16,10 @@ def peft_wrapped_names(model: nn.Module, modules_to_save: list[str] | None = Non
     """Names of the modules of ``model`` that PEFT wraps (``modules_to_save``, trainable tokens), in module order.
     With ``modules_to_save`` (a config's), also the modules it names that PEFT has not wrapped yet (it wraps them
     after the tuner is built)."""
-    to_save = modules_to_save or []
     return [
         name
         for name, module in model.named_modules()
-        if isinstance(module, AuxiliaryTrainingWrapper) or any(name == t or name.endswith("." + t) for t in to_save)
+        if isinstance(module, AuxiliaryTrainingWrapper) or _matches(name, list(modules_to_save or []))
     ]
 
 

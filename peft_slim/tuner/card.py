@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from typing import Any
 
 import transformers
@@ -16,47 +15,42 @@ CARD_START = "<!-- peft_slim: loading (written by peft_slim.save_pretrained; kep
 CARD_END = "<!-- /peft_slim -->"
 
 
-def card_section(peft_model: Any, adapter_ref: str | None = None) -> str:
+def card_section(peft_model: Any) -> str:
     """The card's "how to load" section: with plain PEFT (LoRA) or with peft_slim (standalone), and how to
     continue training with the method."""
     tuner = peft_model.base_model
     config = tuner._config
     base_cls = type(peft_model.get_base_model())
     base_ref = config.base_model_name_or_path or "<the base model it was trained from>"
-    adapter_ref = adapter_ref or "<the folder or Hub id of this adapter>"
-    base_lines = [
+    adapter_ref = "<the folder or Hub id of this adapter>"
+    code = [
+        "```python",
+        "from peft import PeftModel",
         f"from {_public_module(base_cls)} import {base_cls.__name__}",
         "",
         f'base = {base_cls.__name__}.from_pretrained("{base_ref}")',
+        f'model = PeftModel.from_pretrained(base, "{adapter_ref}")',
+        "```",
+        "",
     ]
     if config.lora is not None:
         lines = [
             f"This is a plain PEFT **LoRA** adapter, trained with peft_slim's **{tuner.method_name}** (its settings "
             f"are in `{RECORD_NAME}`). It loads without peft_slim:",
             "",
-            "```python",
-            "from peft import PeftModel",
-            *base_lines,
-            f'model = PeftModel.from_pretrained(base, "{adapter_ref}")',
-            "```",
-            "",
+            *code,
             f"To continue training with {tuner.method_name} and the same settings: "
             f'`peft_slim.from_pretrained(base, "{adapter_ref}", is_trainable=True)`.',
         ]
     else:
         peft_type = str(getattr(config.peft_type, "value", config.peft_type))
+        code.insert(1, "import peft_slim  # registers TokenTune and SlimFit with PEFT")
         lines = [
             f"This is a standalone **{tuner.method_name}** adapter (PEFT type `{peft_type}`) made with peft_slim: it "
             "holds only the base tensors training changed. PEFT knows this type once `peft_slim` is imported; load "
             "it onto the exact base model it was trained from (peft_slim checks this and refuses another one):",
             "",
-            "```python",
-            "import peft_slim  # registers TokenTune and SlimFit with PEFT",
-            "from peft import PeftModel",
-            *base_lines,
-            f'model = PeftModel.from_pretrained(base, "{adapter_ref}")',
-            "```",
-            "",
+            *code,
             "`model.merge_and_unload()` gives the tuned model as a plain transformers model.",
         ]
     return "\n".join([CARD_START, "## Loading this adapter (peft_slim)", "", *lines, CARD_END])
@@ -67,15 +61,13 @@ def _public_module(cls: type) -> str:
     return "transformers" if getattr(transformers, cls.__name__, None) is cls else cls.__module__
 
 
-def add_card_section(path: str, peft_model: Any, adapter_ref: str | None = None, tags: Iterable[str] = ()) -> None:
+def add_card_section(path: str, peft_model: Any) -> None:
     """Add peft_slim's tags and loading section to the model card at ``path`` (replacing an older section)."""
     card = ModelCard.load(path)
     tuner = peft_model.base_model
     lora_tag = ["lora"] if tuner._config.lora is not None else []
-    card.data.tags = list(
-        dict.fromkeys([*(card.data.tags or []), *lora_tag, "peft_slim", tuner.method_name.lower(), *tags])
-    )
-    section = card_section(peft_model, adapter_ref)
+    card.data.tags = list(dict.fromkeys([*(card.data.tags or []), *lora_tag, "peft_slim", tuner.method_name.lower()]))
+    section = card_section(peft_model)
     pattern = re.compile(re.escape(CARD_START) + r".*?" + re.escape(CARD_END), re.DOTALL)
     text = card.text
     if pattern.search(text):

@@ -36,8 +36,9 @@ MISMATCH_FLAG = "ignore_base_mismatch"  # the loading keyword that accepts anoth
 _HUB_KEYWORDS = ("revision", "cache_dir", "token", "local_files_only", "force_download")
 
 
-def _has_record(model_id: str, subfolder: str | None, hub_kwargs: dict) -> bool:
-    return adapter_file(model_id, RECORD_NAME, subfolder, **hub_kwargs) is not None
+def _lora_value(name: str, without_lora: Any) -> property:
+    """A config property read from its nested LoRA (``without_lora`` when it has none)."""
+    return property(lambda self: without_lora if self.lora is None else getattr(self.lora, name))
 
 
 @config_dataclass
@@ -94,17 +95,9 @@ class MethodConfig(PeftConfig, ValidatedConfig):
     # save_embedding_layers="auto" saves the embedding layers). A stacked adapter answers with its LoRA's values,
     # so that PEFT treats it exactly as that LoRA adapter; without LoRA, as a config that has none of them.
 
-    @property
-    def bias(self) -> str:
-        return "none" if self.lora is None else self.lora.bias
-
-    @property
-    def target_modules(self) -> Any:
-        return None if self.lora is None else self.lora.target_modules
-
-    @property
-    def trainable_token_indices(self) -> Any:
-        return None if self.lora is None else self.lora.trainable_token_indices
+    bias = _lora_value("bias", "none")
+    target_modules = _lora_value("target_modules", None)
+    trainable_token_indices = _lora_value("trainable_token_indices", None)
 
     @property
     def runtime_config(self) -> Any:
@@ -129,17 +122,12 @@ class MethodConfig(PeftConfig, ValidatedConfig):
         if os.path.isfile(save_directory):
             raise ValueError(f"save_pretrained: {save_directory!r} is a file; give a directory.")
         auto_mapping = kwargs.pop("auto_mapping_dict", None)
-        record = self.to_dict()
-        if auto_mapping is not None:
-            record["auto_mapping"] = auto_mapping
-        record_text = dump_json(record)  # fails here, before the disk is touched
+        extra = {} if auto_mapping is None else {"auto_mapping": auto_mapping}
+        record_text = dump_json({**self.to_dict(), **extra})  # fails here, before the disk is touched
         if self.lora is None:
             atomic_write_text(os.path.join(save_directory, CONFIG_NAME), record_text)
             return
-        lora = to_json_value(self.lora_export_config())
-        if auto_mapping is not None:
-            lora["auto_mapping"] = auto_mapping
-        lora_text = dump_json(lora)
+        lora_text = dump_json({**to_json_value(self.lora_export_config()), **extra})
         atomic_write_text(os.path.join(save_directory, RECORD_NAME), record_text)
         atomic_write_text(os.path.join(save_directory, CONFIG_NAME), lora_text)
 
@@ -150,7 +138,7 @@ class MethodConfig(PeftConfig, ValidatedConfig):
         for the base-model check of a standalone adapter."""
         ignore_mismatch = bool(kwargs.pop(MISMATCH_FLAG, False))
         hub_kwargs = {key: value for key, value in kwargs.items() if key in _HUB_KEYWORDS}
-        if _has_record(pretrained_model_name_or_path, subfolder, hub_kwargs):
+        if adapter_file(pretrained_model_name_or_path, RECORD_NAME, subfolder, **hub_kwargs) is not None:
             config = load_config(pretrained_model_name_or_path, subfolder=subfolder, **hub_kwargs)
         else:
             config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)

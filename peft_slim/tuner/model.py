@@ -91,7 +91,7 @@ class TrainingCompression:
         self.reattach()
 
     def reattach(self) -> None:
-        """Register the hooks (again, after ``remove()``: another adapter of the model was active meanwhile)."""
+        """Register the hooks (again, after ``detach()``: another adapter of the model was active meanwhile)."""
         if not self._handles:
             self._handles = [
                 self.model.register_forward_pre_hook(self._enter, prepend=True),
@@ -109,7 +109,7 @@ class TrainingCompression:
         if context is not None:
             context.__exit__(None, None, None)
 
-    def remove(self) -> None:
+    def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -130,7 +130,7 @@ class InferenceOnly:
         if self._handle is None:
             self._handle = self.model.register_forward_pre_hook(self._refuse_training)
 
-    def remove(self) -> None:
+    def detach(self) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
@@ -181,23 +181,18 @@ class AdapterState:
     compression: TrainingCompression | None = None
     inference_only: InferenceOnly | None = None
 
+    def _hooks(self) -> list:
+        return [hooks for hooks in (self.selector, self.compression, self.inference_only) if hooks is not None]
+
     def detach(self) -> None:
         """Take this state's shared hooks (token selection, compression, the inference-only guard) off the model."""
-        if self.selector is not None:
-            self.selector.detach()
-        if self.compression is not None:
-            self.compression.remove()
-        if self.inference_only is not None:
-            self.inference_only.remove()
+        for hooks in self._hooks():
+            hooks.detach()
 
     def reattach(self) -> None:
         """Put them back, in the order ``MethodTuner._inject`` installs them."""
-        if self.selector is not None:
-            self.selector.reattach()
-        if self.compression is not None:
-            self.compression.reattach()
-        if self.inference_only is not None:
-            self.inference_only.reattach()
+        for hooks in self._hooks():
+            hooks.reattach()
 
 
 # (model, tuners): the tuners created on `model` inside `unchanged_if_raises(model)`.
@@ -296,7 +291,13 @@ class MethodTuner(BaseTuner):
         # and leave the model as it was: the same adapter active, every existing parameter's requires_grad kept
         # (SlimFit's frozen units included), the new adapter frozen until set_adapter, as PEFT leaves a new LoRA.
         self._check_another_adapter(adapter_name, others)
-        live = self._single_active("add_adapter")
+        if len(self.active_adapters) != 1:
+            raise ValueError(
+                f"{self.method_name}: add_adapter with active adapters {self.active_adapters}: a peft_slim model runs "
+                "one adapter at a time (each carries its own token selection, schedule and compression, which cannot "
+                "be combined). Call set_adapter(name) with one name."
+            )
+        live = self.active_adapters[0]
         kept = [(param, param.requires_grad) for param in model.parameters()]
         self._park(live)
         try:
@@ -367,16 +368,6 @@ class MethodTuner(BaseTuner):
                 "lora.bias='none' in all but one."
             )
 
-    def _single_active(self, what: str) -> str:
-        names = self.active_adapters
-        if len(names) != 1:
-            raise ValueError(
-                f"{self.method_name}: {what} with active adapters {names}: a peft_slim model runs one adapter at a "
-                "time (each carries its own token selection, schedule and compression, which cannot be combined). "
-                "Call set_adapter(name) with one name."
-            )
-        return names[0]
-
     @property
     def _state(self) -> AdapterState:
         """The active adapter's method state."""
@@ -409,13 +400,12 @@ class MethodTuner(BaseTuner):
                 f"{self.method_name}: set_adapter: no adapter {name!r}; this model has {sorted(self.peft_config)}."
             )
         live = self.active_adapters[0] if len(self.active_adapters) == 1 else None
-        if live != name and name in self._parked:
-            if live is not None:
-                self._park(live)
-            super().set_adapter(name, inference_mode=inference_mode)
+        switching = live != name and name in self._parked
+        if switching and live is not None:
+            self._park(live)
+        super().set_adapter(name, inference_mode=inference_mode)
+        if switching:
             self._unpark(name)
-        else:
-            super().set_adapter(name, inference_mode=inference_mode)
         self._after_set_adapter()
 
     def _after_set_adapter(self) -> None:
@@ -433,15 +423,13 @@ class MethodTuner(BaseTuner):
                 "merge_and_unload() for the tuned model as a plain model, or load the base model again (SlimFit "
                 "with keep_base_weights=True: unload() returns it)."
             )
-        if adapter_name in self._parked:  # its hooks are off the model already
-            del self._states[adapter_name]
-            self._parked.discard(adapter_name)
-            super().delete_adapter(adapter_name)
-            return
-        self.remove_hooks()
+        parked = adapter_name in self._parked  # its hooks are off the model already
+        if not parked:
+            self.remove_hooks()
         super().delete_adapter(adapter_name)
         del self._states[adapter_name]
-        if len(self.active_adapters) == 1 and self.active_adapters[0] in self._parked:
+        self._parked.discard(adapter_name)
+        if not parked and len(self.active_adapters) == 1 and self.active_adapters[0] in self._parked:
             self._unpark(self.active_adapters[0])
             self._after_set_adapter()
 
@@ -547,22 +535,20 @@ class MethodTuner(BaseTuner):
         else:
             remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
         tuner = getattr(model, "base_model", None)
-        if isinstance(tuner, MethodTuner) and config.lora is None:  # a standalone adapter, before its weights load
+        if not isinstance(tuner, MethodTuner):
+            return remapped
+        record = None
+        if config.lora is None:  # a standalone adapter, before its weights load
             loaded_from = getattr(config, "_loaded_from", None)  # set by the config's from_pretrained
             if stored is not None:
                 record = record_from_tensor(stored, loaded_from or "the adapter file")
-            elif loaded_from is not None:  # a file without the record: nothing to check the base model against
-                record = None
-            else:  # its own config (a Trainer resuming from a checkpoint of an earlier peft_slim): no record
-                record = False
-            if record is not False:
+            # Checked unless there is neither a record nor a file (a Trainer resuming from a checkpoint of an earlier
+            # peft_slim loads with its own config); a file without the record is warned about.
+            if stored is not None or loaded_from is not None:
                 ignore = getattr(config, "_ignore_base_mismatch", False)
                 tuner._check_base_model(record, config.base_model_name_or_path, loaded_from, ignore)
-            tuner._check_shapes(model, config, remapped)
-            tuner._report_keys(model, config, adapter_name, set(remapped), record or None)
-        elif isinstance(tuner, MethodTuner):
-            tuner._check_shapes(model, config, remapped)
-            tuner._report_keys(model, config, adapter_name, set(remapped), None)
+        tuner._check_shapes(model, config, remapped)
+        tuner._report_keys(model, config, adapter_name, set(remapped), record)
         return remapped
 
     def _check_shapes(self, peft_model: nn.Module, config: MethodConfig, loaded: dict[str, torch.Tensor]) -> None:

@@ -14,29 +14,17 @@ from torch import nn
 
 from ..compat import is_deepspeed_zero3_enabled
 
-ZERO3_ALTERNATIVES = (
-    "use FSDP2 (fully_shard; peft_slim's tested sharded path), DDP, or DeepSpeed ZeRO-1/2, which keep whole "
-    "parameters on each rank"
-)
-
-
-def zero3_parameters(model: nn.Module) -> list[str]:
-    """Names of parameters DeepSpeed ZeRO-3 has partitioned (its ``ds_id`` / ``ds_status`` / ``ds_shape``)."""
-    return [
-        name
-        for name, param in model.named_parameters()
-        if any(hasattr(param, attribute) for attribute in ("ds_id", "ds_status", "ds_shape"))
-    ]
-
 
 def check_model_kind(model: nn.Module, method: str, selects_tokens: bool) -> None:
     """Raise ``ValueError`` for a model ``method`` cannot train exactly, naming what is needed instead."""
-    sharded = zero3_parameters(model)
+    zero3 = ("ds_id", "ds_status", "ds_shape")  # what DeepSpeed ZeRO-3 sets on each parameter it partitions
+    sharded = [name for name, param in model.named_parameters() if any(hasattr(param, key) for key in zero3)]
     if sharded or is_deepspeed_zero3_enabled():
         found = f"{len(sharded)} parameters partitioned, e.g. {sharded[0]!r}" if sharded else "ZeRO-3 is enabled"
         raise ValueError(
             f"{method} does not support DeepSpeed ZeRO-3 ({found}): ZeRO-3 shards parameters to empty tensors "
-            f"before the adapter is injected. Instead {ZERO3_ALTERNATIVES}."
+            "before the adapter is injected. Instead use FSDP2 (fully_shard; peft_slim's tested sharded path), DDP, "
+            "or DeepSpeed ZeRO-1/2, which keep whole parameters on each rank."
         )
     if selects_tokens and not _is_transformers_model(model):
         raise ValueError(

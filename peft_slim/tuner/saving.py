@@ -1,4 +1,4 @@
-"""Saving and loading peft_slim adapters through PEFT's own methods, plus two explicit functions.
+"""Saving and loading peft_slim adapters through PEFT's own methods, plus explicit functions.
 
 PEFT's ``PeftModel.save_pretrained`` (and so ``push_to_hub`` and Trainer checkpoints) writes a LoRA-stacked
 adapter as a plain LoRA adapter: the config's own ``save_pretrained`` (``MethodConfig``) writes LoRA's
@@ -7,17 +7,10 @@ such a folder as LoRA, without peft_slim; :func:`from_pretrained` loads it with 
 A standalone adapter (base tensors, no LoRA) keeps peft_slim's own type in ``adapter_config.json``.
 
 Nothing of PEFT is replaced: what PEFT's methods cannot do for us is done by the tuner's hooks (the base-model
-check at injection, missing and unexpected keys at load) or here:
-
-* :func:`save_pretrained`: PEFT's save into a new sibling folder that replaces the old one whole
-  (``peft_slim.atomic_folder``), with peft_slim's section in the model card; ``peft-slim train`` uses it. The weights
-  record their config files' digest, which the loads below check (:func:`consistent_read`).
-* :func:`from_pretrained`: ``PeftModel.from_pretrained`` with the config ``tuner.config.load_config`` reads (from
-  ``peft_slim_config.json``, or a standalone adapter's from ``adapter_config.json``);
-  :func:`load_adapter`: the same for a further adapter on a model (``PeftModel.load_adapter`` reads the LoRA config
-  and cannot be given another).
-
-The model card's section is ``tuner.card``'s; the record of a standalone adapter's base model, ``tuner.record``'s.
+check at injection, missing and unexpected keys at load) or here: :func:`save_pretrained` (atomic, with peft_slim's
+section in the model card; ``peft-slim train`` uses it), :func:`from_pretrained` and :func:`load_adapter` (with the
+config ``tuner.config.load_config`` reads, which ``PeftModel.load_adapter`` cannot be given), both reading one save
+of a folder (:func:`consistent_read`).
 """
 
 from __future__ import annotations
@@ -96,19 +89,16 @@ def save_pretrained(
     if not kwargs.get("is_main_process", True):  # PEFT and transformers write nothing then
         model.save_pretrained(save_directory, **kwargs)
         return
-    folders: set[str] = set()
+    folders = None  # the adapters' folders, for a PeftModel
     if hasattr(model, "peft_config"):
         selected = kwargs.get("selected_adapters") or list(model.peft_config)
         folders = {"" if name == "default" else name for name in selected}
 
-        def written_by_model(relative: str) -> bool:  # the files PEFT writes for these adapters
-            folder, file = os.path.split(relative)
-            return folder in folders and file in ADAPTER_FILES
-
-    else:
-
-        def written_by_model(relative: str) -> bool:  # a transformers model's weights (all shards) and configs
-            return os.path.dirname(relative) == "" and bool(MODEL_FILES.fullmatch(relative))
+    def written_by_model(relative: str) -> bool:  # PEFT's files of these adapters, or a transformers model's
+        folder, file = os.path.split(relative)  # weights (all shards) and configs
+        if folders is None:
+            return folder == "" and bool(MODEL_FILES.fullmatch(relative))
+        return folder in folders and file in ADAPTER_FILES
 
     with tempfile.TemporaryDirectory(prefix="peft_slim-tokenizer-") as tokenizer_files:
         tokenizer_names: set[str] = set()
@@ -122,7 +112,7 @@ def save_pretrained(
 
         with replaced_folder(save_directory, rewritten) as staging:
             model.save_pretrained(staging, **kwargs)
-            for folder in folders:
+            for folder in folders or ():
                 stamp_weights(os.path.join(staging, folder))
             if tokenizer is not None:
                 shutil.copytree(tokenizer_files, staging, dirs_exist_ok=True)
