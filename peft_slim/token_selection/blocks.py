@@ -1,17 +1,11 @@
-"""Running one transformer block on all tokens without grad, and the selected tokens with grad only in backward.
+"""Running each transformer block on all tokens without grad, and on the selected tokens with grad only in backward.
 
-Hooks and a forward wrapper on each block do this, so the model keeps its structure and state-dict keys:
-
-* the pre-hook runs the block's ``forward`` under ``torch.no_grad()`` on every token (exact outputs
-  for all positions, keys/values recorded by the attention function), then hands the block only the
-  selected hidden states, with per-position arguments (mask rows, rotary embeddings, position ids)
-  cut to the same positions;
-* the block's forward (wrapped) does not run again: its outputs at the selected positions are the no-grad
-  pass's, and it runs with grad on the selected tokens only in backward (``recompute.py``), so each selected
-  token is computed once in the forward and once in backward, whether or not checkpointing is on;
-* a block that draws random numbers in training (dropout) would draw other ones in backward: it runs the
-  selected pass with grad in the forward instead (gradient checkpointing replays that pass), after a notice;
-* the forward hook scatters the selected outputs back into the no-grad outputs.
+Hooks and a forward wrapper on each block, so the model keeps its structure and state-dict keys: the pre-hook runs
+the block on every token under ``torch.no_grad()`` (the attention function records keys/values) and hands the block
+the selected hidden states, with per-position arguments (mask rows, rotary embeddings, position ids) cut to them;
+the wrapped forward returns the no-grad pass's values there, recomputed with grad in backward (``recompute.py``),
+unless the block draws random numbers (dropout): then it runs with grad now, after a notice; the forward hook
+scatters the selected outputs back into the no-grad outputs.
 """
 
 from __future__ import annotations
@@ -69,25 +63,15 @@ def _cut(value: Any, selection: TokenSelection, dim: int, name: str, block_name:
         return type(value)(_cut(v, selection, dim, name, block_name) for v in value)
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"TokenTune: unexpected {type(value).__name__} for argument `{name}` of {block_name}.")
-    dim = dim % value.dim()
-    batch = selection.index.shape[0]
-
-    def cut() -> torch.Tensor:
-        full = value.expand((batch,) + tuple(value.shape[1:])) if value.shape[0] != batch else value
-        return selection.gather(full, dim)
-
-    return selection.memo(("cut", id(value), dim), cut, source=value)
+    dim, batch = dim % value.dim(), selection.index.shape[0]
+    full = value.expand((batch,) + tuple(value.shape[1:])) if value.shape[0] != batch else value
+    return selection.memo(("cut", id(value), dim), lambda: selection.gather(full, dim), source=value)
 
 
 class BlockRunner:
     """Installs the two hooks on every block; ``current`` returns the active selection or None."""
 
-    def __init__(
-        self,
-        blocks: nn.ModuleList,
-        current: Callable[[torch.Tensor], TokenSelection | None],
-        config: Any = None,
-    ):
+    def __init__(self, blocks: nn.ModuleList, current: Callable[[torch.Tensor], TokenSelection | None], config: Any):
         self.current = current
         self.config = config  # the model config whose `_attn_implementation` routes attention to TokenTune
         self.blocks = blocks
@@ -186,22 +170,19 @@ class BlockRunner:
         block_pass.full_output = full_output
         block_pass.recompute_in_backward = random_ops.found is None
         if not block_pass.recompute_in_backward:
-            self._notice_random(block_name, random_ops.found)
+            if not self.warned_random:
+                self.warned_random = True
+                warnings.warn(
+                    f"TokenTune: {block_name} draws random numbers in training ({random_ops.found}: dropout, say), "
+                    "which a recomputation in backward would draw again differently, so its selected tokens run a "
+                    "second forward with grad (a slower step, and without gradient checkpointing more memory). Set "
+                    "the dropout probabilities to 0 (model config, LoRA's lora_dropout) for TokenTune's one-forward "
+                    "step.",
+                    UserWarning,
+                    stacklevel=1,
+                )
             self._route_checkpoint_replay(block)
         return bound.args, bound.kwargs
-
-    def _notice_random(self, block_name: str, found: str) -> None:
-        if self.warned_random:
-            return
-        self.warned_random = True
-        warnings.warn(
-            f"TokenTune: {block_name} draws random numbers in training ({found}: dropout, say), which a recomputation "
-            "in backward would draw again differently, so its selected tokens run a second forward with grad (a "
-            "slower step, and without gradient checkpointing more memory). Set the dropout probabilities to 0 "
-            "(model config, LoRA's lora_dropout) for TokenTune's one-forward step.",
-            UserWarning,
-            stacklevel=2,
-        )
 
     def run_selected(self, block: nn.Module, args: tuple, kwargs: dict, block_pass: BlockPass):
         """The block's output on the selected tokens: the no-grad pass's values, recomputed with grad in backward.
@@ -214,7 +195,7 @@ class BlockRunner:
         output = block_pass.selection.gather(full_hidden, 1)
         parameters = [p for p in block.parameters() if p.requires_grad]
         config = self.config
-        attention = get_attn_implementation(config) if config is not None else None
+        attention = get_attn_implementation(config)
         # Every token's keys and values enter the recomputed attention, but the selected ones are recomputed there:
         # only the unselected ones are kept (by the autograd node only).
         selection, shapes = block_pass.selection, (block_pass.key.shape, block_pass.value.shape)
@@ -230,8 +211,6 @@ class BlockRunner:
             forward = _unwrapped_forward(block)
             try:
                 with checkpointing_paused(block):
-                    if attention is None:
-                        return forward(*args, **kwargs)
                     return _run_under_attention(attention, config, forward, *args, **kwargs)
             finally:
                 block_pass.key = block_pass.value = None
@@ -247,7 +226,7 @@ class BlockRunner:
         the attention function would be looked up under the original name and miss the recorded keys/values.
         """
         checkpoint_func = checkpointing_function(block)
-        if self.config is None or checkpoint_func is None or getattr(checkpoint_func, "_tokentune_replay", False):
+        if checkpoint_func is None or getattr(checkpoint_func, "_tokentune_replay", False):
             return
         set_checkpointing_function(block, _ReplayUnderSameAttention(checkpoint_func, self.config))
 
