@@ -33,7 +33,6 @@ class BlockPass:
     """What one block's two passes share."""
 
     selection: TokenSelection
-    block_name: str
     phase: str = "full"  # "full" or "selected"
     key: torch.Tensor | None = None  # all positions, recorded by the full pass
     value: torch.Tensor | None = None

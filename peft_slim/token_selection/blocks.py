@@ -122,7 +122,7 @@ class BlockRunner:
             return None
         bound = signature.bind(*args, **kwargs)
         block_name = type(block).__name__
-        block_pass = BlockPass(selection=selection, block_name=block_name)
+        block_pass = BlockPass(selection=selection)
         extra_name = next((p.name for p in params if p.kind is inspect.Parameter.VAR_KEYWORD), None)
         if extra_name is None:
             raise ValueError(
@@ -186,9 +186,7 @@ class BlockRunner:
 
     def run_selected(self, block: nn.Module, args: tuple, kwargs: dict, block_pass: BlockPass):
         """The block's output on the selected tokens: the no-grad pass's values, recomputed with grad in backward.
-
-        The autograd node holds the block weakly: a graph kept after training (a stored loss, say) must not keep
-        the model alive through it.
+        The autograd node holds the block weakly: a graph kept after training (a stored loss) must not keep the model.
         """
         full = block_pass.full_output
         full_hidden = full[0] if isinstance(full, (tuple, list)) else full
@@ -219,12 +217,9 @@ class BlockRunner:
         return type(full)((hidden, *full[1:])) if isinstance(full, (tuple, list)) else hidden
 
     def _route_checkpoint_replay(self, block: nn.Module) -> None:
-        """Make a gradient-checkpointing replay of the selected pass use TokenTune's attention too.
-
-        transformers checkpoints the block's ``forward`` through ``block._gradient_checkpointing_func``; the
-        replay runs in backward, after the model forward has restored ``config._attn_implementation``, so
-        the attention function would be looked up under the original name and miss the recorded keys/values.
-        """
+        """Make a gradient-checkpointing replay of the selected pass (``block._gradient_checkpointing_func``, run in
+        backward after the forward restored ``config._attn_implementation``) use TokenTune's attention too: under the
+        original name it would miss the recorded keys/values."""
         checkpoint_func = checkpointing_function(block)
         if checkpoint_func is None or getattr(checkpoint_func, "_tokentune_replay", False):
             return
@@ -243,11 +238,9 @@ class BlockRunner:
 
 
 class _BlockForward:
-    """A block's ``forward`` while token selection is attached: the selected pass of a training forward goes to
-    ``BlockRunner.run_selected``; every other call to the block's own forward.
-
-    ``inner`` is a forward the instance already had (accelerate's device hooks set one), else None: the class's.
-    An object holding the block, so that a deep copy of the model refers to the copy's block.
+    """A block's ``forward`` while token selection is attached: a training forward's selected pass goes to
+    ``BlockRunner.run_selected``, every other call to the block's own forward (``inner``, one the instance already
+    had, as accelerate's device hooks set, else the class's). An object, so a deep copy refers to the copy's block.
     """
 
     def __init__(self, block: nn.Module, runner: BlockRunner):
@@ -276,10 +269,8 @@ def _unwrapped_forward(block: nn.Module) -> Callable:
 
 
 class _ReplayUnderSameAttention:
-    """``checkpoint_func`` whose function (first run and backward replay) sees today's attention name.
-
-    An object rather than a closure, so that a block deep-copies (the copy's refers to the copy's config) and pickles.
-    """
+    """``checkpoint_func`` whose function (first run and backward replay) sees today's attention name. An object
+    rather than a closure, so that a block deep-copies (the copy's refers to the copy's config) and pickles."""
 
     _tokentune_replay = True
 

@@ -38,10 +38,8 @@ def chunked_head_loss(
     rows: int,
 ) -> torch.Tensor:
     """Sum over rows of ``cross_entropy(head(hidden).float(), targets)`` (-100 ignored), differentiable in ``hidden``
-    and in ``parameters`` (the head's parameters that require grad), without keeping the logits.
-
-    ``hidden`` is ``[rows_total, hidden_size]``, ``targets`` ``[rows_total]``; ``head`` is called on ``rows`` rows at
-    a time, once in the forward and once more in the backward.
+    ``[rows_total, hidden_size]`` and ``parameters`` (the head's, that require grad), without keeping the logits:
+    ``head`` runs on ``rows`` rows at a time, in the forward and again in the backward.
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(

@@ -19,12 +19,7 @@ from transformers.modeling_layers import GenericForSequenceClassification
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # selected position i scored on token i+1
 PER_POSITION_SUFFIXES = ("ForTokenClassification", "ForMaskedLM")  # selected position i on its own label
 # Heads that read a few positions of the sequence to classify it: accepted only when listed below.
-CLASSIFICATION_SUFFIXES = (
-    "ForSequenceClassification",
-    "ForImageClassification",
-    "ForAudioClassification",
-    "ForVideoClassification",
-)
+CLASSIFICATION_SUFFIXES = tuple(f"For{inputs}Classification" for inputs in ("Sequence", "Image", "Audio", "Video"))
 
 LAST_NON_PAD = "last_non_pad"
 FIRST_POSITION = "first_position"
