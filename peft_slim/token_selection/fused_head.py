@@ -11,10 +11,8 @@ is then the selected-token mean (times the micro-batch's share of the labelled p
 ``num_items_in_batch``, as under ``transformers.Trainer``), both metrics means over the selected labelled positions,
 and the gradient flows through the selected positions only.
 
-Trainers using the log-probabilities per sequence (DPO, KTO) or per token (GRPO, RLOO), and SFTTrainer's
-``loss_type="dft"``, need every completion token's value with gradient: refused. The fused call does not say which
-trainer makes it: ``TokenTuneCallback`` gives the selector the trainer's arguments at ``on_train_begin``, and a
-fused training call without them is refused.
+Other trainers (DPO, GRPO, ...) and ``loss_type="dft"`` need every completion token's value with gradient: refused,
+as is a fused training call without the trainer's arguments (``TokenTuneCallback`` gives them at ``on_train_begin``).
 """
 
 from __future__ import annotations
