@@ -1,19 +1,12 @@
-"""TokenTune's entries in transformers' attention-function registry.
+"""TokenTune's entries in transformers' attention-function registry, which a training forward switches the model's
+``_attn_implementation`` to. They receive the block's :class:`BlockPass` through the layer's keyword arguments (which
+transformers forwards down to the attention function, also in a checkpointing replay), so no global state is needed:
+the full pass (no grad, every token) records the keys/values and attends as usual; the selected pass (grad, selected
+queries) puts its keys/values into the recorded ones, the others constants, and attends over all positions.
 
-During a TokenTune training forward the model's ``_attn_implementation`` is switched to one of the
-names below. The registered function receives the per-block :class:`BlockPass` through the layer's
-keyword arguments (transformers forwards them from the layer down to the attention function, also
-when gradient checkpointing replays the layer), so no global state is needed:
-
-* full pass (no grad, every token): record the keys/values, then attend as usual;
-* selected pass (grad, selected queries only): put the selected keys/values into the recorded
-  ones, whose other positions stay constants, and attend over all positions.
-
-With no ``BlockPass`` in the arguments the original implementation runs unchanged. transformers picks the
-attention function by the config's name only (no per-call choice), so the switch is on the config object itself,
-for the length of the training forward; another model holding the same config (TRL's reference model can) that runs
-meanwhile reaches these functions without a ``BlockPass`` and computes exactly what it computes without TokenTune
-(tests/test_tokentune_semantics.py: ``test_a_model_sharing_the_config_is_unaffected``).
+Without a ``BlockPass`` the original implementation runs unchanged: transformers picks the attention function by the
+config's name only, so the switch is on the config object, and another model holding it (TRL's reference model can)
+computes meanwhile exactly what it computes without TokenTune (tests/test_tokentune_semantics.py).
 """
 
 from __future__ import annotations
@@ -40,7 +33,6 @@ class BlockPass:
     """What one block's two passes share."""
 
     selection: TokenSelection
-    block_name: str
     phase: str = "full"  # "full" or "selected"
     key: torch.Tensor | None = None  # all positions, recorded by the full pass
     value: torch.Tensor | None = None
@@ -66,12 +58,9 @@ _SDPA_EXTRAS = ("position_bias", "softcap", "s_aux", "sinks")
 
 
 def _sdpa_selected(module, query, key, value, attention_mask, selection, kwargs):
-    """SDPA for the selected queries over all keys, with grouped-query attention done by the kernel.
-
-    transformers' sdpa wrapper repeats grouped keys/values to every query head whenever a mask is
-    given, and the repeated [B, heads, L, d] copies are what autograd then saves; ``enable_gqa`` keeps
-    the [B, kv_heads, L, d] originals instead (the same result, a third of the bytes on SmolLM2).
-    """
+    """SDPA for the selected queries over all keys, with grouped-query attention done by the kernel: transformers'
+    wrapper repeats grouped keys/values to every query head when a mask is given, and autograd saves those copies;
+    ``enable_gqa`` keeps the [B, kv_heads, L, d] originals (the same result, a third of the bytes on SmolLM2)."""
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         # The CPU kernels turn a boolean mask into an additive one and save that for backward: build it
         # once per forward (in the query dtype) so all layers save the same tensor.

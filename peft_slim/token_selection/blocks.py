@@ -1,17 +1,11 @@
-"""Running one transformer block on all tokens without grad, and the selected tokens with grad only in backward.
+"""Running each transformer block on all tokens without grad, and on the selected tokens with grad only in backward.
 
-Hooks and a forward wrapper on each block do this, so the model keeps its structure and state-dict keys:
-
-* the pre-hook runs the block's ``forward`` under ``torch.no_grad()`` on every token (exact outputs
-  for all positions, keys/values recorded by the attention function), then hands the block only the
-  selected hidden states, with per-position arguments (mask rows, rotary embeddings, position ids)
-  cut to the same positions;
-* the block's forward (wrapped) does not run again: its outputs at the selected positions are the no-grad
-  pass's, and it runs with grad on the selected tokens only in backward (``recompute.py``), so each selected
-  token is computed once in the forward and once in backward, whether or not checkpointing is on;
-* a block that draws random numbers in training (dropout) would draw other ones in backward: it runs the
-  selected pass with grad in the forward instead (gradient checkpointing replays that pass), after a notice;
-* the forward hook scatters the selected outputs back into the no-grad outputs.
+Hooks and a forward wrapper on each block, so the model keeps its structure and state-dict keys: the pre-hook runs
+the block on every token under ``torch.no_grad()`` (the attention function records keys/values) and hands the block
+the selected hidden states, with per-position arguments (mask rows, rotary embeddings, position ids) cut to them;
+the wrapped forward returns the no-grad pass's values there, recomputed with grad in backward (``recompute.py``),
+unless the block draws random numbers (dropout): then it runs with grad now, after a notice; the forward hook
+scatters the selected outputs back into the no-grad outputs.
 """
 
 from __future__ import annotations
@@ -69,25 +63,15 @@ def _cut(value: Any, selection: TokenSelection, dim: int, name: str, block_name:
         return type(value)(_cut(v, selection, dim, name, block_name) for v in value)
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"TokenTune: unexpected {type(value).__name__} for argument `{name}` of {block_name}.")
-    dim = dim % value.dim()
-    batch = selection.index.shape[0]
-
-    def cut() -> torch.Tensor:
-        full = value.expand((batch,) + tuple(value.shape[1:])) if value.shape[0] != batch else value
-        return selection.gather(full, dim)
-
-    return selection.memo(("cut", id(value), dim), cut, source=value)
+    dim, batch = dim % value.dim(), selection.index.shape[0]
+    full = value.expand((batch,) + tuple(value.shape[1:])) if value.shape[0] != batch else value
+    return selection.memo(("cut", id(value), dim), lambda: selection.gather(full, dim), source=value)
 
 
 class BlockRunner:
     """Installs the two hooks on every block; ``current`` returns the active selection or None."""
 
-    def __init__(
-        self,
-        blocks: nn.ModuleList,
-        current: Callable[[torch.Tensor], TokenSelection | None],
-        config: Any = None,
-    ):
+    def __init__(self, blocks: nn.ModuleList, current: Callable[[torch.Tensor], TokenSelection | None], config: Any):
         self.current = current
         self.config = config  # the model config whose `_attn_implementation` routes attention to TokenTune
         self.blocks = blocks
@@ -138,7 +122,7 @@ class BlockRunner:
             return None
         bound = signature.bind(*args, **kwargs)
         block_name = type(block).__name__
-        block_pass = BlockPass(selection=selection, block_name=block_name)
+        block_pass = BlockPass(selection=selection)
         extra_name = next((p.name for p in params if p.kind is inspect.Parameter.VAR_KEYWORD), None)
         if extra_name is None:
             raise ValueError(
@@ -186,35 +170,30 @@ class BlockRunner:
         block_pass.full_output = full_output
         block_pass.recompute_in_backward = random_ops.found is None
         if not block_pass.recompute_in_backward:
-            self._notice_random(block_name, random_ops.found)
+            if not self.warned_random:
+                self.warned_random = True
+                warnings.warn(
+                    f"TokenTune: {block_name} draws random numbers in training ({random_ops.found}: dropout, say), "
+                    "which a recomputation in backward would draw again differently, so its selected tokens run a "
+                    "second forward with grad (a slower step, and without gradient checkpointing more memory). Set "
+                    "the dropout probabilities to 0 (model config, LoRA's lora_dropout) for TokenTune's one-forward "
+                    "step.",
+                    UserWarning,
+                    stacklevel=1,
+                )
             self._route_checkpoint_replay(block)
         return bound.args, bound.kwargs
 
-    def _notice_random(self, block_name: str, found: str) -> None:
-        if self.warned_random:
-            return
-        self.warned_random = True
-        warnings.warn(
-            f"TokenTune: {block_name} draws random numbers in training ({found}: dropout, say), which a recomputation "
-            "in backward would draw again differently, so its selected tokens run a second forward with grad (a "
-            "slower step, and without gradient checkpointing more memory). Set the dropout probabilities to 0 "
-            "(model config, LoRA's lora_dropout) for TokenTune's one-forward step.",
-            UserWarning,
-            stacklevel=2,
-        )
-
     def run_selected(self, block: nn.Module, args: tuple, kwargs: dict, block_pass: BlockPass):
         """The block's output on the selected tokens: the no-grad pass's values, recomputed with grad in backward.
-
-        The autograd node holds the block weakly: a graph kept after training (a stored loss, say) must not keep
-        the model alive through it.
+        The autograd node holds the block weakly: a graph kept after training (a stored loss) must not keep the model.
         """
         full = block_pass.full_output
         full_hidden = full[0] if isinstance(full, (tuple, list)) else full
         output = block_pass.selection.gather(full_hidden, 1)
         parameters = [p for p in block.parameters() if p.requires_grad]
         config = self.config
-        attention = get_attn_implementation(config) if config is not None else None
+        attention = get_attn_implementation(config)
         # Every token's keys and values enter the recomputed attention, but the selected ones are recomputed there:
         # only the unselected ones are kept (by the autograd node only).
         selection, shapes = block_pass.selection, (block_pass.key.shape, block_pass.value.shape)
@@ -230,8 +209,6 @@ class BlockRunner:
             forward = _unwrapped_forward(block)
             try:
                 with checkpointing_paused(block):
-                    if attention is None:
-                        return forward(*args, **kwargs)
                     return _run_under_attention(attention, config, forward, *args, **kwargs)
             finally:
                 block_pass.key = block_pass.value = None
@@ -240,14 +217,11 @@ class BlockRunner:
         return type(full)((hidden, *full[1:])) if isinstance(full, (tuple, list)) else hidden
 
     def _route_checkpoint_replay(self, block: nn.Module) -> None:
-        """Make a gradient-checkpointing replay of the selected pass use TokenTune's attention too.
-
-        transformers checkpoints the block's ``forward`` through ``block._gradient_checkpointing_func``; the
-        replay runs in backward, after the model forward has restored ``config._attn_implementation``, so
-        the attention function would be looked up under the original name and miss the recorded keys/values.
-        """
+        """Make a gradient-checkpointing replay of the selected pass (``block._gradient_checkpointing_func``, run in
+        backward after the forward restored ``config._attn_implementation``) use TokenTune's attention too: under the
+        original name it would miss the recorded keys/values."""
         checkpoint_func = checkpointing_function(block)
-        if self.config is None or checkpoint_func is None or getattr(checkpoint_func, "_tokentune_replay", False):
+        if checkpoint_func is None or getattr(checkpoint_func, "_tokentune_replay", False):
             return
         set_checkpointing_function(block, _ReplayUnderSameAttention(checkpoint_func, self.config))
 
@@ -264,11 +238,9 @@ class BlockRunner:
 
 
 class _BlockForward:
-    """A block's ``forward`` while token selection is attached: the selected pass of a training forward goes to
-    ``BlockRunner.run_selected``; every other call to the block's own forward.
-
-    ``inner`` is a forward the instance already had (accelerate's device hooks set one), else None: the class's.
-    An object holding the block, so that a deep copy of the model refers to the copy's block.
+    """A block's ``forward`` while token selection is attached: a training forward's selected pass goes to
+    ``BlockRunner.run_selected``, every other call to the block's own forward (``inner``, one the instance already
+    had, as accelerate's device hooks set, else the class's). An object, so a deep copy refers to the copy's block.
     """
 
     def __init__(self, block: nn.Module, runner: BlockRunner):
@@ -297,10 +269,8 @@ def _unwrapped_forward(block: nn.Module) -> Callable:
 
 
 class _ReplayUnderSameAttention:
-    """``checkpoint_func`` whose function (first run and backward replay) sees today's attention name.
-
-    An object rather than a closure, so that a block deep-copies (the copy's refers to the copy's config) and pickles.
-    """
+    """``checkpoint_func`` whose function (first run and backward replay) sees today's attention name. An object
+    rather than a closure, so that a block deep-copies (the copy's refers to the copy's config) and pickles."""
 
     _tokentune_replay = True
 

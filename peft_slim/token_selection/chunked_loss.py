@@ -1,15 +1,11 @@
 """The LM head and cross-entropy over the selected rows, a chunk of rows at a time: no ``[rows, vocab]`` logits kept.
 
-Materialising the selected positions' logits costs, per row, the vocabulary several times over in fp32 (their
-fp32 copy, the log-softmax saved for backward, its gradient), and on a 128k-token vocabulary that is most of what
-TokenTune keeps outside the blocks. Here the forward computes each chunk's logits and its summed cross-entropy
-and drops them; the backward recomputes each chunk's logits through the head module itself (so LoRA on the head,
-tied embeddings, hooks and autocast behave as in the forward) and back-propagates that chunk's loss. The head runs
-twice on the selected rows; one chunk's logits are the most that ever exists.
-
-The gradient equals the materialised one: the same operations per row, the head's parameter gradients summed over
-chunks in fp32 and rounded once; the forward's RNG state is restored for the recomputation (dropout on a LoRA head
-draws the same mask).
+The selected positions' logits cost, per row, the vocabulary several times over in fp32 (their fp32 copy, the
+log-softmax saved for backward, its gradient): on a 128k-token vocabulary, most of what TokenTune keeps outside the
+blocks. The forward computes each chunk's summed cross-entropy and drops its logits; the backward recomputes them
+through the head module itself (so LoRA on the head, tied embeddings, hooks and autocast behave as in the forward),
+under the forward's RNG state (a LoRA head's dropout draws the same mask). The gradient equals the materialised one:
+the same operations per row, the head's parameter gradients summed over chunks in fp32 and rounded once.
 """
 
 from __future__ import annotations
@@ -42,10 +38,8 @@ def chunked_head_loss(
     rows: int,
 ) -> torch.Tensor:
     """Sum over rows of ``cross_entropy(head(hidden).float(), targets)`` (-100 ignored), differentiable in ``hidden``
-    and in ``parameters`` (the head's parameters that require grad), without keeping the logits.
-
-    ``hidden`` is ``[rows_total, hidden_size]``, ``targets`` ``[rows_total]``; ``head`` is called on ``rows`` rows at
-    a time, once in the forward and once more in the backward.
+    ``[rows_total, hidden_size]`` and ``parameters`` (the head's, that require grad), without keeping the logits:
+    ``head`` runs on ``rows`` rows at a time, in the forward and again in the backward.
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(
@@ -67,7 +61,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         ctx.head, ctx.rows, ctx.device = head, rows, hidden.device
         # the recomputation runs in backward, outside the forward's autocast: it enters the same one
         ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        ctx.rng = _rng_state(hidden.device)
+        ctx.rng = torch.get_rng_state(), torch.cuda.get_rng_state(hidden.device) if device == "cuda" else None
         ctx.save_for_backward(hidden, targets, *parameters)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], rows):
@@ -82,15 +76,16 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if wants_hidden else None
         sums = [torch.zeros(parameters[i].shape, dtype=torch.float32, device=parameters[i].device) for i in trained]
         enabled, dtype = ctx.autocast
-        with torch.random.fork_rng(devices=_rng_devices(ctx.device)), torch.enable_grad():
-            _set_rng_state(ctx.device, ctx.rng)
+        cuda = ctx.device.type == "cuda"
+        with torch.random.fork_rng(devices=[ctx.device] if cuda else []), torch.enable_grad():
+            torch.set_rng_state(ctx.rng[0])
+            if cuda:
+                torch.cuda.set_rng_state(ctx.rng[1], ctx.device)
             for start in range(0, hidden.shape[0], ctx.rows):
                 chunk = hidden[start : start + ctx.rows].detach().requires_grad_(wants_hidden)
                 with torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled):
                     loss = _chunk_loss(ctx.head, chunk, targets[start : start + ctx.rows])
                 inputs = ([chunk] if wants_hidden else []) + [parameters[i] for i in trained]
-                if not inputs:
-                    break
                 grads = torch.autograd.grad(loss, inputs, grad_total, allow_unused=True)
                 if wants_hidden:
                     grad_hidden[start : start + ctx.rows] = grads[0] if grads[0] is not None else 0
@@ -102,18 +97,3 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         for i, total in zip(trained, sums):
             grad_parameters[i] = total.to(parameters[i].dtype)
         return (None, None, grad_hidden, None, *grad_parameters)
-
-
-def _rng_devices(device: torch.device) -> list:
-    return [device] if device.type == "cuda" else []
-
-
-def _rng_state(device: torch.device):
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-def _set_rng_state(device: torch.device, state) -> None:
-    cpu, accelerator = state
-    torch.set_rng_state(cpu)
-    if accelerator is not None:
-        torch.cuda.set_rng_state(accelerator, device)

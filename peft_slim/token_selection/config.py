@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import field, fields
 
 from ..configuration import Boolean, Integer, OneOf, Real, ValidatedConfig, config_dataclass
 
@@ -80,10 +80,4 @@ class TokenSelectionConfig(ValidatedConfig):
 
     def selection_config(self) -> TokenSelectionConfig:
         """The selection fields alone (a subclass such as TokenTuneConfig carries more)."""
-        return TokenSelectionConfig(
-            token_ratio=self.token_ratio,
-            num_tokens=self.num_tokens,
-            selection=self.selection,
-            seed=self.seed,
-            chunked_loss=self.chunked_loss,
-        )
+        return TokenSelectionConfig(**{spec.name: getattr(self, spec.name) for spec in fields(TokenSelectionConfig)})

@@ -1,24 +1,18 @@
 """TRL's fused LM head in a token-selection training forward: SFTTrainer's loss, gradient and metrics, exactly.
 
-TRL (>= 1.0) gives the model a second forward, ``model(..., labels=labels, fused_lm_head=True)``, that returns
-per-token fields of shape [batch, seq - 1] (zero where the next-token label is -100) instead of logits.
-``SFTTrainer`` takes ``-log_probs.sum() / n`` as its loss, ``n`` being Trainer's ``num_items_in_batch`` (the
-labelled positions of the accumulated batch) or else ``label_mask.sum()``, and logs ``entropy.sum()`` and
+TRL (>= 1.0) calls ``model(..., labels=labels, fused_lm_head=True)`` for per-token fields of shape [batch, seq - 1]
+(zero where the next-token label is -100) instead of logits. ``SFTTrainer``'s loss is ``-log_probs.sum() / n``,
+``n`` being Trainer's ``num_items_in_batch`` or else ``label_mask.sum()``; it logs ``entropy.sum()`` and
 ``is_top1.sum()`` over ``label_mask.sum()`` as ``entropy`` and ``mean_token_accuracy``.
 
-A token-selection forward scores only its selected positions. So that TRL's sums give TokenTune's definition,
-``label_mask`` marks every labelled position and each per-token field holds, at the selected labelled
-positions, the position's value times ``w = labelled / selected`` (the micro-batch's labelled positions over
-its selected labelled ones), zero elsewhere. Then ``-log_probs.sum() / label_mask.sum()`` is the selected-token
-mean, ``-log_probs.sum() / num_items_in_batch`` is that mean times the micro-batch's share of the labelled
-positions (what TokenTune computes under ``transformers.Trainer``), and both metrics are means over the
-selected labelled positions. The gradient flows through the selected positions only, as TokenTune defines.
+So that these sums give TokenTune's definition, ``label_mask`` marks every labelled position and each field holds,
+at the selected labelled positions only, the value times ``w = labelled / selected`` (of the micro-batch): the loss
+is then the selected-token mean (times the micro-batch's share of the labelled positions under
+``num_items_in_batch``, as under ``transformers.Trainer``), both metrics means over the selected labelled positions,
+and the gradient flows through the selected positions only.
 
-Other trainers use the log-probabilities per sequence (DPO, KTO) or per token (GRPO, RLOO); a token-selection
-forward cannot give them every completion token's value with gradient, so they are refused, as is SFTTrainer's
-``loss_type="dft"`` (which weights each token by its probability). The fused call does not say which trainer
-makes it; ``TokenTuneCallback`` tells the selector, at ``on_train_begin``, the trainer's arguments (an SFTConfig,
-a DPOConfig, ...), and a fused training call without them is refused.
+Other trainers (DPO, GRPO, ...) and ``loss_type="dft"`` need every completion token's value with gradient: refused,
+as is a fused training call without the trainer's arguments (``TokenTuneCallback`` gives them at ``on_train_begin``).
 """
 
 from __future__ import annotations
@@ -59,12 +53,8 @@ def _is_sft_config(args: Any) -> bool:
 
 
 def check_fused_call(head_kind: str, kwargs: dict, trainer_args: Any) -> None:
-    """Refuse a ``fused_lm_head=True`` training forward that token selection cannot make exact.
-
-    ``trainer_args`` are the training arguments of the Trainer now training the model, as ``TokenTuneCallback``
-    recorded them at ``on_train_begin`` (None without it): the fused call itself does not say which objective its
-    log-probabilities feed, the trainer's arguments do (SFTConfig: SFTTrainer's summed loss).
-    """
+    """Refuse a ``fused_lm_head=True`` training forward that token selection cannot make exact; ``trainer_args``
+    are those ``TokenTuneCallback`` recorded (None without it): they say which objective the call feeds."""
     if head_kind != "causal_lm":
         raise ValueError(
             f"TokenTune: `{TRL_FUSED_HEAD_ARGUMENT}=True` (TRL's fused LM head) needs a causal LM; this model's head "

@@ -1,34 +1,25 @@
 """Which positions a model's head reads, so that token selection keeps them selected; heads it cannot serve exactly.
 
-A head that reads a position token selection left unselected gets a constant there: its gradient would be
-silently wrong (zero, or ~40% off for a pooling head). So a head is accepted only where the positions it reads
-are known exactly, from transformers' own rules; every other head is refused at ``get_peft_model``.
-
-The tables below are the single source of truth: the refusal logic reads them, and so does the test that keeps
-the README's "Supported and refused" list equal to them.
+A head reading an unselected position gets a constant there: a silently wrong gradient (zero, or ~40% off for a
+pooling head). So a head is accepted only where transformers' own rules say exactly which positions it reads, every
+other one is refused at ``get_peft_model``. The tables below are the single source of truth: the refusal logic reads
+them, and so does the test that keeps the README's "Supported and refused" list equal to them.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-
-# ---------------------------------------------------------------------------------------------- the tables
+from transformers.modeling_layers import GenericForSequenceClassification
 
 # Heads that read every position on its own (scored on selected positions only), by class-name suffix.
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # selected position i scored on token i+1
 PER_POSITION_SUFFIXES = ("ForTokenClassification", "ForMaskedLM")  # selected position i on its own label
 # Heads that read a few positions of the sequence to classify it: accepted only when listed below.
-CLASSIFICATION_SUFFIXES = (
-    "ForSequenceClassification",
-    "ForImageClassification",
-    "ForAudioClassification",
-    "ForVideoClassification",
-)
+CLASSIFICATION_SUFFIXES = tuple(f"For{inputs}Classification" for inputs in ("Sequence", "Image", "Audio", "Video"))
 
 LAST_NON_PAD = "last_non_pad"
 FIRST_POSITION = "first_position"
@@ -88,9 +79,6 @@ FIRST_POSITION_HEADS: dict[str, tuple[str, Any] | None] = {
 AUDIO_INPUTS = ("input_values", "input_features")
 
 
-# ---------------------------------------------------------------------------------------------- the rule of a model
-
-
 @dataclass(frozen=True)
 class Head:
     """The head of a model: its kind and, for a classifier, which positions it reads."""
@@ -129,20 +117,9 @@ class Head:
         return reads
 
 
-def _generic_sequence_classifier() -> type | None:
-    """transformers' shared decoder classifier, or None where this transformers has none (then none is accepted)."""
-    try:
-        module = importlib.import_module("transformers.modeling_layers")
-    except ImportError:
-        return None
-    return getattr(module, GENERIC_SEQUENCE_CLASSIFIER, None)
-
-
 def _defining_head(cls: type, names) -> type | None:
-    """The class of ``cls``'s MRO named in ``names`` whose ``forward`` ``cls`` uses unchanged, else None.
-
-    A subclass that overrides ``forward`` may read other positions: it is not the listed head any more.
-    """
+    """The class of ``cls``'s MRO named in ``names`` whose ``forward`` ``cls`` uses unchanged (a subclass overriding
+    ``forward`` may read other positions), else None."""
     for klass in cls.__mro__:
         if klass.__name__ in names:
             return klass if cls.forward is klass.forward else None
@@ -174,18 +151,15 @@ def head_of(model: nn.Module) -> Head:
             f"Supported heads: *{', *'.join(CAUSAL_LM_SUFFIXES + PER_POSITION_SUFFIXES)}, bare *Model classes, "
             "and the classification heads listed in the README ('Supported and refused')."
         )
-    config = model.config
-    generic = _generic_sequence_classifier()
-    if generic is not None and issubclass(cls, generic) and cls.forward is generic.forward:
-        return Head("classification", LAST_NON_PAD)
-    if _defining_head(cls, LAST_NON_PAD_HEADS[1:]) is not None:
+    generic = GenericForSequenceClassification
+    if issubclass(cls, generic) and cls.forward is generic.forward or _defining_head(cls, LAST_NON_PAD_HEADS[1:]):
         return Head("classification", LAST_NON_PAD)
     klass = _defining_head(cls, FIRST_POSITION_HEADS)
     if klass is not None:
         condition = FIRST_POSITION_HEADS[klass.__name__]
         if condition is not None:
             field, value = condition
-            given = getattr(config, field, None)
+            given = getattr(model.config, field, None)
             if given != value or type(given) is not type(value):
                 raise ValueError(
                     f"TokenTune cannot train {name} with config.{field}={given!r}: that head pools several "

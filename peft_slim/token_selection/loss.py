@@ -1,15 +1,9 @@
-"""The selected-token loss.
+"""The selected-token loss: the mean cross-entropy over selected positions with a label (not -100); a causal LM's
+selected position i scored on token i+1, a per-position head's (token classification, masked LM) on its own label.
 
-For a causal LM, selected position i is scored on predicting token i+1; for per-position heads
-(token classification, masked LM), position i on its own label. The loss is the mean over selected
-positions that have a valid label (not -100).
-
-Under ``transformers.Trainer`` the model receives ``num_items_in_batch``: the number of labelled
-positions in the whole accumulated batch, over all processes. Each micro-batch's selected-token mean
-then stands for that micro-batch's labelled positions, weight ``labelled_here / num_items_in_batch``.
-Summed over micro-batches (Trainer's gradient accumulation) and over processes (Trainer multiplies by
-the process count, DDP averages), this is again a mean: with one micro-batch on one process it is
-exactly the selected-token mean, and it never counts a token twice.
+Under ``transformers.Trainer`` the model receives ``num_items_in_batch``, the labelled positions of the whole
+accumulated batch over all processes: each micro-batch's selected-token mean is weighted by its share of them, so
+summed over micro-batches and processes (as Trainer and DDP do) the loss is again a mean, no token counted twice.
 """
 
 from __future__ import annotations

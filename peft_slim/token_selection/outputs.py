@@ -1,9 +1,6 @@
-"""Which outputs a training forward under token selection can return, and the refusal of those it cannot.
-
-The selected positions run through each block a second time (with gradients) and the others are constants, so a
-block's output exists for the selected positions only: per-layer hidden states and attention maps of the whole
-sequence are not computed, and partial ones would not have the shape transformers documents. Refused by name;
-eval mode or ``torch.no_grad()`` forwards return every output of the plain model.
+"""The per-layer outputs a token-selection training forward refuses: a block's output with gradients exists for the
+selected positions only, and partial ones would not have the shape transformers documents (eval mode or
+``torch.no_grad()`` forwards return every output of the plain model).
 """
 
 from __future__ import annotations

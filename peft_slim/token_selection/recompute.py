@@ -1,20 +1,17 @@
-"""The selected tokens' pass through a block, computed once: its outputs come from the no-grad pass over every token,
-and the block runs with grad only in backward, on the selected tokens.
+"""The selected tokens' pass through a block: its outputs come from the no-grad pass over every token, and the block
+runs with grad on the selected tokens only in backward, as activation checkpointing does (``SelectedPass``).
 
-The no-grad pass already computes, exactly, what the selected pass would return at the selected positions (the
-same inputs, the same weights, the same keys and values). :class:`SelectedPass` returns those values and keeps
-only the selected pass's inputs; its backward runs the selected pass with grad and back-propagates through it, as
-activation checkpointing does. A step then costs one forward over every token plus, for the selected tokens, one
-forward and one backward (``1 + 2r`` forwards at token ratio ``r``), at checkpointing's memory.
-
-This holds only when the block computes the same values each time it runs: a block that draws random numbers in
-training (dropout, say) would draw other ones in backward. :class:`RandomOps` spots such a draw during the no-grad
-pass; the block then runs the selected pass with grad in the forward instead (``blocks.py``).
+The no-grad pass already computes, exactly, what the selected pass would return at the selected positions, so a
+step costs ``1 + 2r`` forwards at token ratio ``r``, at checkpointing's memory. This holds only when the block
+computes the same values each time it runs: a block that draws random numbers (dropout) would draw other ones in
+backward, so :class:`RandomOps` spots such a draw and that block runs the selected pass with grad in the forward
+instead (``blocks.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -23,39 +20,16 @@ from torch.overrides import TorchFunctionMode
 
 # Functions that draw random numbers, and how to tell that a call draws (for dropout: in training, p > 0).
 _ALWAYS_RANDOM = {
-    torch.bernoulli,
-    torch.multinomial,
-    torch.normal,
-    torch.poisson,
-    torch.rand,
-    torch.rand_like,
-    torch.randint,
-    torch.randint_like,
-    torch.randn,
-    torch.randn_like,
-    torch.randperm,
-    torch.Tensor.bernoulli,
-    torch.Tensor.bernoulli_,
-    torch.Tensor.cauchy_,
-    torch.Tensor.exponential_,
-    torch.Tensor.geometric_,
-    torch.Tensor.log_normal_,
-    torch.Tensor.normal_,
-    torch.Tensor.random_,
-    torch.Tensor.uniform_,
+    *(getattr(torch, name) for name in ("bernoulli", "multinomial", "normal", "poisson", "rand", "rand_like")),
+    *(getattr(torch, name) for name in ("randint", "randint_like", "randn", "randn_like", "randperm")),
+    *(getattr(torch.Tensor, name) for name in ("bernoulli", "bernoulli_", "cauchy_", "exponential_", "geometric_")),
+    *(getattr(torch.Tensor, name) for name in ("log_normal_", "normal_", "random_", "uniform_")),
 }
-# function -> (position of p, position of `training`, default of `training`)
+# dropout function -> the default of its `training` argument (p is argument 1, `training` argument 2)
 _DROPOUTS = {
-    F.dropout: (1, 2, True),
-    F.dropout1d: (1, 2, True),
-    F.dropout2d: (1, 2, True),
-    F.dropout3d: (1, 2, True),
-    F.alpha_dropout: (1, 2, False),
-    F.feature_alpha_dropout: (1, 2, False),
-    torch.dropout: (1, 2, None),
-    torch.alpha_dropout: (1, 2, None),
-    torch.feature_dropout: (1, 2, None),
-    torch.feature_alpha_dropout: (1, 2, None),
+    **dict.fromkeys((F.dropout, F.dropout1d, F.dropout2d, F.dropout3d), True),
+    **dict.fromkeys((F.alpha_dropout, F.feature_alpha_dropout), False),
+    **dict.fromkeys((torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout), None),
 }
 
 
@@ -70,9 +44,8 @@ def draws_random_numbers(func: Callable, args: tuple, kwargs: dict) -> bool:
     if func in _ALWAYS_RANDOM:
         return True
     if func in _DROPOUTS:
-        p_at, training_at, default = _DROPOUTS[func]
-        p = _argument(args, kwargs, p_at, ("p",), 0.5)
-        training = _argument(args, kwargs, training_at, ("training", "train"), default)
+        p = _argument(args, kwargs, 1, ("p",), 0.5)
+        training = _argument(args, kwargs, 2, ("training", "train"), _DROPOUTS[func])
         return bool(training) and float(p) > 0
     if func is F.scaled_dot_product_attention:
         return float(_argument(args, kwargs, 4, ("dropout_p",), 0.0)) > 0
@@ -97,12 +70,9 @@ class RandomOps(TorchFunctionMode):
 
 
 class SelectedPass(torch.autograd.Function):
-    """``output`` (the no-grad pass's values at the selected slots) as the result of ``run(*inputs)``, which runs
-    only in backward.
-
-    ``inputs`` are the tensors of the selected pass's arguments (kept for backward through ``save_for_backward``,
-    so activation compression and the saved-activation measurement see them) and ``parameters`` the tensors the
-    block trains: both receive the gradients of that recomputation.
+    """``output`` (the no-grad pass's values at the selected slots) as the result of ``run(*inputs)``, run only in
+    backward. ``inputs`` are kept through ``save_for_backward`` (so activation compression and the saved-activation
+    measurement see them); they and ``parameters`` (what the block trains) receive the recomputation's gradients.
     """
 
     @staticmethod
@@ -135,11 +105,17 @@ def selected_pass(
     (nothing else holds them) and handed back to ``run`` in the same places. ``run`` returns the block's output (a
     tensor, or a tuple whose first item is the hidden states). The forward's autocast state is restored for it.
     """
-    skeleton, inputs = _split(arguments)
-    autocast = _autocast_state(output.device.type)
+    inputs: list[torch.Tensor] = []
+    skeleton = _strip(arguments, inputs)
+    autocast = [
+        (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+        for kind in dict.fromkeys([output.device.type, "cpu"])
+    ]
 
     def recompute(*tensors: torch.Tensor) -> torch.Tensor:
-        with _autocast(autocast):
+        with ExitStack() as stack:  # backward runs outside the forward's autocast contexts: enter the same ones
+            for kind, enabled, dtype in autocast:
+                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
             result = run(_fill(skeleton, iter(tensors)))
         return result[0] if isinstance(result, (tuple, list)) else result
 
@@ -149,14 +125,8 @@ def selected_pass(
 _SLOT = object()  # where a tensor of the arguments goes back
 
 
-def _split(value: Any) -> tuple[Any, list[torch.Tensor]]:
-    """``value`` with each tensor (nested in tuples, lists and dicts) replaced by ``_SLOT``, and those tensors."""
-    tensors: list[torch.Tensor] = []
-    return _strip(value, tensors), tensors
-
-
 def _strip(item: Any, tensors: list[torch.Tensor]) -> Any:
-    """``item`` with its tensors replaced by ``_SLOT`` and appended to ``tensors``.
+    """``item`` with its tensors (nested in tuples, lists and dicts) replaced by ``_SLOT`` and appended to ``tensors``.
 
     A module-level function, not a closure: a recursive closure is a reference cycle (the function, its cell) that
     would hold ``tensors`` until the garbage collector runs, keeping every uncompressed input of the selected pass
@@ -173,7 +143,7 @@ def _strip(item: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 def _fill(skeleton: Any, tensors: Iterator[torch.Tensor]) -> Any:
-    """``skeleton`` from ``_split`` with its slots filled, in order, from ``tensors``."""
+    """``skeleton`` from ``_strip`` with its slots filled, in order, from ``tensors``."""
     if skeleton is _SLOT:
         return next(tensors)
     if isinstance(skeleton, (tuple, list)):
@@ -181,23 +151,3 @@ def _fill(skeleton: Any, tensors: Iterator[torch.Tensor]) -> Any:
     if isinstance(skeleton, dict):
         return {key: _fill(part, tensors) for key, part in skeleton.items()}
     return skeleton
-
-
-def _autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
-    types = dict.fromkeys([device_type, "cpu"])
-    return [(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in types]
-
-
-class _autocast:
-    """Re-enter the autocast state ``_autocast_state`` recorded (backward runs outside the forward's contexts)."""
-
-    def __init__(self, state: list[tuple[str, bool, torch.dtype]]):
-        self.contexts = [torch.autocast(kind, dtype=dtype, enabled=enabled) for kind, enabled, dtype in state]
-
-    def __enter__(self):
-        for context in self.contexts:
-            context.__enter__()
-
-    def __exit__(self, *exc):
-        for context in reversed(self.contexts):
-            context.__exit__(*exc)

@@ -1,8 +1,5 @@
-"""Which token positions receive gradients.
-
-A selection is a boolean mask ``[batch, seq]``. Blocks work on a padded index form of it
-(:class:`TokenSelection`): every row lists its selected positions first, in order, then distinct
-unselected positions up to the widest row, so all rows have the same width and no position repeats.
+"""Which token positions receive gradients: a boolean mask ``[batch, seq]``, and the padded index form blocks use
+(:class:`TokenSelection`: each row's selected positions in order, then distinct unselected ones up to the widest row).
 """
 
 from __future__ import annotations
@@ -60,12 +57,8 @@ class TokenSelection:
         return flat.view(moved_shape).movedim(1, dim)
 
     def gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        """``tensor`` at the slot positions along ``dim`` (batch is dim 0).
-
-        A tensor that requires grad is gathered with ``index_select`` over the flattened (batch, ``dim``) axes,
-        whose backward keeps only the index: ``torch.gather`` would keep its whole input for backward (every
-        token's hidden states, at each block).
-        """
+        """``tensor`` at the slot positions along ``dim`` (batch is dim 0). With grad through ``index_select`` over
+        the flattened (batch, ``dim``) axes, whose backward keeps only the index (``torch.gather`` keeps its input)."""
         if not tensor.requires_grad:
             return tensor.gather(dim, _expand_index(self.index, tensor, dim))
         dim = dim % tensor.dim()
@@ -76,10 +69,7 @@ class TokenSelection:
         return picked.view(batch, self.index.shape[1], *moved.shape[2:]).movedim(1, dim)
 
     def scatter(self, full: torch.Tensor, part: torch.Tensor, dim: int) -> torch.Tensor:
-        """``full`` with its slot positions replaced by ``part`` where the slot is valid.
-
-        Gradients reach ``part`` only at valid slots; ``full`` is used as a constant.
-        """
+        """``full`` (a constant) with its slot positions replaced by ``part`` (gradients) where the slot is valid."""
         index = _expand_index(self.index, full, dim)
         source = part.to(full.dtype)
         if not self.all_valid:
@@ -95,13 +85,10 @@ class TokenSelection:
         return self.memo(("causal", key_length), lambda: (keys[None, None, :] <= self.index[:, :, None]).unsqueeze(1))
 
     def memo(self, key: Any, make: Callable[[], torch.Tensor], source: Any = None) -> torch.Tensor:
-        """``make()``, computed once per selection (one forward) and shared by every block.
-
-        Blocks receive the same mask and rotary tensors; deriving them once means autograd saves one
-        copy for the whole model instead of one per layer. ``source`` (the tensor the result is derived
-        from, keyed by ``id(source)``) is held weakly: a result is reused only while its source lives, so an id
-        reused by a later tensor is never mistaken for it, and the source (a full ``[B, 1, L, L]`` mask, say) is not
-        kept for backward when only its cut rows are needed.
+        """``make()``, once per selection (one forward) and shared by every block, so autograd saves one copy of the
+        blocks' common mask and rotary tensors, not one per layer. ``source`` (what the key's ``id`` names) is held
+        weakly: the result is reused only while it lives (a reused id is never mistaken for it), and it (a full
+        ``[B, 1, L, L]`` mask, say) is not kept for backward when only its cut rows are needed.
         """
         entry = self._memo.get(key)
         if entry is None or (entry[0] is not None and entry[0]() is not source):
@@ -119,13 +106,8 @@ def _expand_index(index: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Te
 
 
 def selection_generator(seed: int | None) -> torch.Generator:
-    """The generator selections are drawn from: seeded with ``seed`` plus this process's rank.
-
-    Data-parallel ranks train on different examples, so each must draw its own positions; a shared seed
-    would select the same positions on every rank. The rank comes from ``torch.distributed`` when it is
-    initialised, else from the ``RANK`` variable that torchrun and accelerate set before the script runs
-    (models are often built before the process group exists). Same seed and rank: same draws.
-    """
+    """The generator selections are drawn from, seeded with ``seed`` plus this process's rank (``rank()``: models are
+    often built before the process group exists): data-parallel ranks must not all select the same positions."""
     if seed is None:  # a fresh draw: reproducible only through `seed`
         seed = int(torch.randint(2**62, (1,)).item())
     return torch.Generator().manual_seed(seed + rank())
@@ -155,14 +137,11 @@ def draw_selection(
 ) -> torch.Tensor:
     """Draw a selection mask [B, L] as ``config`` asks.
 
-    ``real`` marks non-padding positions, ``forced`` the positions always selected (those a head reads, which
-    may be padding: transformers' classifiers read position 0, or the last position under ``inputs_embeds``,
-    whatever the padding), ``labelled`` the positions that carry a loss label (used by ``selection="answer"``).
-    The count is taken over real tokens (never fewer than the forced real ones); forced padding comes on top.
-
-    Every candidate gets a uniform draw plus its tier (forced > labelled, under "answer" > other), and the ``wanted``
-    highest scores are selected: forced positions first, then a uniformly random subset of the labelled ones when
-    they outnumber what is left of the budget (all of them otherwise), then a uniformly random subset of the rest.
+    ``real`` marks non-padding positions, ``forced`` those always selected (a head reads them, padding or not),
+    ``labelled`` those with a loss label (for ``selection="answer"``). The count is over real tokens (at least the
+    forced real ones), forced padding on top. Each candidate scores a uniform draw plus its tier (forced > labelled,
+    under "answer" > other): the highest ``wanted`` are selected, so each tier is a uniform subset once the budget
+    runs short.
     """
     n_real = real.sum(dim=1)
     if config.num_tokens is not None:

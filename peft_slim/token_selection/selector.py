@@ -54,22 +54,10 @@ class _TrainingForward:
 LOGIT_POSTPROCESSING_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
-def check_attention_implementation(model: nn.Module) -> None:
-    implementation = get_attn_implementation(model.config)
-    if implementation not in SUPPORTED_IMPLEMENTATIONS:
-        raise ValueError(
-            f"TokenTune needs attn_implementation in {SUPPORTED_IMPLEMENTATIONS}; "
-            f"{type(model).__name__} uses {implementation!r}. Load it with attn_implementation='sdpa'."
-        )
-
-
 class TokenSelector:
-    """Token selection's hooks on ``model``, active in training forwards only (train mode and grad enabled).
-
-    Every block runs on all tokens without gradient tracking; its selected tokens are recomputed with it in
-    backward (``blocks.py``), where unselected keys and values enter attention as constants. The loss covers
-    selected positions only, and a causal LM's head runs only on them. Selections are drawn from a generator
-    seeded with ``config.seed`` plus the process's rank.
+    """Token selection's hooks on ``model``, active in training forwards only (train mode and grad enabled): the
+    blocks as ``blocks.py`` runs them, the loss over the selected positions (a causal LM's head runs on them only),
+    selections drawn from a generator seeded with ``config.seed`` plus the process's rank.
     """
 
     def __init__(self, model: nn.Module, config: TokenSelectionConfig):
@@ -128,16 +116,18 @@ class TokenSelector:
     @staticmethod
     def check(model: nn.Module) -> None:
         """Refuse a model whose attention or head token selection cannot make exact, before changing it."""
-        check_attention_implementation(model)
+        implementation = get_attn_implementation(model.config)
+        if implementation not in SUPPORTED_IMPLEMENTATIONS:
+            raise ValueError(
+                f"TokenTune needs attn_implementation in {SUPPORTED_IMPLEMENTATIONS}; "
+                f"{type(model).__name__} uses {implementation!r}. Load it with attn_implementation='sdpa'."
+            )
         head_of(model)
         find_blocks(model)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The selection generator's state: restored by ``load_state_dict``, later draws repeat an uninterrupted run's.
-
-        Selections are drawn from this generator only (seeded with ``config.seed`` plus the process's rank), so
-        its state and the model's inputs determine every later selection.
-        """
+        """The selection generator's state (with the inputs, it determines every later selection): restored by
+        ``load_state_dict``, later draws repeat an uninterrupted run's."""
         return {"generator_state": self.generator.get_state()}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -215,12 +205,9 @@ class TokenSelector:
         return args, kwargs
 
     def _without_cache(self, model: nn.Module, kwargs: dict) -> None:
-        """No KV cache in training, as transformers does under gradient checkpointing (with a warning, once).
-
-        The full pass would write every key/value into a cache and the selected pass would write its own again,
-        then attend over a cache longer than the sequence. Decoders default to ``use_cache=True`` from their
-        config, so ``use_cache=False`` is passed whenever the forward takes it; an empty cache object is dropped;
-        a cache that already holds positions (training that continues a prefix) is refused.
+        """No KV cache in training, as transformers does under gradient checkpointing (with a warning, once): each
+        block's two passes would fill it twice. ``use_cache=False`` is passed whenever the forward takes it
+        (decoders default to True), an empty cache is dropped, one holding positions (a continued prefix) refused.
         """
         asked = []
         if kwargs.get("use_cache"):
@@ -316,9 +303,6 @@ class TokenSelector:
         state, self._state = self._state, None
         if state is None:
             return None
-        return self._finish_forward(model, state, output)
-
-    def _finish_forward(self, model: nn.Module, state: _TrainingForward, output: Any):
         set_attn_implementation(model.config, state.attn_implementation)
         if state.selection is None or state.labels is None or self._head.kind not in ("causal_lm", "per_position"):
             return None
@@ -433,9 +417,10 @@ def named_arguments(model: nn.Module, signature: inspect.Signature, args: tuple,
     bound = signature.bind(*args, **kwargs)
     named = {}
     for name, value in bound.arguments.items():
-        if bound.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
             named.update(value)
-        elif bound.signature.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL:
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
             raise ValueError(f"TokenTune: {type(model).__name__}.forward takes *args; pass inputs by keyword.")
         else:
             named[name] = value

@@ -37,16 +37,11 @@ def _decode(text: str) -> dict:
 
 
 class TokenTuneCallback(TrainerCallback, ExportableState):
-    """Saves the token-selection generator with every Trainer checkpoint, and restores it when training resumes;
-    tells the model which trainer trains it (needed under TRL's SFTTrainer, whose fused-LM-head call is exact for
-    SFT only: see ``token_selection.fused_head``).
-
-    Without it a resumed run draws other positions than an uninterrupted one (the generator restarts from its
-    seed). The state (one generator per process: each rank draws its own positions) is written into the
-    checkpoint's ``trainer_state.json`` and restored on resume, whether or not
-    ``restore_callback_states_from_checkpoint`` is set. Works for TokenTune and for SlimFit's ``tokentune``.
-    Under several processes the ranks' states are gathered after every optimizer step (one small collective),
-    since only the main process writes ``trainer_state.json``.
+    """Saves the token-selection generator (one per process) in every Trainer checkpoint's ``trainer_state.json``
+    and restores it on resume, whether or not ``restore_callback_states_from_checkpoint`` is set: without it a
+    resumed run draws other positions than an uninterrupted one. Under several processes the ranks' states are
+    gathered after every optimizer step (only the main process writes the file). Also tells the model which trainer
+    trains it (TRL's fused-LM-head call is exact under SFTTrainer only: ``token_selection.fused_head``).
     """
 
     def __init__(self):

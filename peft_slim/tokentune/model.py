@@ -29,11 +29,8 @@ class TokenTuneState(AdapterState):
 class TokenTuneModel(MethodTuner):
     """Backpropagate through a subset of tokens (Simoulin et al., EMNLP 2024), into LoRA or base weights.
 
-    Every block runs on all tokens without gradient tracking, then again on the selected tokens with
-    it; unselected keys and values enter attention as constants. The loss covers selected positions
-    only, and a causal LM's head runs only on them. Outside training (eval mode or no grad) the model
-    is untouched. The forward path is the shared token-selection component; this class adds which
-    weights train and what is saved.
+    The training forward is the shared token-selection component's (outside training the model is untouched); this
+    class adds which weights train and what is saved.
     """
 
     prefix: str = "tokentune_"
