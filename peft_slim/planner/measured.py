@@ -6,6 +6,8 @@ the benchmark ran it holds the key (``Recipe.key``) of the recipe its ``peft-sli
 the mean over seeds of its ratios against LoRA + gradient checkpointing of the same seed. A planner setting gets a
 measurement only where its recipe has the same key (method, token ratio and selection rule, compression, SlimFit's
 freezing, checkpointing); the LoRA rank and targets may differ, and the evidence line says which were measured.
+A method the later run against LoRA + checkpointing with TRL's fused LM head (``budget_trl/budget.json``) also
+measured carries those ratios too (``against_trl_head``); the ranking uses the first run's, one baseline for all.
 """
 
 from __future__ import annotations
