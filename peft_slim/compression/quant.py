@@ -21,6 +21,7 @@ import warnings
 import torch
 
 from ..compat import is_fake_tensor, outside_fake_mode, rowwise_byte_kernels
+from . import triton_kernels
 from .format import Quantized, row_stats
 from .packing import pack_bits, unpack_bits
 
@@ -199,16 +200,7 @@ def _fake_prepack(block: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def _fused_kernels(device: torch.device):
     """The Triton kernels (``triton_kernels``) for a CUDA tensor when Triton imports; else None (the torch path)."""
-    return _triton_kernels() if device.type == "cuda" else None
-
-
-@functools.cache
-def _triton_kernels():
-    try:
-        from . import triton_kernels  # here: Triton is optional (and slow to import)
-    except ImportError:  # no Triton (e.g. a CPU-only or non-Linux PyTorch build)
-        return None
-    return triton_kernels
+    return triton_kernels if device.type == "cuda" and triton_kernels.triton is not None else None
 
 
 # kernels_usable's verdict per (device, dtype), for the process; tests clear it.
@@ -232,10 +224,10 @@ def kernels_usable(device: torch.device, dtype: torch.dtype) -> bool:
     key = (device, dtype)
     with _verdict_lock:
         if key not in kernel_verdicts:
-            kernels = _triton_kernels()
-            problem = "Triton does not import" if kernels is None else _kernel_difference(kernels, *key)
+            triton = triton_kernels.triton
+            problem = "Triton does not import" if triton is None else _kernel_difference(triton_kernels, *key)
             if problem is not None:
-                version = getattr(getattr(kernels, "triton", None), "__version__", "unknown")
+                version = getattr(triton, "__version__", "unknown")
                 warnings.warn(
                     f"peft_slim: the Triton compression kernels (Triton {version}) failed their check on {key[0]}, "
                     f"{dtype}: {problem}. Activation compression there uses the torch path for the rest of the "
