@@ -41,34 +41,12 @@ def supported(dtype: torch.dtype, bits: int, group_size: int) -> bool:
     return dtype in FLOATS and bits in (8, 4, 2) and group_size * bits % 8 == 0 and group_size <= MAX_GROUP
 
 
-def _tiling(group_size: int) -> tuple[int, int]:
-    block = 1 << (group_size - 1).bit_length()  # the group padded to a power of two
-    return block, max(1, _TILE // block)
-
-
 def quantize(values: torch.Tensor, bits: int, group_size: int):
     """``quant._quantize_packed(values, bits, group_size)``, in one kernel (plus the same finiteness check)."""
-    numel = values.numel()
-    groups = -(-numel // group_size)
-    block, per_program = _tiling(group_size)
+    numel, groups = values.numel(), -(-values.numel() // group_size)
     codes = torch.empty(groups * group_size * bits // 8, dtype=torch.uint8, device=values.device)
     scale, low, high = (torch.empty(groups, dtype=torch.float32, device=values.device) for _ in range(3))
-    grid = (-(-groups // per_program),)
-    _quantize_kernel[grid](
-        values,
-        codes,
-        scale,
-        low,
-        high,
-        numel,
-        groups,
-        group_size,
-        block,
-        per_program,
-        bits,
-        _INTERPRETED,
-        enable_fp_fusion=False,
-    )
+    _launch(_quantize_kernel, (values, codes, scale, low, high), numel, groups, group_size, bits, _INTERPRETED)
     # as the torch path: inf, NaN or a masking sentinel near the dtype's limit -> None (one host sync)
     if not torch.maximum(high.max(), -low.min()) < torch.finfo(values.dtype).max / 2:
         return None
@@ -77,39 +55,26 @@ def quantize(values: torch.Tensor, bits: int, group_size: int):
 
 def dequantize(quantized, dtype: torch.dtype) -> torch.Tensor:
     """``quant.dequantize(quantized, dtype)`` for a packed ``Quantized`` that ``supported`` accepts, in one kernel."""
-    q = quantized
-    groups = q.scale.numel()
-    block, per_program = _tiling(q.group_size)
+    q, bf16 = quantized, dtype == torch.bfloat16
     out = torch.empty(q.numel, dtype=dtype, device=q.codes.device)
-    bf16 = dtype == torch.bfloat16
-    grid = (-(-groups // per_program),)
-    _dequantize_kernel[grid](
-        q.codes,
-        q.scale,
-        q.low,
-        out.view(torch.int16) if bf16 else out,
-        q.numel,
-        groups,
-        q.group_size,
-        block,
-        per_program,
-        q.bits,
-        bf16,
-        enable_fp_fusion=False,
-    )
+    tensors = (q.codes, q.scale, q.low, out.view(torch.int16) if bf16 else out)
+    _launch(_dequantize_kernel, tensors, q.numel, q.scale.numel(), q.group_size, q.bits, bf16)
     return out
+
+
+def _launch(kernel, tensors: tuple, numel: int, groups: int, group_size: int, bits: int, flag: bool) -> None:
+    """Either kernel over ``groups`` groups, several small ones per program, each padded to a power of two."""
+    block = 1 << (group_size - 1).bit_length()
+    per_program = max(1, _TILE // block)
+    grid = (-(-groups // per_program),)
+    kernel[grid](*tensors, numel, groups, group_size, block, per_program, bits, flag, enable_fp_fusion=False)
 
 
 def dequantizes(quantized, dtype: torch.dtype) -> bool:
     """Whether the kernels decode ``quantized`` into ``dtype``."""
     q = quantized
-    return (
-        not q.rowwise
-        and q.codes.device.type == "cuda"
-        and dtype in FLOATS
-        and q.scale.dtype == torch.float32
-        and supported(dtype, q.bits, q.group_size)
-    )
+    cuda = q.codes.device.type == "cuda"
+    return not q.rowwise and cuda and q.scale.dtype == torch.float32 and supported(dtype, q.bits, q.group_size)
 
 
 # Triton's interpreter (``TRITON_INTERPRET=1`` when Triton is imported; the tests) runs the kernels on CPU tensors.
