@@ -81,9 +81,7 @@ class SlimFitModel(MethodTuner):
             named = {name: p for name, p in model.named_parameters() if id(p) in tracked}
             state.base_weights = BaseWeights(named, keep_copies=config.keep_base_weights)
             self.slimfit_base_weights = BaseWeightsSwitch(self.active_adapters[0])
-        sizes = None
-        if config.freeze_by == "bytes":
-            sizes = [sum(p.numel() * p.element_size() for p in unit.params) for unit in state.units]
+        sizes = unit_bytes(state.units) if config.freeze_by == "bytes" else None
         state.scheduler = FreezeScheduler(
             len(state.units),
             config.freeze_ratio,
@@ -165,18 +163,8 @@ class SlimFitModel(MethodTuner):
         still fits the byte budget, as the scheduler fills it). They require grad from now on. The memory planner
         (``peft_slim.estimate_memory``) sizes that step; ``slimfit_step()`` goes back to the schedule. Returns the
         units' names."""
-        scheduler = self.scheduler
-        sizes = [sum(p.numel() * p.element_size() for p in unit.params) for unit in self._state.units]
-        order = sorted(range(len(sizes)), key=lambda u: (-sizes[u], u))
-        if scheduler.sizes is None:
-            largest = set(order[: scheduler.num_trained])
-        else:
-            largest, left = set(), scheduler.budget
-            for unit in order:
-                if scheduler.sizes[unit] <= left:
-                    largest.add(unit)
-                    left -= scheduler.sizes[unit]
-        scheduler.trained = [u in largest for u in range(len(sizes))]
+        sizes = unit_bytes(self._state.units)
+        self.scheduler.trained = self.scheduler.fill(sorted(range(len(sizes)), key=lambda u: (-sizes[u], u)))
         self._apply_schedule()
         return self.trained_units
 
@@ -437,6 +425,10 @@ class SlimFitModel(MethodTuner):
             "Trainer(load_best_model_at_end=True), pass peft_slim.SlimFitCallback(): its checkpoints hold every "
             "tensor SlimFit trains."
         )
+
+
+def unit_bytes(units: list[Unit]) -> list[int]:
+    return [sum(p.numel() * p.element_size() for p in unit.params) for unit in units]
 
 
 def warn_new_weights(new: list[str], peft_modules: list[str]) -> None:

@@ -49,7 +49,8 @@ def _fused(tensors: list[torch.Tensor]) -> bool:
 
 def snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of ``params`` before an optimizer step."""
-    return torch._foreach_mul(params, 1.0) if _fused(params) else [p.detach().clone() for p in params]
+    fused = params and _fused(params) and _plain(params)
+    return torch._foreach_mul(params, 1.0) if fused else [p.detach().clone() for p in params]
 
 
 def step_parts(
@@ -270,13 +271,11 @@ class StepObserver:
         for indices, counts, sums in step:
             values = sums.tolist() if torch.is_tensor(sums) else sums
             for index, count, value in zip(indices, counts, values):
+                # [sum of relative changes or |gradient|, count], or [squared norm of the change, of the old values]
+                parts = (value, count) if self.metric != "update_norm" else value
                 total = totals.setdefault(index, [0.0, 0.0])
-                if self.metric != "update_norm":  # [sum of relative changes, or of |gradient|; count of values]
-                    total[0] += value
-                    total[1] += count
-                else:  # [squared norm of the change, squared norm of the old values]
-                    total[0] += value[0]
-                    total[1] += value[1]
+                total[0] += parts[0]
+                total[1] += parts[1]
         return {index: finish_score(self.metric, parts, self.epsilon) for index, parts in totals.items()}
 
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -315,23 +314,13 @@ class StepObserver:
         self._stepped |= mine
         if not any(ref() is optimizer for ref in self._optimizers):
             self._optimizers.append(weakref.ref(optimizer))
-        indices, params = [], []
-        for index, unit in enumerate(self.units):
-            if self.is_training(index):
-                for param in unit.params:
-                    if id(param) in mine:
-                        indices.append(index)
-                        params.append(param)
+        training = [(i, p) for i, unit in enumerate(self.units) if self.is_training(i) for p in unit.params]
+        indices, params = [i for i, p in training if id(p) in mine], [p for _, p in training if id(p) in mine]
         with torch.no_grad():
             # The 'gradient' metric reads the gradients now, before the step; it needs the old values only to
             # scale the update (catch-up).
             gradients = gradient_sums(params) if self.metric == "gradient" and params else None
-            if gradients is not None and self.catch_up is None:
-                before = None
-            elif params and _plain(params):
-                before = snapshot(params)
-            else:
-                before = [p.detach().clone() for p in params]
+            before = None if gradients is not None and self.catch_up is None else snapshot(params)
         self._snapshot = (indices, params, before, gradients)
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -73,15 +73,20 @@ class FreezeScheduler:
             (u for u in units if self.frozen_for[u] < self.max_frozen_steps),
             key=lambda u: (-self.scores[u], self.sweep_rank[u]),
         )
+        return self.fill(starving + rest)
+
+    def fill(self, order: list[int]) -> list[bool]:
+        """Which units train when they are taken in ``order``: the first ``num_trained``, or (``sizes`` given) each
+        that still fits the byte budget."""
         if self.sizes is None:
-            chosen = set((starving + rest)[: self.num_trained])
+            chosen = set(order[: self.num_trained])
         else:
             chosen, left = set(), self.budget
-            for unit in starving + rest:
+            for unit in order:
                 if self.sizes[unit] <= left:
                     chosen.add(unit)
                     left -= self.sizes[unit]
-        return [u in chosen for u in units]
+        return [u in chosen for u in range(self.num_units)]
 
     def advance(self, scores: dict[int, float]) -> None:
         """Close a step: record the ``scores`` of units that trained in it, then re-rank if it is time."""
