@@ -26,10 +26,6 @@ from .units import Unit, find_units, new_weights, saved_by_peft
 
 # Set to 1 to check, at every freeze decision, that all processes of a distributed run took the same one.
 CHECK_RANKS_ENV = "PEFT_SLIM_CHECK_RANKS"
-BASE_WEIGHTS_FIX = (
-    "Set SlimFitConfig(keep_base_weights=True) (a CPU copy of the original weights), or train a LoRA with SlimFit "
-    "(SlimFitConfig(lora=LoraConfig(...)): the base weights then never change)."
-)
 
 
 @dataclass(eq=False)
@@ -189,17 +185,17 @@ class SlimFitModel(MethodTuner):
                 "there is no step to close. Call model.slimfit_resume() first."
             )
         self._refuse_while_disabled("slimfit_step()")
-        config = self._config
-        scores = self._state.observer.take_scores(stacklevel=2) if self._state.observer is not None else {}
-        self.scheduler.advance(scores)
+        observer, config = self._state.observer, self._config
+        self.scheduler.advance(observer.take_scores(stacklevel=2) if observer is not None else {})
         self._apply_schedule()
         if optimizer is None:
-            optimizers = self._state.observer.optimizers() if self._state.observer is not None else []
-        else:
-            optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+            optimizer = observer.optimizers() if observer is not None else []
         if config.release_frozen_optimizer_state:
-            for opt in optimizers:
-                self._release_optimizer_state(opt, config.release_after_steps)
+            for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
+                for index, unit in enumerate(self._state.units):
+                    if self.scheduler.frozen_for[index] >= config.release_after_steps:
+                        for param in unit.params:
+                            opt.state.pop(param, None)
 
     def slimfit_attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Score the units over ``optimizer``'s steps, through that optimizer's own step hooks (``SlimFitCallback``
@@ -263,13 +259,6 @@ class SlimFitModel(MethodTuner):
                     param.grad = None
         state.applied = True
 
-    def _release_optimizer_state(self, optimizer: torch.optim.Optimizer, after: int) -> None:
-        state = optimizer.state
-        for index, unit in enumerate(self._state.units):
-            if self.scheduler.frozen_for[index] >= after:
-                for param in unit.params:
-                    state.pop(param, None)
-
     def slimfit_history(self) -> dict[str, Any]:
         """The freeze pattern so far: unit names, and per completed step which units trained."""
         return {"units": self.unit_names, "trained": [list(row) for row in self.scheduler.history]}
@@ -312,38 +301,34 @@ class SlimFitModel(MethodTuner):
     def disable_adapter_layers(self) -> None:
         """What PEFT's ``disable_adapter()`` calls. Without LoRA the adapter is the base weights trained in place:
         swap the kept originals in (exactly, by copy) and freeze them. With LoRA, PEFT's own switch."""
-        if self._config.lora is None and self._state.swapped is None:
-            self._swap_base_weights_in()
+        state = self._state
+        if self._config.lora is None and state.swapped is None:
+            if not state.base_weights.kept:
+                raise ValueError(
+                    "SlimFit: disable_adapter() cannot give the base model's outputs: without `lora` SlimFit trains "
+                    "the base weights in place and did not keep the originals (keep_base_weights=False). Set "
+                    "SlimFitConfig(keep_base_weights=True) (a CPU copy of the original weights), or train a LoRA with "
+                    "SlimFit (SlimFitConfig(lora=LoraConfig(...)): the base weights then never change)."
+                )
+            params = {name: self.model.get_parameter(name) for name in state.base_weights.names}
+            state.swapped_requires_grad = {name: p.requires_grad for name, p in params.items()}
+            for param in params.values():
+                param.requires_grad_(False)  # the base model is frozen while disabled, as LoRA's is
+            state.swapped = state.base_weights.swap_in(self.model)
             self.slimfit_base_weights.enable_adapters(False)
         super().disable_adapter_layers()
 
     def enable_adapter_layers(self) -> None:
         """Undo ``disable_adapter_layers``: the tuned weights back, exactly."""
-        if self._config.lora is None and self._state.swapped is not None:
-            self._swap_base_weights_out()
+        state = self._state
+        if self._config.lora is None and state.swapped is not None:
+            swapped, state.swapped = state.swapped, None
+            state.base_weights.restore(self.model, swapped)
+            for name, requires_grad in state.swapped_requires_grad.items():
+                self.model.get_parameter(name).requires_grad_(requires_grad)
+            state.swapped_requires_grad = {}
             self.slimfit_base_weights.enable_adapters(True)
         super().enable_adapter_layers()
-
-    def _swap_base_weights_in(self) -> None:
-        state = self._state
-        if not state.base_weights.kept:
-            raise ValueError(
-                "SlimFit: disable_adapter() cannot give the base model's outputs: without `lora` SlimFit trains the "
-                f"base weights in place and did not keep the originals (keep_base_weights=False). {BASE_WEIGHTS_FIX}"
-            )
-        params = {name: self.model.get_parameter(name) for name in state.base_weights.names}
-        state.swapped_requires_grad = {name: p.requires_grad for name, p in params.items()}
-        for param in params.values():
-            param.requires_grad_(False)  # the base model is frozen while disabled, as LoRA's is
-        state.swapped = state.base_weights.swap_in(self.model)
-
-    def _swap_base_weights_out(self) -> None:
-        state = self._state
-        swapped, state.swapped = state.swapped, None
-        state.base_weights.put_back(self.model, swapped)
-        for name, requires_grad in state.swapped_requires_grad.items():
-            self.model.get_parameter(name).requires_grad_(requires_grad)
-        state.swapped_requires_grad = {}
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._refuse_while_disabled("optimizer.step()")
