@@ -36,7 +36,6 @@ from ..compat import (
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm, *NORM_BASE_CLASSES)
 _LINEAR = (nn.Linear, *CONV_BASE_CLASSES)
-_ACTIVATION_MODULES = ACTIVATION_MODULES
 
 
 @functools.cache
@@ -49,7 +48,7 @@ def module_kind(module_type: type) -> str:
         return "norm"
     if "Attention" in name:
         return "attention"
-    if module_type.__module__ in _ACTIVATION_MODULES:
+    if module_type.__module__ in ACTIVATION_MODULES:
         return "activation"
     return "other"
 

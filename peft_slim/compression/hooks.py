@@ -82,15 +82,13 @@ class _Witness:
         return self.last if root is None else version_of(root)
 
 
+@dataclass(eq=False, slots=True)
 class _Saved:
     """What the pack hook returns: the stored form, and the saved tensor's version then, checked by ``unpack``."""
 
-    __slots__ = ("value", "version", "witness")
-
-    def __init__(self, value, version, witness: _Witness | None = None):
-        self.value = value  # a detached alias of the saved tensor (same version counter), or a CompressedTensor
-        self.version = version
-        self.witness = witness  # for a CompressedTensor: its root's version
+    value: object  # a detached alias of the saved tensor (same version counter), or a CompressedTensor
+    version: object
+    witness: _Witness | None = None  # for a CompressedTensor: its root's version
 
     def unpack(self) -> torch.Tensor:
         value = self.value

@@ -296,30 +296,25 @@ def _rowwise_kernels():
     """torch's fused row-wise 8-bit (prepack, unpack) ops, if present and coding as expected here; else None.
     Checked on real tensors even when first asked inside a memory estimate's fake-tensor mode."""
     with outside_fake_mode():
-        return _checked_rowwise_kernels()
-
-
-def _checked_rowwise_kernels():
-    try:
-        kernels = rowwise_byte_kernels()
-        if kernels is None:
+        try:
+            kernels = rowwise_byte_kernels()
+            if kernels is None:
+                return None
+            prepack, unpack = kernels
+            values = torch.linspace(-1.5, 2.0, 16).view(2, 8) ** 3
+            rows = prepack(values)
+            scale, low = row_stats(rows, 8)
+            span = values.amax(dim=1) - values.amin(dim=1)
+            codes = torch.round((values - low[:, None]) * (255 / (span[:, None] + _ROWWISE_EPSILON)))
+            ok = (
+                rows.shape == (2, 16)
+                and torch.equal(low, values.amin(dim=1))
+                and torch.allclose(scale, span / 255)
+                and torch.equal(rows[:, :8].float(), codes)
+                and torch.allclose(unpack(rows), codes * scale[:, None] + low[:, None], rtol=1e-6, atol=1e-6)
+            )
+        except Exception:  # noqa: BLE001 - missing or changed kernels: the packed path does the same job
             return None
-        prepack, unpack = kernels
-        values = torch.linspace(-1.5, 2.0, 16).view(2, 8) ** 3
-        rows = prepack(values)
-        scale, low = row_stats(rows, 8)
-        span = values.amax(dim=1) - values.amin(dim=1)
-        codes = torch.round((values - low[:, None]) * (255 / (span[:, None] + _ROWWISE_EPSILON)))
-        decoded = unpack(rows)
-        ok = (
-            rows.shape == (2, 16)
-            and torch.equal(low, values.amin(dim=1))
-            and torch.allclose(scale, span / 255)
-            and torch.equal(rows[:, :8].float(), codes)
-            and torch.allclose(decoded, codes * scale[:, None] + low[:, None], rtol=1e-6, atol=1e-6)
-        )
-    except Exception:  # noqa: BLE001 - missing or changed kernels: the packed path does the same job
-        return None
     return (prepack, unpack) if ok else None
 
 
