@@ -47,11 +47,10 @@ class SlimFitState(AdapterState):
 class SlimFitModel(MethodTuner):
     """Freeze most scheduling units at every step, chosen by training dynamics (Ardakani et al., NAACL 2024).
 
-    A frozen unit has ``requires_grad=False`` from the start of the training forward to the optimizer step:
-    it gets no gradient (so the optimizer skips it: no weight decay, no momentum), and its layer caches no
-    input for backward. The decision is taken before each training forward, in a forward pre-hook on the
-    transformers model, so it holds for every PEFT forward path. Optimizer hooks score the units that
-    trained; ``slimfit_step()`` re-ranks. With ``tokentune``, the shared token selection is attached too.
+    A frozen unit has ``requires_grad=False`` from the start of the training forward to the optimizer step: no
+    gradient (so no optimizer update, weight decay or momentum) and no cached input for backward. A forward pre-hook
+    on the transformers model applies the decision, so it holds for every PEFT forward path; optimizer hooks score
+    the units that trained; ``slimfit_step()`` re-ranks. With ``tokentune``, the token selection is attached too.
     """
 
     prefix: str = "slimfit_"
@@ -78,13 +77,9 @@ class SlimFitModel(MethodTuner):
             state.base_weights = BaseWeights(named, keep_copies=config.keep_base_weights)
             self.slimfit_base_weights = BaseWeightsSwitch(self.active_adapters[0])
         sizes = unit_bytes(state.units) if config.freeze_by == "bytes" else None
+        waits = rotation_steps(config.freeze_ratio) if config.max_frozen_steps is None else config.max_frozen_steps
         state.scheduler = FreezeScheduler(
-            len(state.units),
-            config.freeze_ratio,
-            config.schedule_every,
-            rotation_steps(config.freeze_ratio) if config.max_frozen_steps is None else config.max_frozen_steps,
-            config.seed,
-            sizes,
+            len(state.units), config.freeze_ratio, config.schedule_every, waits, config.seed, sizes
         )
         too_large = [state.units[index].name for index in state.scheduler.too_large]
         if too_large and not config.inference_mode:
@@ -154,11 +149,9 @@ class SlimFitModel(MethodTuner):
         return [unit.name for unit, trained in zip(self._state.units, self.scheduler.trained) if trained]
 
     def train_largest_units(self) -> list[str]:
-        """Make the next steps train the largest units the schedule could train at once: the step with the most
-        gradients and optimizer state (by count: the ``num_trained`` largest; by bytes: the largest first, each that
-        still fits the byte budget, as the scheduler fills it). They require grad from now on. The memory planner
-        (``peft_slim.estimate_memory``) sizes that step; ``slimfit_step()`` goes back to the schedule. Returns the
-        units' names."""
+        """Make the next steps train the largest units the schedule could train at once (the largest first, as the
+        scheduler fills its budget): the step with the most gradients and optimizer state, which the memory planner
+        (``peft_slim.estimate_memory``) sizes; ``slimfit_step()`` goes back to the schedule. Returns their names."""
         sizes = unit_bytes(self._state.units)
         self.scheduler.trained = self.scheduler.fill(sorted(range(len(sizes)), key=lambda u: (-sizes[u], u)))
         self._apply_schedule()
@@ -174,9 +167,8 @@ class SlimFitModel(MethodTuner):
     def slimfit_step(self, optimizer: torch.optim.Optimizer | list | tuple | None = None) -> None:
         """Close a training step: score the units that trained, re-rank, freeze for the next step.
 
-        Call it once per training step, after ``optimizer.step()`` (after every optimizer's step when the
-        parameters are split over several); ``SlimFitCallback`` does with Trainer. With
-        ``release_frozen_optimizer_state``, the state of long-frozen units is freed from ``optimizer`` (one, or a
+        Call it once per training step, after every ``optimizer.step()`` (``SlimFitCallback`` does with Trainer).
+        With ``release_frozen_optimizer_state``, long-frozen units' state is freed from ``optimizer`` (one, or a
         list), by default the optimizers that last stepped over the units.
         """
         if self._state.paused:
@@ -198,9 +190,8 @@ class SlimFitModel(MethodTuner):
                             opt.state.pop(param, None)
 
     def slimfit_attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Score the units over ``optimizer``'s steps, through that optimizer's own step hooks (``SlimFitCallback``
-        attaches the Trainer's). Optional: an optimizer that steps over the units unattached is attached at its first
-        step. Nothing to watch for an adapter loaded for inference."""
+        """Score the units over ``optimizer``'s steps through its own step hooks. Optional: an optimizer stepping over
+        the units unattached is attached at its first step. Nothing to watch for an adapter loaded for inference."""
         if self._state.observer is not None:
             self._state.observer.attach(optimizer)
 
@@ -209,12 +200,9 @@ class SlimFitModel(MethodTuner):
         return self._state.paused
 
     def slimfit_pause(self) -> None:
-        """Suspend the schedule: every scheduled unit requires grad again, as when the model was wrapped.
-
-        Until ``slimfit_resume()``, training forwards freeze nothing (so they train every unit, like plain
-        fine-tuning or LoRA), optimizer steps are not scored and ``slimfit_step()`` raises. The schedule's state
-        (scores, frozen ages, history) is kept.
-        """
+        """Suspend the schedule: every scheduled unit requires grad again, as when the model was wrapped. Until
+        ``slimfit_resume()``, training forwards freeze nothing, optimizer steps are not scored and ``slimfit_step()``
+        raises; the schedule's state (scores, frozen ages, history) is kept."""
         state = self._state
         self._refuse_while_disabled("slimfit_pause()")
         self._unfreeze()
@@ -360,9 +348,8 @@ class SlimFitModel(MethodTuner):
         return super()._unload_and_optionally_merge(merge=merge, **kwargs)
 
     def slimfit_full_checkpoints(self, enabled: bool) -> None:
-        """Without LoRA: whether a save holds every base tensor SlimFit trains (``enabled``) or only those that
-        changed since the model was wrapped (the default). ``SlimFitCallback`` enables it for the length of
-        ``trainer.train()``, so that ``load_best_model_at_end`` loads a checkpoint into the trained model exactly."""
+        """Without LoRA: whether a save holds every base tensor SlimFit trains (``enabled``; ``SlimFitCallback`` during
+        ``trainer.train()``, so that ``load_best_model_at_end`` is exact) or only those changed since wrapping."""
         self._state.full_checkpoints = enabled
 
     def _kept_base_entry(self, name: str) -> tuple[str, tuple, bytes] | None:
