@@ -1,22 +1,16 @@
 """``compress_activations``: keep what autograd saves for backward in fewer bytes, through saved-tensor hooks.
 
-Saved-tensor hooks nest and only the innermost pair is active: inside ``torch.utils.checkpoint``
-(non-reentrant) or ``save_on_cpu`` entered within this context, those mechanisms handle their tensors
-and this one sees none of them; entered around this context, they see nothing. The reentrant
-checkpoint saves only its inputs, which are compressed like any activation. Call ``backward`` after
-leaving the context, so that a checkpoint's recomputation is not compressed for nothing.
+Only the innermost saved-tensor hooks act: a non-reentrant ``torch.utils.checkpoint`` or ``save_on_cpu`` entered
+within this context handles its own tensors, and one entered around it sees none. The reentrant checkpoint saves
+only its inputs, compressed like any activation. Call ``backward`` after leaving the context, so that a checkpoint's
+recomputation is not compressed for nothing. A context acts only in the thread and the ``contextvars`` context that
+entered it (torch's hooks are per thread; the module stack and the pack hook check the rest).
 
-A context acts only in the thread and the ``contextvars`` context that entered it: torch's saved-tensor
-hooks are per thread, and the module stack (``classify.ModuleStack``) and the pack hook check the rest, so
-other threads' models and asyncio tasks created outside the context are neither compressed nor counted.
-
-In-place writes: torch checks a saved tensor's version (``Tensor._version``) when backward unpacks it, but not
-when saved-tensor hooks hold it, so the hooks check instead and raise autograd's error. A tensor kept as it is
-(``bits=None``, below ``min_numel``, weights) is checked exactly, as autograd does. A compressed tensor is a copy of
-the value saved; its tensor (the root of its views) is checked when backward needs it if still alive, else at the
-last version seen (when saved again, or when the context exits). Missed only when the tensor is written in place
-after its last save and dies before the context ends: then the gradient is that of the saved value (what the code
-computed), where autograd would have raised.
+In-place writes: torch does not check the version of a tensor saved-tensor hooks hold, so the hooks raise
+autograd's error instead. A tensor kept as it is is checked exactly. A compressed one is a copy: its root tensor is
+checked when backward needs it if still alive, else at the last version seen (saved again, or the context's exit);
+missed only when written in place after its last save and dead before the context ends (the gradient is then that
+of the saved value, where autograd would have raised).
 """
 
 from __future__ import annotations

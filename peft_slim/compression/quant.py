@@ -158,9 +158,7 @@ def _quantize_rowwise(values: torch.Tensor, group_size: int) -> Quantized | None
 def _representable(high: torch.Tensor, low: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether the extreme values ``high`` and ``low`` are finite and away from the dtype's limit. A fake tensor (a
     memory estimate: shapes, no values) is taken as representable: ordinary activations are."""
-    if is_fake_tensor(high):
-        return True
-    return bool(torch.maximum(high, -low) < torch.finfo(values.dtype).max / 2)
+    return is_fake_tensor(high) or bool(torch.maximum(high, -low) < torch.finfo(values.dtype).max / 2)
 
 
 def _groups(values: torch.Tensor, group_size: int, index: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -179,7 +177,10 @@ def _groups(values: torch.Tensor, group_size: int, index: torch.Tensor | None = 
 def _prepack(values: torch.Tensor, group_size: int) -> torch.Tensor:
     prepack = _rowwise_kernels()[0]
     if is_fake_tensor(values):  # (torch's fake kernel for it sizes the storage 4x: same layout, the true bytes)
-        prepack = functools.partial(_fake_prepack, group_size=group_size)
+
+        def prepack(block: torch.Tensor) -> torch.Tensor:  # a group's codes, then its fp32 scale and minimum
+            return torch.empty(block.shape[0], group_size + 8, dtype=torch.uint8, device=block.device)
+
     rows = []
     for block in _groups(values, group_size):
         if block.dtype != torch.bfloat16:
@@ -191,11 +192,6 @@ def _prepack(values: torch.Tensor, group_size: int) -> torch.Tensor:
                 rest = (block.shape[0] - chunks[-1][1], rows[-1].shape[1])
                 rows.append(torch.empty(rest, dtype=rows[-1].dtype, device=block.device))
     return torch.cat(rows) if len(rows) > 1 else rows[0]
-
-
-def _fake_prepack(block: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The row-wise layout for a fake tensor (a memory estimate): a group's codes, then its fp32 scale and minimum."""
-    return torch.empty(block.shape[0], group_size + 8, dtype=torch.uint8, device=block.device)
 
 
 def _fused_kernels(device: torch.device):
@@ -210,13 +206,12 @@ CHECK_GROUP = 128  # the config's default group size
 
 
 def kernels_usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the Triton kernels serve ``dtype`` tensors on ``device``: checked the first time they would, against
-    the torch path, then remembered for the process.
+    """Whether the Triton kernels serve ``dtype`` tensors on ``device``: checked against the torch path the first
+    time they would, then remembered for the process.
 
-    A kernel that fails to compile on the installed Triton, or rounds otherwise than the torch path, would fail
-    inside a saved-tensor hook in the middle of backward, or train on wrong activations. The check runs here, once,
-    eagerly, under ``no_grad``, and nothing it raises propagates; on any failure or difference: one warning naming
-    Triton's version, the device, the dtype and what differed, and the torch path from then on.
+    A kernel that fails to compile, or rounds otherwise than the torch path, would fail inside a saved-tensor hook in
+    the middle of backward, or train on wrong activations. So the check runs here, once, eagerly, under ``no_grad``,
+    and raises nothing: any failure or difference gives one warning and the torch path from then on.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # as a tensor's device names it
