@@ -1,16 +1,12 @@
 """Fused group quantisation on CUDA (Triton): each group read once, quantised and packed in one pass; and back.
 
-The torch path (``quant._quantize_packed`` and ``dequantize``) reads a tensor five times and writes fp32 temporaries
-between its steps; these kernels read each group once into registers and write only its packed codes, its scale and
-its minimum, at memory bandwidth. They produce the same format and the same codes, bit for bit: the same fp32
-operations in the same order, each rounded where the torch path rounds (no fused multiply-adds, except the one the
-torch path's ``addcmul`` makes), the same truncation of codes, the same bit packing. The tests check that under
-Triton's interpreter on the CPU, and on CUDA where there is one.
-
-Only for CUDA tensors of fp32, bf16 or fp16, whole bytes of codes per group (``group_size * bits % 8 == 0``, true for
-every group size the config allows at 8 and 4 bits) and groups of at most ``MAX_GROUP`` values; ``quant`` keeps the
-torch path for everything else, on the CPU always, and on a (device, dtype) where the kernels failed the check they
-are put through before they first serve it (``quant.kernels_usable``).
+The torch path (``quant._quantize_packed``, ``dequantize``) reads a tensor five times and writes fp32 temporaries;
+these kernels read each group once into registers and write only its codes, scale and minimum. They produce the
+same codes bit for bit: the same fp32 operations in the same order, rounded where the torch path rounds (no fused
+multiply-adds but the one its ``addcmul`` makes), the same truncation and packing; the tests check that under
+Triton's interpreter, and on CUDA where there is one. Only for CUDA tensors of fp32, bf16 or fp16, whole bytes of
+codes per group and at most ``MAX_GROUP`` values a group; ``quant`` keeps the torch path otherwise, and on a
+(device, dtype) where the kernels failed their check (``quant.kernels_usable``).
 """
 
 from __future__ import annotations
