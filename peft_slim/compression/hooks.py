@@ -127,9 +127,7 @@ class ActivationCompression(saved_tensors_hooks):
         self._modules.stop()
         for entry in self._storages.values():  # compressed tensors still alive: their version from now on
             for witness in entry.witnesses.values():
-                root = witness.root()
-                if root is not None:
-                    witness.last = version_of(root)
+                witness.last = witness.version()
         self._storages.clear()  # addresses are meaningless once the forward is over
         self._frozen.clear()
         self._active = False
@@ -175,12 +173,9 @@ class ActivationCompression(saved_tensors_hooks):
 
     def _is_frozen(self, module: torch.nn.Module | None) -> bool:
         """Whether none of ``module``'s own parameters requires grad (False outside any module)."""
-        if module is None:
-            return False
-        frozen = self._frozen.get(module)
-        if frozen is None:
-            frozen = self._frozen[module] = not any(p.requires_grad for p in module.parameters(recurse=False))
-        return frozen
+        if module is not None and module not in self._frozen:
+            self._frozen[module] = not any(p.requires_grad for p in module.parameters(recurse=False))
+        return module is not None and self._frozen[module]
 
     def _entry(self, tensor: torch.Tensor) -> _Storage:
         key = storage_key(tensor)

@@ -210,12 +210,9 @@ class StepObserver:
         self.__dict__.update(state)
         self._unit_of = {id(p): index for index, unit in enumerate(self.units) for p in unit.params}
         self._stepped = {id(self.units[i].params[j]) for i, j in state["_stepped"]}
-        if watching:
-            self._register()
-        else:
-            self._attached, self._hook_handles = weakref.WeakSet(), []
-            self._finalizer = weakref.finalize(self, _remove_handles, self._hook_handles)
-            self._finalizer()
+        self._register()
+        if not watching:
+            self.remove()
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers that stepped over these units in the latest training step in which any did."""
