@@ -57,21 +57,14 @@ class FreezeScheduler:
     @property
     def too_large(self) -> list[int]:
         """Units that never train: larger than the whole byte budget (``sizes`` given), else none."""
-        if self.sizes is None:
-            return []
-        return [unit for unit, size in enumerate(self.sizes) if size > self.budget]
+        return [unit for unit, size in enumerate(self.sizes or []) if size > self.budget]
 
     def _rank(self) -> list[bool]:
-        units = range(self.num_units)
-        starving = sorted(
-            (u for u in units if self.frozen_for[u] >= self.max_frozen_steps),
-            key=lambda u: (-self.frozen_for[u], self.sweep_rank[u]),
-        )
-        rest = sorted(
-            (u for u in units if self.frozen_for[u] < self.max_frozen_steps),
-            key=lambda u: (-self.scores[u], self.sweep_rank[u]),
-        )
-        return self.fill(starving + rest)
+        def key(u: int) -> tuple:  # the starving first, the longest frozen first; then the rest by score
+            starving = self.frozen_for[u] >= self.max_frozen_steps
+            return (not starving, -self.frozen_for[u] if starving else -self.scores[u], self.sweep_rank[u])
+
+        return self.fill(sorted(range(self.num_units), key=key))
 
     def fill(self, order: list[int]) -> list[bool]:
         """Which units train, taken in ``order``: the first ``num_trained``, or (by bytes) each that still fits."""
