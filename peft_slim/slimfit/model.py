@@ -203,20 +203,18 @@ class SlimFitModel(MethodTuner):
         """Suspend the schedule: every scheduled unit requires grad again, as when the model was wrapped. Until
         ``slimfit_resume()``, training forwards freeze nothing, optimizer steps are not scored and ``slimfit_step()``
         raises; the schedule's state (scores, frozen ages, history) is kept."""
-        state = self._state
         self._refuse_while_disabled("slimfit_pause()")
         self._unfreeze()
-        state.paused = True
-        if state.observer is not None:
-            state.observer.active = False
+        self._state.paused = True
+        if self._state.observer is not None:
+            self._state.observer.active = False
 
     def slimfit_resume(self) -> None:
         """End a pause: the schedule freezes again from the next training forward, where it stopped."""
-        state = self._state
         self._refuse_while_disabled("slimfit_resume()")
-        state.paused = False
-        if state.observer is not None:
-            state.observer.active = True
+        self._state.paused = False
+        if self._state.observer is not None:
+            self._state.observer.active = True
 
     def _unfreeze(self) -> None:
         """Every scheduled unit requires grad until the next training forward re-applies the schedule."""
@@ -362,9 +360,7 @@ class SlimFitModel(MethodTuner):
         # Standalone SlimFit trains base tensors in place: save those that changed (modules_to_save are PEFT's);
         # in Trainer checkpoints all it trains, so that loading one into the trained model is exact.
         self._refuse_while_disabled("save_pretrained()")
-        if state.full_checkpoints:
-            return state.base_weights.tracks(name)
-        return state.base_weights.changed(name, tensor)
+        return state.base_weights.tracks(name) if state.full_checkpoints else state.base_weights.changed(name, tensor)
 
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):

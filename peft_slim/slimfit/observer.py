@@ -275,8 +275,7 @@ class StepObserver:
         if self.resolve is not None:  # the optimizer holds the parameters the model holds between steps
             self.resolve()
             self._unit_of = {id(p): index for index, unit in enumerate(self.units) for p in unit.params}
-        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        mine = in_optimizer & self._unit_of.keys()
+        mine = {id(p) for group in optimizer.param_groups for p in group["params"]} & self._unit_of.keys()
         if not mine:
             return  # another model's optimizer
         if self.guard is not None:
