@@ -56,12 +56,10 @@ def step_parts(
     sync): relative_change's sum(|after - before| / (|before| + eps)), shape [n]; update_norm's squared norms of the
     change and of the old values, shape [n, 2]. Consumes ``before``; a tensor whose factor is not 1 then moves
     ``factor`` times the update (catch-up)."""
-    low = any(t.dtype != torch.float32 for t in after)
     if not _fused(after):  # tensor by tensor, one temporary at a time; the sums stay on the device
         sums = [_tensor_parts(metric, o, n, epsilon, f) for o, n, f in zip(before, after, factors)]
         return _stack(sums) if metric == "relative_change" else torch.stack([_stack(p) for p in zip(*sums)], dim=1)
-    new = [t.detach().float() for t in after] if low else [t.detach() for t in after]
-    old = [t.float() for t in before] if low else before
+    new, old = [t.detach().float() for t in after], [t.float() for t in before]  # (fp32: the tensors themselves)
     delta = torch._foreach_sub(new, old)
     scaled = [i for i, factor in enumerate(factors) if factor != 1.0]
     if scaled:
