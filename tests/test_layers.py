@@ -55,9 +55,6 @@ METHODS = ("peft_slim.tokentune", "peft_slim.slimfit")
 
 # (importing module, imported module): why the import is inside a function. Each entry must still be needed.
 FUNCTION_LEVEL = {
-    ("peft_slim.compression.quant", "peft_slim.compression.triton_kernels"): (
-        "Triton is optional: the kernels are imported where a CUDA tensor first needs them"
-    ),
     ("peft_slim.cli", "peft_slim"): "imported when the command line builds its parser",
     ("peft_slim.cli.models", "peft_slim.planner.setup"): "imported when the subcommand runs",
     ("peft_slim.cli.plan", "peft_slim.planner"): "imported when the subcommand runs",

@@ -1,17 +1,14 @@
 """What a saved tensor is: a weight (never compressed) or an activation, and then of which kind.
 
-A pack hook sees only the tensor, not the operation saving it. The module running at that moment is
-known, though: global forward hooks keep a stack of the modules entered, and a saved tensor takes the
-kind of the innermost one (see ``ActivationCompressionConfig.kinds``). Classifying by module works for
-any model built from ``nn.Module``s, including code that calls functional ops inside them.
+A pack hook sees only the tensor, not the operation saving it, but the module running then is known: global
+forward hooks keep a stack of the modules entered, and a saved tensor takes the kind of the innermost one (see
+``ActivationCompressionConfig.kinds``), for any model built from ``nn.Module``s.
 
-The hooks are global (``register_module_forward_pre_hook``) and registered only while a context is active: a
-tuner's compression enters it for the length of its model's training forward only. They cannot be the model's
-own: a model runs modules that are not its submodules (recent transformers releases' kernelized functions, e.g. Llama's
-``apply_rotary_pos_emb``, are module-level ``nn.Module``s), and the tensors those save take their kind. Global hooks
-run for every model in every thread, so each stack only follows the thread and the ``contextvars`` context that
-started it: another thread's model (even one run in a copy of this context, as ``asyncio.to_thread`` does) or an
-asyncio task created outside never lands on it.
+The hooks are global, registered only while a context is active, because a model runs modules that are not its
+submodules (recent transformers' kernelized functions, e.g. Llama's ``apply_rotary_pos_emb``, are module-level
+``nn.Module``s). They run for every model in every thread, so each stack only follows the thread and the
+``contextvars`` context that started it: another thread's model (even in a copy of this context, as
+``asyncio.to_thread`` makes) or an asyncio task created outside never lands on it.
 """
 
 from __future__ import annotations
@@ -36,7 +33,6 @@ from ..compat import (
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm, *NORM_BASE_CLASSES)
 _LINEAR = (nn.Linear, *CONV_BASE_CLASSES)
-_ACTIVATION_MODULES = ACTIVATION_MODULES
 
 
 @functools.cache
@@ -49,7 +45,7 @@ def module_kind(module_type: type) -> str:
         return "norm"
     if "Attention" in name:
         return "attention"
-    if module_type.__module__ in _ACTIVATION_MODULES:
+    if module_type.__module__ in ACTIVATION_MODULES:
         return "activation"
     return "other"
 
@@ -103,13 +99,9 @@ class ModuleStack:
 
 
 def is_weight(tensor: torch.Tensor, module: nn.Module | None) -> bool:
-    """Whether a saved tensor is a parameter, a view of one, or a dtype copy of one (autocast).
-
-    A frozen layer saves its weight (or a transposed view) for the input gradient: its root ``_base`` is
-    the Parameter. Autocast casts weights to the lower precision: the copy of a trainable weight is a
-    ``ToCopyBackward`` of the parameter's accumulator; that of a frozen weight has no history at all, and is
-    recognised by having the shape, but not the dtype, of one of the saving module's own parameters.
-    """
+    """Whether a saved tensor is a parameter, a view of one (its root ``_base``), or an autocast copy of one: a
+    trainable weight's is a ``ToCopyBackward`` of its accumulator; a frozen weight's has no history, and has the
+    shape, but not the dtype, of one of the saving module's own parameters."""
     root = storage_base(tensor)
     if isinstance(root, nn.Parameter):
         return True

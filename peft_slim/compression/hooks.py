@@ -1,22 +1,16 @@
 """``compress_activations``: keep what autograd saves for backward in fewer bytes, through saved-tensor hooks.
 
-Saved-tensor hooks nest and only the innermost pair is active: inside ``torch.utils.checkpoint``
-(non-reentrant) or ``save_on_cpu`` entered within this context, those mechanisms handle their tensors
-and this one sees none of them; entered around this context, they see nothing. The reentrant
-checkpoint saves only its inputs, which are compressed like any activation. Call ``backward`` after
-leaving the context, so that a checkpoint's recomputation is not compressed for nothing.
+Only the innermost saved-tensor hooks act: a non-reentrant ``torch.utils.checkpoint`` or ``save_on_cpu`` entered
+within this context handles its own tensors, and one entered around it sees none. The reentrant checkpoint saves
+only its inputs, compressed like any activation. Call ``backward`` after leaving the context, so that a checkpoint's
+recomputation is not compressed for nothing. A context acts only in the thread and the ``contextvars`` context that
+entered it (torch's hooks are per thread; the module stack and the pack hook check the rest).
 
-A context acts only in the thread and the ``contextvars`` context that entered it: torch's saved-tensor
-hooks are per thread, and the module stack (``classify.ModuleStack``) and the pack hook check the rest, so
-other threads' models and asyncio tasks created outside the context are neither compressed nor counted.
-
-In-place writes: torch checks a saved tensor's version (``Tensor._version``) when backward unpacks it, but not
-when saved-tensor hooks hold it, so the hooks check instead and raise autograd's error. A tensor kept as it is
-(``bits=None``, below ``min_numel``, weights) is checked exactly, as autograd does. A compressed tensor is a copy of
-the value saved; its tensor (the root of its views) is checked when backward needs it if still alive, else at the
-last version seen (when saved again, or when the context exits). Missed only when the tensor is written in place
-after its last save and dies before the context ends: then the gradient is that of the saved value (what the code
-computed), where autograd would have raised.
+In-place writes: torch does not check the version of a tensor saved-tensor hooks hold, so the hooks raise
+autograd's error instead. A tensor kept as it is is checked exactly. A compressed one is a copy: its root tensor is
+checked when backward needs it if still alive, else at the last version seen (saved again, or the context's exit);
+missed only when written in place after its last save and dead before the context ends (the gradient is then that
+of the saved value, where autograd would have raised).
 """
 
 from __future__ import annotations
@@ -82,15 +76,13 @@ class _Witness:
         return self.last if root is None else version_of(root)
 
 
+@dataclass(eq=False, slots=True)
 class _Saved:
     """What the pack hook returns: the stored form, and the saved tensor's version then, checked by ``unpack``."""
 
-    __slots__ = ("value", "version", "witness")
-
-    def __init__(self, value, version, witness: _Witness | None = None):
-        self.value = value  # a detached alias of the saved tensor (same version counter), or a CompressedTensor
-        self.version = version
-        self.witness = witness  # for a CompressedTensor: its root's version
+    value: object  # a detached alias of the saved tensor (same version counter), or a CompressedTensor
+    version: object
+    witness: _Witness | None = None  # for a CompressedTensor: its root's version
 
     def unpack(self) -> torch.Tensor:
         value = self.value
@@ -135,9 +127,7 @@ class ActivationCompression(saved_tensors_hooks):
         self._modules.stop()
         for entry in self._storages.values():  # compressed tensors still alive: their version from now on
             for witness in entry.witnesses.values():
-                root = witness.root()
-                if root is not None:
-                    witness.last = version_of(root)
+                witness.last = witness.version()
         self._storages.clear()  # addresses are meaningless once the forward is over
         self._frozen.clear()
         self._active = False
@@ -183,12 +173,9 @@ class ActivationCompression(saved_tensors_hooks):
 
     def _is_frozen(self, module: torch.nn.Module | None) -> bool:
         """Whether none of ``module``'s own parameters requires grad (False outside any module)."""
-        if module is None:
-            return False
-        frozen = self._frozen.get(module)
-        if frozen is None:
-            frozen = self._frozen[module] = not any(p.requires_grad for p in module.parameters(recurse=False))
-        return frozen
+        if module is not None and module not in self._frozen:
+            self._frozen[module] = not any(p.requires_grad for p in module.parameters(recurse=False))
+        return module is not None and self._frozen[module]
 
     def _entry(self, tensor: torch.Tensor) -> _Storage:
         key = storage_key(tensor)

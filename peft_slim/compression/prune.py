@@ -37,8 +37,7 @@ def prune(values: torch.Tensor, ratio: float) -> tuple[torch.Tensor, Positions]:
     numel = values.numel()
     keep = max(1, math.ceil(ratio * numel))
     index = values.abs().topk(keep, sorted=False).indices
-    index_bytes = keep * 4
-    if numel < 2**31 and index_bytes < -(-numel // 8):
+    if numel < 2**31 and keep * 4 < -(-numel // 8):  # int32 indices are smaller than the bitmask
         index = index.sort().values
         return values[index], Positions(index.to(torch.int32), False, numel)
     mask = torch.zeros(numel, dtype=torch.bool, device=values.device)

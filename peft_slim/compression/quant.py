@@ -21,6 +21,7 @@ import warnings
 import torch
 
 from ..compat import is_fake_tensor, outside_fake_mode, rowwise_byte_kernels
+from . import triton_kernels
 from .format import Quantized, row_stats
 from .packing import pack_bits, unpack_bits
 
@@ -157,9 +158,7 @@ def _quantize_rowwise(values: torch.Tensor, group_size: int) -> Quantized | None
 def _representable(high: torch.Tensor, low: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether the extreme values ``high`` and ``low`` are finite and away from the dtype's limit. A fake tensor (a
     memory estimate: shapes, no values) is taken as representable: ordinary activations are."""
-    if is_fake_tensor(high):
-        return True
-    return bool(torch.maximum(high, -low) < torch.finfo(values.dtype).max / 2)
+    return is_fake_tensor(high) or bool(torch.maximum(high, -low) < torch.finfo(values.dtype).max / 2)
 
 
 def _groups(values: torch.Tensor, group_size: int, index: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -178,7 +177,10 @@ def _groups(values: torch.Tensor, group_size: int, index: torch.Tensor | None = 
 def _prepack(values: torch.Tensor, group_size: int) -> torch.Tensor:
     prepack = _rowwise_kernels()[0]
     if is_fake_tensor(values):  # (torch's fake kernel for it sizes the storage 4x: same layout, the true bytes)
-        prepack = functools.partial(_fake_prepack, group_size=group_size)
+
+        def prepack(block: torch.Tensor) -> torch.Tensor:  # a group's codes, then its fp32 scale and minimum
+            return torch.empty(block.shape[0], group_size + 8, dtype=torch.uint8, device=block.device)
+
     rows = []
     for block in _groups(values, group_size):
         if block.dtype != torch.bfloat16:
@@ -192,23 +194,9 @@ def _prepack(values: torch.Tensor, group_size: int) -> torch.Tensor:
     return torch.cat(rows) if len(rows) > 1 else rows[0]
 
 
-def _fake_prepack(block: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The row-wise layout for a fake tensor (a memory estimate): a group's codes, then its fp32 scale and minimum."""
-    return torch.empty(block.shape[0], group_size + 8, dtype=torch.uint8, device=block.device)
-
-
 def _fused_kernels(device: torch.device):
     """The Triton kernels (``triton_kernels``) for a CUDA tensor when Triton imports; else None (the torch path)."""
-    return _triton_kernels() if device.type == "cuda" else None
-
-
-@functools.cache
-def _triton_kernels():
-    try:
-        from . import triton_kernels  # here: Triton is optional (and slow to import)
-    except ImportError:  # no Triton (e.g. a CPU-only or non-Linux PyTorch build)
-        return None
-    return triton_kernels
+    return triton_kernels if device.type == "cuda" and triton_kernels.triton is not None else None
 
 
 # kernels_usable's verdict per (device, dtype), for the process; tests clear it.
@@ -218,13 +206,12 @@ CHECK_GROUP = 128  # the config's default group size
 
 
 def kernels_usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the Triton kernels serve ``dtype`` tensors on ``device``: checked the first time they would, against
-    the torch path, then remembered for the process.
+    """Whether the Triton kernels serve ``dtype`` tensors on ``device``: checked against the torch path the first
+    time they would, then remembered for the process.
 
-    A kernel that fails to compile on the installed Triton, or rounds otherwise than the torch path, would fail
-    inside a saved-tensor hook in the middle of backward, or train on wrong activations. The check runs here, once,
-    eagerly, under ``no_grad``, and nothing it raises propagates; on any failure or difference: one warning naming
-    Triton's version, the device, the dtype and what differed, and the torch path from then on.
+    A kernel that fails to compile, or rounds otherwise than the torch path, would fail inside a saved-tensor hook in
+    the middle of backward, or train on wrong activations. So the check runs here, once, eagerly, under ``no_grad``,
+    and raises nothing: any failure or difference gives one warning and the torch path from then on.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # as a tensor's device names it
@@ -232,10 +219,10 @@ def kernels_usable(device: torch.device, dtype: torch.dtype) -> bool:
     key = (device, dtype)
     with _verdict_lock:
         if key not in kernel_verdicts:
-            kernels = _triton_kernels()
-            problem = "Triton does not import" if kernels is None else _kernel_difference(kernels, *key)
+            triton = triton_kernels.triton
+            problem = "Triton does not import" if triton is None else _kernel_difference(triton_kernels, *key)
             if problem is not None:
-                version = getattr(getattr(kernels, "triton", None), "__version__", "unknown")
+                version = getattr(triton, "__version__", "unknown")
                 warnings.warn(
                     f"peft_slim: the Triton compression kernels (Triton {version}) failed their check on {key[0]}, "
                     f"{dtype}: {problem}. Activation compression there uses the torch path for the rest of the "
@@ -304,30 +291,25 @@ def _rowwise_kernels():
     """torch's fused row-wise 8-bit (prepack, unpack) ops, if present and coding as expected here; else None.
     Checked on real tensors even when first asked inside a memory estimate's fake-tensor mode."""
     with outside_fake_mode():
-        return _checked_rowwise_kernels()
-
-
-def _checked_rowwise_kernels():
-    try:
-        kernels = rowwise_byte_kernels()
-        if kernels is None:
+        try:
+            kernels = rowwise_byte_kernels()
+            if kernels is None:
+                return None
+            prepack, unpack = kernels
+            values = torch.linspace(-1.5, 2.0, 16).view(2, 8) ** 3
+            rows = prepack(values)
+            scale, low = row_stats(rows, 8)
+            span = values.amax(dim=1) - values.amin(dim=1)
+            codes = torch.round((values - low[:, None]) * (255 / (span[:, None] + _ROWWISE_EPSILON)))
+            ok = (
+                rows.shape == (2, 16)
+                and torch.equal(low, values.amin(dim=1))
+                and torch.allclose(scale, span / 255)
+                and torch.equal(rows[:, :8].float(), codes)
+                and torch.allclose(unpack(rows), codes * scale[:, None] + low[:, None], rtol=1e-6, atol=1e-6)
+            )
+        except Exception:  # noqa: BLE001 - missing or changed kernels: the packed path does the same job
             return None
-        prepack, unpack = kernels
-        values = torch.linspace(-1.5, 2.0, 16).view(2, 8) ** 3
-        rows = prepack(values)
-        scale, low = row_stats(rows, 8)
-        span = values.amax(dim=1) - values.amin(dim=1)
-        codes = torch.round((values - low[:, None]) * (255 / (span[:, None] + _ROWWISE_EPSILON)))
-        decoded = unpack(rows)
-        ok = (
-            rows.shape == (2, 16)
-            and torch.equal(low, values.amin(dim=1))
-            and torch.allclose(scale, span / 255)
-            and torch.equal(rows[:, :8].float(), codes)
-            and torch.allclose(decoded, codes * scale[:, None] + low[:, None], rtol=1e-6, atol=1e-6)
-        )
-    except Exception:  # noqa: BLE001 - missing or changed kernels: the packed path does the same job
-        return None
     return (prepack, unpack) if ok else None
 
 

@@ -70,7 +70,7 @@ def compress(
         non_blocking = tensor.device.type == "cuda"  # into pinned memory, overlapping the next kernels
         values = move(values, "cpu", non_blocking) if bits is None else values.to("cpu", non_blocking)
         positions = positions.to("cpu", non_blocking) if positions is not None else None
-    elif isinstance(values, torch.Tensor) and _same_storage(values, tensor):
+    elif isinstance(values, torch.Tensor) and storage_key(values) == storage_key(tensor):
         values = values.clone()  # never keep the original's storage alive
     return CompressedTensor(tensor.shape, tensor.dtype, tensor.device, order, values, positions)
 
@@ -79,7 +79,3 @@ def memory_order(tensor: torch.Tensor) -> list[int] | None:
     """A permutation of the dimensions under which ``tensor`` is contiguous, or None if there is none."""
     order = sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), -tensor.size(d)))
     return order if tensor.permute(order).is_contiguous() else None
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return storage_key(a) == storage_key(b)

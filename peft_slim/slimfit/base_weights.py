@@ -12,8 +12,6 @@ from torch import nn
 
 from ..tuner.record import tensor_digest
 
-__all__ = ["BaseWeights", "tensor_digest"]
-
 
 class BaseWeights:
     """Digests (and optionally CPU copies) of the parameters a standalone SlimFit model trains in place.
@@ -58,15 +56,16 @@ class BaseWeights:
         return [name for name in self._digests if name not in names and self.changed(name, model.get_parameter(name))]
 
     @torch.no_grad()
-    def restore(self, model: nn.Module) -> None:
-        if self._copies is None:
+    def restore(self, model: nn.Module, values: dict[str, torch.Tensor] | None = None) -> None:
+        """Copy ``values`` (by default the kept originals; ``swap_in``'s result to put it back) into the model."""
+        if values is None and self._copies is None:
             raise RuntimeError("BaseWeights.restore: no copies were kept.")
-        for name, copy in self._copies.items():
-            model.get_parameter(name).copy_(copy)
+        for name, value in (self._copies if values is None else values).items():
+            model.get_parameter(name).copy_(value)
 
     @torch.no_grad()
     def swap_in(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Put the kept originals into the model; returns (CPU copies of) the values they replaced, for put_back.
+        """Put the kept originals into the model; returns (CPU copies of) the values they replaced, for restore.
 
         Copies in place, so the parameters (and an optimizer's references to them) stay the same objects and the
         device holds no second copy of the weights.
@@ -74,8 +73,3 @@ class BaseWeights:
         current = {name: model.get_parameter(name).detach().to("cpu", copy=True) for name in self._digests}
         self.restore(model)
         return current
-
-    @torch.no_grad()
-    def put_back(self, model: nn.Module, values: dict[str, torch.Tensor]) -> None:
-        for name, value in values.items():
-            model.get_parameter(name).copy_(value)

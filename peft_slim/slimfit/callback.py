@@ -14,13 +14,11 @@ class SlimFitCallback(TrainerCallback, ExportableState):
     """Attaches the Trainer's optimizer (``slimfit_attach``), calls ``slimfit_step`` after every optimizer step,
     and saves the schedule with every checkpoint.
 
-    The scheduler state (scores, frozen ages, sweep order, history) is written into ``trainer_state.json``
-    and restored when training resumes from a checkpoint, whether or not
-    ``restore_callback_states_from_checkpoint`` is set. During ``trainer.train()`` a standalone SlimFit
-    checkpoint holds every tensor SlimFit trains (not only those changed so far), so that
-    ``load_best_model_at_end`` loads it into the trained model exactly. When the Trainer is built and when
-    training ends, every scheduled unit requires grad again, so that another Trainer (or optimizer) on the same
-    model holds them all; the schedule freezes again at the next training forward.
+    The scheduler state goes into ``trainer_state.json`` and is restored on resuming, whether or not
+    ``restore_callback_states_from_checkpoint`` is set. During ``trainer.train()`` a standalone SlimFit checkpoint
+    holds every tensor SlimFit trains, so that ``load_best_model_at_end`` loads it into the trained model exactly.
+    When the Trainer is built and when training ends, every scheduled unit requires grad again, so that another
+    Trainer (or optimizer) on the same model holds them all.
     """
 
     def __init__(self):

@@ -29,13 +29,11 @@ def rotation_steps(freeze_ratio: float) -> int:
 
 
 def default_compression() -> ActivationCompressionConfig:
-    """SlimFit's recipe for the activations freezing cannot remove: 4-bit GELU/SiLU inputs, 8-bit for the rest
-    (attention Q/K/V and probabilities, norm inputs, inputs of the layers still training).
+    """SlimFit's recipe for the activations freezing cannot remove: 4-bit GELU/SiLU inputs, 8-bit for the rest.
 
-    The paper also prunes frozen norm layers' outputs to their top 10%. A norm's output is saved by the layer
-    after it, so the nearest thing here prunes what a frozen norm saves, its input; on a tiny Llama with LoRA
-    that cut the gradient's cosine similarity to the exact one to 0.89 (0.99998 without it), so pruning is off
-    by default: `prune_ratio=0.1, prune_frozen_only=True` turns it on.
+    The paper also prunes frozen norm layers' outputs to their top 10%; the nearest thing here (pruning what a frozen
+    norm saves, its input) cut the gradient's cosine similarity to the exact one to 0.89 on a tiny Llama with LoRA
+    (0.99998 without), so it is off by default: `prune_ratio=0.1, prune_frozen_only=True` turns it on.
     """
     return ActivationCompressionConfig(bits=8, kind_bits={"activation": 4})
 

@@ -26,10 +26,6 @@ from .units import Unit, find_units, new_weights, saved_by_peft
 
 # Set to 1 to check, at every freeze decision, that all processes of a distributed run took the same one.
 CHECK_RANKS_ENV = "PEFT_SLIM_CHECK_RANKS"
-BASE_WEIGHTS_FIX = (
-    "Set SlimFitConfig(keep_base_weights=True) (a CPU copy of the original weights), or train a LoRA with SlimFit "
-    "(SlimFitConfig(lora=LoraConfig(...)): the base weights then never change)."
-)
 
 
 @dataclass(eq=False)
@@ -51,11 +47,10 @@ class SlimFitState(AdapterState):
 class SlimFitModel(MethodTuner):
     """Freeze most scheduling units at every step, chosen by training dynamics (Ardakani et al., NAACL 2024).
 
-    A frozen unit has ``requires_grad=False`` from the start of the training forward to the optimizer step:
-    it gets no gradient (so the optimizer skips it: no weight decay, no momentum), and its layer caches no
-    input for backward. The decision is taken before each training forward, in a forward pre-hook on the
-    transformers model, so it holds for every PEFT forward path. Optimizer hooks score the units that
-    trained; ``slimfit_step()`` re-ranks. With ``tokentune``, the shared token selection is attached too.
+    A frozen unit has ``requires_grad=False`` from the start of the training forward to the optimizer step: no
+    gradient (so no optimizer update, weight decay or momentum) and no cached input for backward. A forward pre-hook
+    on the transformers model applies the decision, so it holds for every PEFT forward path; optimizer hooks score
+    the units that trained; ``slimfit_step()`` re-ranks. With ``tokentune``, the token selection is attached too.
     """
 
     prefix: str = "slimfit_"
@@ -81,16 +76,10 @@ class SlimFitModel(MethodTuner):
             named = {name: p for name, p in model.named_parameters() if id(p) in tracked}
             state.base_weights = BaseWeights(named, keep_copies=config.keep_base_weights)
             self.slimfit_base_weights = BaseWeightsSwitch(self.active_adapters[0])
-        sizes = None
-        if config.freeze_by == "bytes":
-            sizes = [sum(p.numel() * p.element_size() for p in unit.params) for unit in state.units]
+        sizes = unit_bytes(state.units) if config.freeze_by == "bytes" else None
+        waits = rotation_steps(config.freeze_ratio) if config.max_frozen_steps is None else config.max_frozen_steps
         state.scheduler = FreezeScheduler(
-            len(state.units),
-            config.freeze_ratio,
-            config.schedule_every,
-            rotation_steps(config.freeze_ratio) if config.max_frozen_steps is None else config.max_frozen_steps,
-            config.seed,
-            sizes,
+            len(state.units), config.freeze_ratio, config.schedule_every, waits, config.seed, sizes
         )
         too_large = [state.units[index].name for index in state.scheduler.too_large]
         if too_large and not config.inference_mode:
@@ -160,23 +149,11 @@ class SlimFitModel(MethodTuner):
         return [unit.name for unit, trained in zip(self._state.units, self.scheduler.trained) if trained]
 
     def train_largest_units(self) -> list[str]:
-        """Make the next steps train the largest units the schedule could train at once: the step with the most
-        gradients and optimizer state (by count: the ``num_trained`` largest; by bytes: the largest first, each that
-        still fits the byte budget, as the scheduler fills it). They require grad from now on. The memory planner
-        (``peft_slim.estimate_memory``) sizes that step; ``slimfit_step()`` goes back to the schedule. Returns the
-        units' names."""
-        scheduler = self.scheduler
-        sizes = [sum(p.numel() * p.element_size() for p in unit.params) for unit in self._state.units]
-        order = sorted(range(len(sizes)), key=lambda u: (-sizes[u], u))
-        if scheduler.sizes is None:
-            largest = set(order[: scheduler.num_trained])
-        else:
-            largest, left = set(), scheduler.budget
-            for unit in order:
-                if scheduler.sizes[unit] <= left:
-                    largest.add(unit)
-                    left -= scheduler.sizes[unit]
-        scheduler.trained = [u in largest for u in range(len(sizes))]
+        """Make the next steps train the largest units the schedule could train at once (the largest first, as the
+        scheduler fills its budget): the step with the most gradients and optimizer state, which the memory planner
+        (``peft_slim.estimate_memory``) sizes; ``slimfit_step()`` goes back to the schedule. Returns their names."""
+        sizes = unit_bytes(self._state.units)
+        self.scheduler.trained = self.scheduler.fill(sorted(range(len(sizes)), key=lambda u: (-sizes[u], u)))
         self._apply_schedule()
         return self.trained_units
 
@@ -190,9 +167,8 @@ class SlimFitModel(MethodTuner):
     def slimfit_step(self, optimizer: torch.optim.Optimizer | list | tuple | None = None) -> None:
         """Close a training step: score the units that trained, re-rank, freeze for the next step.
 
-        Call it once per training step, after ``optimizer.step()`` (after every optimizer's step when the
-        parameters are split over several); ``SlimFitCallback`` does with Trainer. With
-        ``release_frozen_optimizer_state``, the state of long-frozen units is freed from ``optimizer`` (one, or a
+        Call it once per training step, after every ``optimizer.step()`` (``SlimFitCallback`` does with Trainer).
+        With ``release_frozen_optimizer_state``, long-frozen units' state is freed from ``optimizer`` (one, or a
         list), by default the optimizers that last stepped over the units.
         """
         if self._state.paused:
@@ -201,22 +177,21 @@ class SlimFitModel(MethodTuner):
                 "there is no step to close. Call model.slimfit_resume() first."
             )
         self._refuse_while_disabled("slimfit_step()")
-        config = self._config
-        scores = self._state.observer.take_scores(stacklevel=2) if self._state.observer is not None else {}
-        self.scheduler.advance(scores)
+        observer, config = self._state.observer, self._config
+        self.scheduler.advance(observer.take_scores(stacklevel=2) if observer is not None else {})
         self._apply_schedule()
         if optimizer is None:
-            optimizers = self._state.observer.optimizers() if self._state.observer is not None else []
-        else:
-            optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+            optimizer = observer.optimizers() if observer is not None else []
         if config.release_frozen_optimizer_state:
-            for opt in optimizers:
-                self._release_optimizer_state(opt, config.release_after_steps)
+            for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
+                for index, unit in enumerate(self._state.units):
+                    if self.scheduler.frozen_for[index] >= config.release_after_steps:
+                        for param in unit.params:
+                            opt.state.pop(param, None)
 
     def slimfit_attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Score the units over ``optimizer``'s steps, through that optimizer's own step hooks (``SlimFitCallback``
-        attaches the Trainer's). Optional: an optimizer that steps over the units unattached is attached at its first
-        step. Nothing to watch for an adapter loaded for inference."""
+        """Score the units over ``optimizer``'s steps through its own step hooks. Optional: an optimizer stepping over
+        the units unattached is attached at its first step. Nothing to watch for an adapter loaded for inference."""
         if self._state.observer is not None:
             self._state.observer.attach(optimizer)
 
@@ -225,26 +200,21 @@ class SlimFitModel(MethodTuner):
         return self._state.paused
 
     def slimfit_pause(self) -> None:
-        """Suspend the schedule: every scheduled unit requires grad again, as when the model was wrapped.
-
-        Until ``slimfit_resume()``, training forwards freeze nothing (so they train every unit, like plain
-        fine-tuning or LoRA), optimizer steps are not scored and ``slimfit_step()`` raises. The schedule's state
-        (scores, frozen ages, history) is kept.
-        """
-        state = self._state
+        """Suspend the schedule: every scheduled unit requires grad again, as when the model was wrapped. Until
+        ``slimfit_resume()``, training forwards freeze nothing, optimizer steps are not scored and ``slimfit_step()``
+        raises; the schedule's state (scores, frozen ages, history) is kept."""
         self._refuse_while_disabled("slimfit_pause()")
         self._unfreeze()
-        state.paused = True
-        if state.observer is not None:
-            state.observer.active = False
+        self._state.paused = True
+        if self._state.observer is not None:
+            self._state.observer.active = False
 
     def slimfit_resume(self) -> None:
         """End a pause: the schedule freezes again from the next training forward, where it stopped."""
-        state = self._state
         self._refuse_while_disabled("slimfit_resume()")
-        state.paused = False
-        if state.observer is not None:
-            state.observer.active = True
+        self._state.paused = False
+        if self._state.observer is not None:
+            self._state.observer.active = True
 
     def _unfreeze(self) -> None:
         """Every scheduled unit requires grad until the next training forward re-applies the schedule."""
@@ -274,13 +244,6 @@ class SlimFitModel(MethodTuner):
                 if not trained:
                     param.grad = None
         state.applied = True
-
-    def _release_optimizer_state(self, optimizer: torch.optim.Optimizer, after: int) -> None:
-        state = optimizer.state
-        for index, unit in enumerate(self._state.units):
-            if self.scheduler.frozen_for[index] >= after:
-                for param in unit.params:
-                    state.pop(param, None)
 
     def slimfit_history(self) -> dict[str, Any]:
         """The freeze pattern so far: unit names, and per completed step which units trained."""
@@ -324,38 +287,34 @@ class SlimFitModel(MethodTuner):
     def disable_adapter_layers(self) -> None:
         """What PEFT's ``disable_adapter()`` calls. Without LoRA the adapter is the base weights trained in place:
         swap the kept originals in (exactly, by copy) and freeze them. With LoRA, PEFT's own switch."""
-        if self._config.lora is None and self._state.swapped is None:
-            self._swap_base_weights_in()
+        state = self._state
+        if self._config.lora is None and state.swapped is None:
+            if not state.base_weights.kept:
+                raise ValueError(
+                    "SlimFit: disable_adapter() cannot give the base model's outputs: without `lora` SlimFit trains "
+                    "the base weights in place and did not keep the originals (keep_base_weights=False). Set "
+                    "SlimFitConfig(keep_base_weights=True) (a CPU copy of the original weights), or train a LoRA with "
+                    "SlimFit (SlimFitConfig(lora=LoraConfig(...)): the base weights then never change)."
+                )
+            params = {name: self.model.get_parameter(name) for name in state.base_weights.names}
+            state.swapped_requires_grad = {name: p.requires_grad for name, p in params.items()}
+            for param in params.values():
+                param.requires_grad_(False)  # the base model is frozen while disabled, as LoRA's is
+            state.swapped = state.base_weights.swap_in(self.model)
             self.slimfit_base_weights.enable_adapters(False)
         super().disable_adapter_layers()
 
     def enable_adapter_layers(self) -> None:
         """Undo ``disable_adapter_layers``: the tuned weights back, exactly."""
-        if self._config.lora is None and self._state.swapped is not None:
-            self._swap_base_weights_out()
+        state = self._state
+        if self._config.lora is None and state.swapped is not None:
+            swapped, state.swapped = state.swapped, None
+            state.base_weights.restore(self.model, swapped)
+            for name, requires_grad in state.swapped_requires_grad.items():
+                self.model.get_parameter(name).requires_grad_(requires_grad)
+            state.swapped_requires_grad = {}
             self.slimfit_base_weights.enable_adapters(True)
         super().enable_adapter_layers()
-
-    def _swap_base_weights_in(self) -> None:
-        state = self._state
-        if not state.base_weights.kept:
-            raise ValueError(
-                "SlimFit: disable_adapter() cannot give the base model's outputs: without `lora` SlimFit trains the "
-                f"base weights in place and did not keep the originals (keep_base_weights=False). {BASE_WEIGHTS_FIX}"
-            )
-        params = {name: self.model.get_parameter(name) for name in state.base_weights.names}
-        state.swapped_requires_grad = {name: p.requires_grad for name, p in params.items()}
-        for param in params.values():
-            param.requires_grad_(False)  # the base model is frozen while disabled, as LoRA's is
-        state.swapped = state.base_weights.swap_in(self.model)
-
-    def _swap_base_weights_out(self) -> None:
-        state = self._state
-        swapped, state.swapped = state.swapped, None
-        state.base_weights.put_back(self.model, swapped)
-        for name, requires_grad in state.swapped_requires_grad.items():
-            self.model.get_parameter(name).requires_grad_(requires_grad)
-        state.swapped_requires_grad = {}
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._refuse_while_disabled("optimizer.step()")
@@ -387,9 +346,8 @@ class SlimFitModel(MethodTuner):
         return super()._unload_and_optionally_merge(merge=merge, **kwargs)
 
     def slimfit_full_checkpoints(self, enabled: bool) -> None:
-        """Without LoRA: whether a save holds every base tensor SlimFit trains (``enabled``) or only those that
-        changed since the model was wrapped (the default). ``SlimFitCallback`` enables it for the length of
-        ``trainer.train()``, so that ``load_best_model_at_end`` loads a checkpoint into the trained model exactly."""
+        """Without LoRA: whether a save holds every base tensor SlimFit trains (``enabled``; ``SlimFitCallback`` during
+        ``trainer.train()``, so that ``load_best_model_at_end`` is exact) or only those changed since wrapping."""
         self._state.full_checkpoints = enabled
 
     def _kept_base_entry(self, name: str) -> tuple[str, tuple, bytes] | None:
@@ -402,9 +360,7 @@ class SlimFitModel(MethodTuner):
         # Standalone SlimFit trains base tensors in place: save those that changed (modules_to_save are PEFT's);
         # in Trainer checkpoints all it trains, so that loading one into the trained model is exact.
         self._refuse_while_disabled("save_pretrained()")
-        if state.full_checkpoints:
-            return state.base_weights.tracks(name)
-        return state.base_weights.changed(name, tensor)
+        return state.base_weights.tracks(name) if state.full_checkpoints else state.base_weights.changed(name, tensor)
 
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
@@ -437,6 +393,10 @@ class SlimFitModel(MethodTuner):
             "Trainer(load_best_model_at_end=True), pass peft_slim.SlimFitCallback(): its checkpoints hold every "
             "tensor SlimFit trains."
         )
+
+
+def unit_bytes(units: list[Unit]) -> list[int]:
+    return [sum(p.numel() * p.element_size() for p in unit.params) for unit in units]
 
 
 def warn_new_weights(new: list[str], peft_modules: list[str]) -> None:

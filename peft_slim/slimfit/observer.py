@@ -1,18 +1,14 @@
 """Watch optimizer steps: snapshot the training units right before a step, score their change right after.
 
-The observer watches an optimizer through that optimizer's own step hooks (``Optimizer.register_step_pre_hook`` /
-``register_step_post_hook``), registered by ``attach(optimizer)``: ``model.slimfit_attach(optimizer)``, which
-``SlimFitCallback`` calls with the Trainer's optimizer. An optimizer that steps over the units without being
-attached (a plain training loop) is attached at its first step, before that step runs: one process-wide pre-hook
-(``register_optimizer_step_pre_hook``) finds it by its parameters and changes nothing itself. The snapshot is
+An optimizer is watched through its own step pre/post hooks, registered by ``attach(optimizer)``
+(``model.slimfit_attach``; ``SlimFitCallback`` attaches the Trainer's). One that steps over the units unattached (a
+plain loop) is attached at its first step by a process-wide pre-hook that finds it by its parameters. The snapshot is
 taken after backward, when activations are freed, so it never adds to the activation peak; the catch-up
-(``SlimFitConfig.catch_up``) scales the update in the attached optimizer's post-hook.
+(``SlimFitConfig.catch_up``) scales the update in the post-hook.
 
-A model's parameters may be split over several optimizers (one for the head, one for the body): each step
-scores the tensors that optimizer holds, and a unit's score sums over every optimizer step between two
-training forwards, so it is the same as if one optimizer had stepped the whole unit. The hooks go when the
-observer does: on unload, or when the model is garbage-collected. A copy of the model (deepcopy, pickle) gets its
-own, and attaches the optimizers that step over its own parameters.
+With parameters split over several optimizers, each step scores the tensors it holds and a unit's score sums over
+every optimizer step between two training forwards: the same as if one optimizer had stepped the whole unit. The
+hooks go with the observer (unload, or garbage collection); a copy of the model (deepcopy, pickle) gets its own.
 """
 
 from __future__ import annotations
@@ -49,25 +45,21 @@ def _fused(tensors: list[torch.Tensor]) -> bool:
 
 def snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of ``params`` before an optimizer step."""
-    return torch._foreach_mul(params, 1.0) if _fused(params) else [p.detach().clone() for p in params]
+    fused = params and _fused(params) and _plain(params)
+    return torch._foreach_mul(params, 1.0) if fused else [p.detach().clone() for p in params]
 
 
 def step_parts(
     metric: str, before: list[torch.Tensor], after: list[torch.Tensor], epsilon: float, factors: list[float]
 ) -> torch.Tensor:
-    """Each tensor's score sums over one optimizer step, left on the device (no host sync); consumes ``before``.
-    A tensor whose factor is not 1 then moves ``factor`` times the optimizer's update (catch-up); the sums are of
-    the optimizer's update itself.
-
-    relative_change: sum(|after - before| / (|before| + eps)) per tensor, shape [n]; update_norm: the squared
-    norms of the change and of the old values, shape [n, 2].
-    """
-    low = any(t.dtype != torch.float32 for t in after)
+    """Each tensor's score sums over one optimizer step (of the optimizer's own update), left on the device (no host
+    sync): relative_change's sum(|after - before| / (|before| + eps)), shape [n]; update_norm's squared norms of the
+    change and of the old values, shape [n, 2]. Consumes ``before``; a tensor whose factor is not 1 then moves
+    ``factor`` times the update (catch-up)."""
     if not _fused(after):  # tensor by tensor, one temporary at a time; the sums stay on the device
         sums = [_tensor_parts(metric, o, n, epsilon, f) for o, n, f in zip(before, after, factors)]
         return _stack(sums) if metric == "relative_change" else torch.stack([_stack(p) for p in zip(*sums)], dim=1)
-    new = [t.detach().float() for t in after] if low else [t.detach() for t in after]
-    old = [t.float() for t in before] if low else before
+    new, old = [t.detach().float() for t in after], [t.float() for t in before]  # (fp32: the tensors themselves)
     delta = torch._foreach_sub(new, old)
     scaled = [i for i, factor in enumerate(factors) if factor != 1.0]
     if scaled:
@@ -120,11 +112,8 @@ def _stack(sums: list[torch.Tensor]) -> torch.Tensor:
 
 
 class StepObserver:
-    """Scores of the units trained in each training step, collected until ``take_scores()`` (``slimfit_step``).
-
-    A training step is what happens between two training forwards: any number of optimizer steps, each over
-    some of the units. ``note_forward()`` marks its start; ``take_scores()`` closes it.
-    """
+    """Scores of the units trained in each training step (from one training forward to the next: any number of
+    optimizer steps over some of the units), collected until ``take_scores()`` (``slimfit_step``) closes it."""
 
     def __init__(
         self,
@@ -192,8 +181,8 @@ class StepObserver:
         self._attached.add(optimizer)
 
     def _find_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """The process-wide pre-hook: attach an optimizer that is about to step over the units unattached (a plain
-        loop). torch calls an optimizer's own pre-hooks after the process-wide ones, so they watch this step too."""
+        """The process-wide pre-hook: attach an optimizer about to step over the units unattached (torch calls its own
+        pre-hooks after the process-wide ones, so they watch this step too)."""
         if not self.active or optimizer in self._attached:
             return
         if not self._depth and self.resolve is not None:  # as _before_step: the parameters the model holds now
@@ -219,12 +208,9 @@ class StepObserver:
         self.__dict__.update(state)
         self._unit_of = {id(p): index for index, unit in enumerate(self.units) for p in unit.params}
         self._stepped = {id(self.units[i].params[j]) for i, j in state["_stepped"]}
-        if watching:
-            self._register()
-        else:
-            self._attached, self._hook_handles = weakref.WeakSet(), []
-            self._finalizer = weakref.finalize(self, _remove_handles, self._hook_handles)
-            self._finalizer()
+        self._register()
+        if not watching:
+            self.remove()
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers that stepped over these units in the latest training step in which any did."""
@@ -264,19 +250,16 @@ class StepObserver:
         self._parts = []
 
     def _step_scores(self, step: list[Parts]) -> dict[int, float]:
-        """Scores of one training step from its optimizer steps' parts: here, and only here, the device's sums
-        come to the host (one transfer per optimizer step; none at all in the steps themselves)."""
+        """Scores of one training step from its optimizer steps' parts: the only place device sums reach the host."""
         totals: dict[int, list[float]] = {}
         for indices, counts, sums in step:
             values = sums.tolist() if torch.is_tensor(sums) else sums
             for index, count, value in zip(indices, counts, values):
+                # [sum of relative changes or |gradient|, count], or [squared norm of the change, of the old values]
+                parts = (value, count) if self.metric != "update_norm" else value
                 total = totals.setdefault(index, [0.0, 0.0])
-                if self.metric != "update_norm":  # [sum of relative changes, or of |gradient|; count of values]
-                    total[0] += value
-                    total[1] += count
-                else:  # [squared norm of the change, squared norm of the old values]
-                    total[0] += value[0]
-                    total[1] += value[1]
+                total[0] += parts[0]
+                total[1] += parts[1]
         return {index: finish_score(self.metric, parts, self.epsilon) for index, parts in totals.items()}
 
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -290,8 +273,7 @@ class StepObserver:
         if self.resolve is not None:  # the optimizer holds the parameters the model holds between steps
             self.resolve()
             self._unit_of = {id(p): index for index, unit in enumerate(self.units) for p in unit.params}
-        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        mine = in_optimizer & self._unit_of.keys()
+        mine = {id(p) for group in optimizer.param_groups for p in group["params"]} & self._unit_of.keys()
         if not mine:
             return  # another model's optimizer
         if self.guard is not None:
@@ -315,29 +297,17 @@ class StepObserver:
         self._stepped |= mine
         if not any(ref() is optimizer for ref in self._optimizers):
             self._optimizers.append(weakref.ref(optimizer))
-        indices, params = [], []
-        for index, unit in enumerate(self.units):
-            if self.is_training(index):
-                for param in unit.params:
-                    if id(param) in mine:
-                        indices.append(index)
-                        params.append(param)
+        training = [(i, p) for i, unit in enumerate(self.units) if self.is_training(i) for p in unit.params]
+        indices, params = [i for i, p in training if id(p) in mine], [p for _, p in training if id(p) in mine]
         with torch.no_grad():
-            # The 'gradient' metric reads the gradients now, before the step; it needs the old values only to
-            # scale the update (catch-up).
+            # 'gradient' reads the gradients now; it needs the old values only for the catch-up
             gradients = gradient_sums(params) if self.metric == "gradient" and params else None
-            if gradients is not None and self.catch_up is None:
-                before = None
-            elif params and _plain(params):
-                before = snapshot(params)
-            else:
-                before = [p.detach().clone() for p in params]
+            before = None if gradients is not None and self.catch_up is None else snapshot(params)
         self._snapshot = (indices, params, before, gradients)
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """An attached optimizer's step post-hook: score its update of the units, and apply the catch-up
-        (``SlimFitConfig.catch_up``: a unit that trains after frozen steps moves its factor times the update). One
-        pass over the tensors does both (``step_parts``; ``scale_updates`` for the 'gradient' metric)."""
+        """An attached optimizer's step post-hook: score its update of the units and apply the catch-up, in one pass
+        over the tensors (``step_parts``; ``scale_updates`` for the 'gradient' metric)."""
         if not self._depth:
             return
         self._depth -= 1

@@ -24,12 +24,10 @@ class FreezeScheduler:
     """Rank units by score; the lowest ``freeze_ratio`` of them freeze until the next re-ranking.
 
     ``sizes`` (bytes per unit) makes the ratio count bytes: the units that train fill, in rank order, a budget of
-    ``(1 - freeze_ratio)`` of all units' bytes, or the smallest unit's if that is more (a unit that does not fit
-    what is left is passed over for smaller ones; a unit larger than the whole budget never trains, see
-    ``too_large``). Without it the ratio counts units.
-    Units start with an infinite score, so the first steps train every unit once, in a seeded random order
-    (ties are broken by that order throughout). A unit frozen for ``max_frozen_steps`` consecutive steps
-    trains at the next re-ranking, whatever its score (if it fits), so none starves.
+    ``(1 - freeze_ratio)`` of all units' bytes, or the smallest unit's if more (one that does not fit what is left is
+    passed over for smaller ones; see ``too_large``). Units start with an infinite score, so the first steps train
+    every unit once in a seeded random order (which breaks ties throughout); a unit frozen for ``max_frozen_steps``
+    consecutive steps trains at the next re-ranking, whatever its score (if it fits), so none starves.
     """
 
     def __init__(
@@ -59,29 +57,26 @@ class FreezeScheduler:
     @property
     def too_large(self) -> list[int]:
         """Units that never train: larger than the whole byte budget (``sizes`` given), else none."""
-        if self.sizes is None:
-            return []
-        return [unit for unit, size in enumerate(self.sizes) if size > self.budget]
+        return [unit for unit, size in enumerate(self.sizes or []) if size > self.budget]
 
     def _rank(self) -> list[bool]:
-        units = range(self.num_units)
-        starving = sorted(
-            (u for u in units if self.frozen_for[u] >= self.max_frozen_steps),
-            key=lambda u: (-self.frozen_for[u], self.sweep_rank[u]),
-        )
-        rest = sorted(
-            (u for u in units if self.frozen_for[u] < self.max_frozen_steps),
-            key=lambda u: (-self.scores[u], self.sweep_rank[u]),
-        )
+        def key(u: int) -> tuple:  # the starving first, the longest frozen first; then the rest by score
+            starving = self.frozen_for[u] >= self.max_frozen_steps
+            return (not starving, -self.frozen_for[u] if starving else -self.scores[u], self.sweep_rank[u])
+
+        return self.fill(sorted(range(self.num_units), key=key))
+
+    def fill(self, order: list[int]) -> list[bool]:
+        """Which units train, taken in ``order``: the first ``num_trained``, or (by bytes) each that still fits."""
         if self.sizes is None:
-            chosen = set((starving + rest)[: self.num_trained])
+            chosen = set(order[: self.num_trained])
         else:
             chosen, left = set(), self.budget
-            for unit in starving + rest:
+            for unit in order:
                 if self.sizes[unit] <= left:
                     chosen.add(unit)
                     left -= self.sizes[unit]
-        return [u in chosen for u in units]
+        return [u in chosen for u in range(self.num_units)]
 
     def advance(self, scores: dict[int, float]) -> None:
         """Close a step: record the ``scores`` of units that trained in it, then re-rank if it is time."""
@@ -119,11 +114,8 @@ class FreezeScheduler:
 
 
 def score_parts(metric: str, before: list[torch.Tensor], after: list[torch.Tensor], epsilon: float) -> list[float]:
-    """The two sums a unit's score is made of, over some of its tensors; consumes ``before``.
-
-    Sums add up over tensors, so a unit whose tensors are stepped by two optimizers is scored from both steps
-    exactly as if one optimizer had stepped it all.
-    """
+    """The two sums a unit's score is made of, over some of its tensors (they add up over tensors, so over several
+    optimizers' steps); consumes ``before``."""
     if metric == "relative_change":  # sum of |after - before| / (|before| + eps), and the count of values
         total, count = 0.0, 0
         for old, new in zip(before, after):

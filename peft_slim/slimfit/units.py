@@ -102,15 +102,13 @@ def _group(candidates: list[tuple[str, nn.Parameter]], config: SlimFitConfig) ->
     used = [False] * len(patterns)
     groups: dict[tuple, Unit] = {}
     for name, param in candidates:
-        key = None
         for index, pattern in enumerate(patterns):
-            match = pattern.fullmatch(name)
-            if match is not None:
+            if match := pattern.fullmatch(name):
                 used[index] = True
                 key = ("regex", index, match.groups())
                 unit_name = f"{pattern.pattern}{list(match.groups()) if match.groups() else ''}"
                 break
-        if key is None:
+        else:
             unit_name = name.split(LORA_MARK)[0] if config.lora is not None and config.lora_units == "pair" else name
             key = ("default", unit_name)
         unit = groups.setdefault(key, Unit(unit_name, [], []))
