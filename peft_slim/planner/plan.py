@@ -119,7 +119,7 @@ def plan(
     task_type = TASK_TYPES.get(task)
     steps = ladder(lora_r, min_token_ratio)
     if checkpointing:
-        steps += [Candidate(**{**_fields(c), "gradient_checkpointing": True}) for c in steps]
+        steps += [replace(c, gradient_checkpointing=True) for c in steps]
     if progress:
         from tqdm.auto import tqdm
 
@@ -136,27 +136,15 @@ def plan(
             gradient_checkpointing=candidate.gradient_checkpointing,
             task=task,
         )
-        key = _fields(candidate) | {"gradient_checkpointing": False}
         if candidate.gradient_checkpointing:
-            if estimate.peak >= plain[tuple(key.items())]:
+            if estimate.peak >= plain[replace(candidate, gradient_checkpointing=False)]:
                 continue  # checkpointing costs time and saves nothing here
         else:
-            plain[tuple(key.items())] = estimate.peak
+            plain[candidate] = estimate.peak  # candidates compare (and hash) by their setting
         if budget is None or estimate.peak <= budget:
             measured = measurement_for(candidate)
             evidence = NOT_MEASURED if measured is None else measured.evidence()
-            results.append(Candidate(**_fields(candidate), estimate=estimate, measurement=measured, evidence=evidence))
+            results.append(replace(candidate, estimate=estimate, measurement=measured, evidence=evidence))
     if rank == "measured":  # a stable sort: the unmeasured keep the ladder's order
         results.sort(key=lambda c: (1,) if c.measurement is None else (0, c.measurement.sort_key()))
     return results
-
-
-def _fields(candidate: Candidate) -> dict:
-    return {
-        "method": candidate.method,
-        "lora_r": candidate.lora_r,
-        "token_ratio": candidate.token_ratio,
-        "compression_bits": candidate.compression_bits,
-        "freeze_ratio": candidate.freeze_ratio,
-        "gradient_checkpointing": candidate.gradient_checkpointing,
-    }

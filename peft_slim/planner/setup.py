@@ -35,8 +35,8 @@ _SUFFIXES = {
     "ForCausalLM": "causal_lm",
     "LMHeadModel": "causal_lm",
     "ForSequenceClassification": "sequence_classification",
+    "ForImageClassification": "image_classification",
 }
-_SUFFIXES["ForImageClassification"] = "image_classification"
 TASK_TYPES = {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS"}  # PEFT has none for images
 _PEFT_TASKS = {task_type: task for task, task_type in TASK_TYPES.items()}
 # The sizes of a model config that the model is built from and the inputs are drawn with: each one the config has
@@ -265,9 +265,7 @@ def trainable_model(base: nn.Module, peft_config: PeftConfig | None, gradient_ch
         model = base
     else:
         model = get_peft_model(base, copy.deepcopy(peft_config))
-        tuner = model.base_model
-        if isinstance(tuner, SlimFitModel):
-            tuner.train_largest_units()
+        after_step(model)  # SlimFit sized at its worst step: the largest units train
     return model.train()
 
 
