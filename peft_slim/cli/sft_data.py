@@ -21,7 +21,6 @@ from ..token_selection.loss import IGNORE_INDEX
 
 DEFAULT_DATASET = "chatterbot_qa.jsonl"  # under peft_slim/data/, with its licence file
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-FORMATS = ("text", "prompt-completion", "messages")
 
 
 class DataError(ValueError):

@@ -303,16 +303,12 @@ def wrap(model, args: argparse.Namespace):
     from .. import compress_activations
 
     recipe = Recipe.from_train_args(args)
-    config = recipe.to_peft_config(seed=args.seed)
-    if args.method in ("lora", "full"):
-        if args.method == "lora":
-            model = _get_peft_model(model, config)
-        else:
-            model.requires_grad_(True)
-        compression = recipe.activation_compression()
-        context = (lambda: compress_activations(compression)) if compression is not None else nullcontext
-        return model, context
-    return _get_peft_model(model, config), nullcontext
+    if args.method == "full":
+        model.requires_grad_(True)
+    else:
+        model = _get_peft_model(model, recipe.to_peft_config(seed=args.seed))
+    compression = recipe.activation_compression() if args.method in ("lora", "full") else None
+    return model, (lambda: compress_activations(compression)) if compression is not None else nullcontext
 
 
 def saved_activation_bytes(model, batch: dict, context) -> int:
