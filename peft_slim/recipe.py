@@ -212,33 +212,18 @@ class Recipe:
             return None
         if self.method == "lora":
             return self.lora_config(task_type, **fields)
-        lora = self.lora_config(task_type) if self.uses_lora else None
-        compression = self.activation_compression()
+        common = {"task_type": task_type, "lora": self.lora_config(task_type) if self.uses_lora else None}
+        compression = {"activation_compression": self.activation_compression()}
         seeded = {} if seed is None else {"seed": seed}
         if self.method == "tokentune":
-            return TokenTuneConfig(
-                task_type=task_type,
-                token_ratio=self.token_ratio,
-                selection=self.selection,
-                lora=lora,
-                activation_compression=compression,
-                **seeded,
-                **fields,
-            )
+            selecting = {"token_ratio": self.token_ratio, "selection": self.selection}
+            return TokenTuneConfig(**common, **selecting, **compression, **seeded, **fields)
         selection = None
         if self.token_ratio is not None:
             selection = TokenSelectionConfig(token_ratio=self.token_ratio, selection=self.selection, **seeded)
-        extra = {} if self.compression_bits is None else {"activation_compression": compression}
-        return SlimFitConfig(
-            task_type=task_type,
-            freeze_ratio=self.freeze_ratio,
-            catch_up=self.catch_up,
-            lora=lora,
-            tokentune=selection,
-            **seeded,
-            **extra,
-            **fields,
-        )
+        compression = {} if self.compression_bits is None else compression  # None: SlimFit's own default
+        freezing = {"freeze_ratio": self.freeze_ratio, "catch_up": self.catch_up}
+        return SlimFitConfig(**common, **freezing, tokentune=selection, **seeded, **compression, **fields)
 
     # ------------------------------------------------------------------------------------------- command line
     @classmethod
@@ -277,16 +262,11 @@ class Recipe:
                     "comma-separated names."
                 )
             flags += ["--lora-target-modules", ",".join(targets)]
-        if self.token_ratio is not None:
-            flags += ["--token-ratio", _number(self.token_ratio)]
-        if self.selection is not None and self.selection != LABEL_FIRST:
-            flags += ["--selection", self.selection]
-        if self.freeze_ratio is not None:
-            flags += ["--freeze-ratio", _number(self.freeze_ratio)]
-        if self.catch_up is not None and self.catch_up != SLIMFIT_DEFAULTS.catch_up:
-            flags += ["--catch-up", self.catch_up]
-        if self.compression_bits is not None:
-            flags += ["--compression-bits", str(self.compression_bits)]
+        defaults = {"selection": LABEL_FIRST, "catch_up": SLIMFIT_DEFAULTS.catch_up}
+        for name in ("token_ratio", "selection", "freeze_ratio", "catch_up", "compression_bits"):
+            value = getattr(self, name)
+            if value is not None and value != defaults.get(name):
+                flags += ["--" + name.replace("_", "-"), value if isinstance(value, str) else _number(value)]
         if self.gradient_checkpointing:
             flags.append("--gradient-checkpointing")
         return flags
