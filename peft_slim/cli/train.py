@@ -302,13 +302,9 @@ def plain_lora_saved_bytes(model, args: argparse.Namespace, batch: dict) -> int:
 
 
 def save(model, tokenizer, output: Path) -> None:
-    """Save the adapter (or the full model) and the tokenizer into ``output``, replacing every model file an earlier
-    save left there, whatever method wrote it (``replace_model_files=True``): the adapter files,
-    ``peft_slim_config.json``, a transformers model's weights, shards, index and configs. Without that, a full model
-    saved over an adapter would load with the old adapter applied, and an adapter saved over a full model would sit
-    beside its weights. Other files and folders (logs, ``runs/``, links) stay. One atomic swap: a kill at any point
-    leaves the old folder or the new one.
-    """
+    """Save the adapter (or the full model) and the tokenizer into ``output`` in one atomic swap, replacing every
+    model file an earlier save left there, whatever method wrote it (else a full model saved over an adapter would
+    load with the old adapter applied); other files and folders stay."""
     from ..quiet import warning_silenced
     from ..tuner.saving import save_pretrained
 

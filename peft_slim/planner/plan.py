@@ -1,12 +1,9 @@
 """``plan``: the training settings that fit a memory budget, cheapest in time and accuracy first, each estimated.
 
-The ladder, from what costs least to what costs most: plain LoRA; TokenTune + LoRA with fewer and fewer tokens
-(down to ``min_token_ratio``); the same with activations compressed to 8, then 4 bits; SlimFit (LoRA units
-frozen by training dynamics, its default compression); and each of those again with gradient checkpointing
-(recomputation: about a third more time per step), tried only where it lowers the estimate.
-
-The settings that fit are then ranked by what the equal-budget benchmark measured (``measured``): those measured
-first, soonest to reach LoRA's final perplexity relative to LoRA + checkpointing, then the rest in ladder order.
+The ladder, cheapest first: plain LoRA; TokenTune + LoRA with fewer and fewer tokens (down to
+``min_token_ratio``); the same with activations compressed to 8, then 4 bits; SlimFit (its defaults); then each of
+those with gradient checkpointing (about a third more time per step), kept only where it lowers the estimate. The
+settings that fit are then ranked by the equal-budget benchmark's measurements (``measured``), the rest in order.
 """
 
 from __future__ import annotations
