@@ -162,8 +162,7 @@ def _copy_graph_problem() -> str | None:
     if type(node).__name__ != _TO_COPY_NODE:
         return f"autograd node named {_TO_COPY_NODE} for Tensor.to(dtype) (it is {type(node).__name__})"
     try:
-        source = node.next_functions[0][0]
-        found = getattr(source, _LEAF_ATTR)
+        found = getattr(node.next_functions[0][0], _LEAF_ATTR)
     except (AttributeError, IndexError, TypeError):
         return f"AccumulateGrad.{_LEAF_ATTR} behind {_TO_COPY_NODE}.next_functions"
     if found is not leaf:
@@ -180,11 +179,8 @@ def autocast_copy_source(grad_fn: Any) -> torch.Tensor | None:
     """
     problem = _copy_graph_problem()
     if problem is not None:
-        raise RuntimeError(
-            _moved(
-                "torch", torch.__version__, problem, "activation compression cannot recognise autocast weight copies."
-            )
-        )
+        consequence = "activation compression cannot recognise autocast weight copies."
+        raise RuntimeError(_moved("torch", torch.__version__, problem, consequence))
     if type(grad_fn).__name__ != _TO_COPY_NODE:
         return None
     return getattr(grad_fn.next_functions[0][0], _LEAF_ATTR, None)
@@ -339,14 +335,8 @@ def add_enum_member(enum_cls: type[enum.Enum], name: str) -> enum.Enum:
         raise TypeError(f"add_enum_member needs a (str, Enum) class, got {enum_cls!r}.")
     missing = [attr for attr in _ENUM_INTERNALS if attr not in vars(enum_cls)]  # its own, not Enum's
     if missing:
-        raise RuntimeError(
-            _moved(
-                "Python",
-                sys.version.split()[0],
-                f"enum internals {missing}",
-                f"peft_slim cannot add {name!r} to {enum_cls.__name__}.",
-            )
-        )
+        consequence = f"peft_slim cannot add {name!r} to {enum_cls.__name__}."
+        raise RuntimeError(_moved("Python", sys.version.split()[0], f"enum internals {missing}", consequence))
     if name in enum_cls._value2member_map_:
         raise ValueError(f"{enum_cls.__name__} already has a member with the value {name!r}.")
     member = str.__new__(enum_cls, name)
