@@ -466,10 +466,8 @@ def from_dict(cls: type, values: dict[str, Any], saved: bool = False, where: str
 
 def _suggest_on_unknown_keyword(init: Callable) -> Callable:
     """Wrap a dataclass ``__init__``: a misspelt keyword names the nearest field (still a TypeError, as Python's).
-
-    Keywords that carry ``peft_type`` come from a saved ``adapter_config.json`` (users never pass it; PEFT's
-    loaders pass the whole file): there unknown keys warn and are dropped, and nested dicts are read as saved.
-    """
+    Keywords with ``peft_type`` come from a saved ``adapter_config.json`` (PEFT's loaders pass the whole file):
+    there unknown keys warn and are dropped, and nested dicts are read as saved."""
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):

@@ -201,11 +201,9 @@ class Recipe:
         return ActivationCompressionConfig(bits=self.compression_bits)
 
     def to_peft_config(self, seed: int | None = None, task_type: str | None = "CAUSAL_LM", **fields):
-        """The PEFT config that trains this recipe: a ``LoraConfig``, ``TokenTuneConfig`` or ``SlimFitConfig``;
-        None for 'full' (every base weight trains; with ``compression_bits``, the training forwards run in
-        ``peft_slim.compress_activations(recipe.activation_compression())``, as for 'lora'). ``seed``: of the token
-        selection and SlimFit's order (None: the configs' defaults); ``fields``: other fields of that config
-        (``modules_to_save``, say)."""
+        """The PEFT config that trains this recipe: a ``LoraConfig``, ``TokenTuneConfig`` or ``SlimFitConfig``; None
+        for 'full' (compressed: as 'lora', in ``compress_activations(recipe.activation_compression())``).
+        ``seed``: of the token selection and SlimFit's order (None: the defaults); ``fields``: other config fields."""
         if self.method == "full":
             if fields:
                 raise ValueError(f"Recipe(method='full') builds no config to set {sorted(fields)} on.")

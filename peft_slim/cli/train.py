@@ -1,10 +1,9 @@
 """``peft-slim train``: fine-tune a causal LM with TokenTune, SlimFit, LoRA or full fine-tuning from the shell.
 
-Every flag is checked before the model loads, and a flag that does not apply to the chosen method is refused
-(never ignored). Training runs in ``transformers.Trainer`` with the method's callback; before it, one batch
-measures the bytes autograd saves for backward against plain LoRA on the same model, and the first training
-step's peak memory is measured while it runs (CUDA: the allocator's peak; CPU: the profiler's memory timeline).
-The saved adapter's path is the last line printed.
+Every flag is checked before the model loads; one that does not apply to the chosen method is refused, never
+ignored. Training runs in ``transformers.Trainer`` with the method's callback; one batch first measures the bytes
+saved for backward against plain LoRA, and the first step's peak memory is measured. The last line printed is the
+saved adapter's path.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """``estimate_memory``: the memory of one training step, from the model's own computation on fake tensors.
 
-The model is built on the meta device (no weights), the PEFT config applied for real, every tensor made fake
-(shapes, dtypes and strides, no data), then one training step (forward, backward, optimizer step) runs
-after the optimizer state has been created (as a real run's first step leaves it). Saved-tensor hooks,
-activation compression, token selection, checkpointing and SlimFit's freezing all run as they do in training,
-so a new architecture or method needs no formula here.
+The model is built on the meta device, the PEFT config applied for real, every tensor made fake (no data), then
+one training step runs after the optimizer state has been created. Hooks, compression, token selection,
+checkpointing and SlimFit's freezing all run as in training, so a new architecture or method needs no formula here.
 """
 
 from __future__ import annotations

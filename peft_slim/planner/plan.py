@@ -99,11 +99,9 @@ def plan(
 ) -> list[Candidate]:
     """The settings whose estimated peak fits ``budget`` bytes (None: every setting), best first.
 
-    ``model`` and the rest as for ``estimate_memory``; ``lora_r`` and ``target_modules`` make every setting's
-    LoRA. With ``checkpointing``, gradient-checkpointed variants follow the others and are kept only where they
-    lower the peak. ``rank="measured"``: the settings the equal-budget benchmark measured first, by its
-    time to LoRA's final perplexity, then the rest in ladder order; ``"ladder"``: ladder order only. Each
-    candidate's ``evidence`` says which. ``progress``: a progress bar. An empty list: nothing fits.
+    ``model`` and the rest as for ``estimate_memory``; ``lora_r`` and ``target_modules`` make every setting's LoRA.
+    ``checkpointing``: try checkpointed variants too. ``rank``: "measured" or "ladder" order (see the module
+    docstring; each candidate's ``evidence`` says which). ``progress``: a progress bar. An empty list: nothing fits.
     """
     budget = Integer(1, MAX_BUDGET, optional=True)(budget, "budget (bytes)")
     lora_r = Integer(1, MAX_LORA_R)(lora_r, "lora_r")
