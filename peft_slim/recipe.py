@@ -272,11 +272,8 @@ class Recipe:
     @property
     def key(self) -> dict[str, Any]:
         """What decides how the recipe trains, not the LoRA's size: the key of ``planner/measured.json``."""
-        slimfit = self.method == "slimfit"
-        if self.compression_bits is None:
-            compression = "slimfit default" if slimfit else None
-        else:
-            compression = None if self.compression_bits == "none" else self.compression_bits
+        slimfit, bits = self.method == "slimfit", self.compression_bits
+        compression = {None: "slimfit default" if slimfit else None, "none": None}.get(bits, bits)
         return {
             "method": self.method,
             "token_ratio": self.token_ratio,
