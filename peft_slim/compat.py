@@ -55,21 +55,15 @@ def active_saved_tensors_pack() -> Callable | None:
 
 
 def active_ddp_module() -> nn.Module | None:
-    """The ``DistributedDataParallel`` wrapper whose forward is running right now, or None.
-
-    Private API: ``DistributedDataParallel._get_active_ddp_module()`` (set during DDP's forward). SlimFit's pre-hook
-    on the inner model uses it to refuse ``find_unused_parameters=False`` before DDP's reducer fails.
-    """
+    """The ``DistributedDataParallel`` wrapper whose forward is running, or None (private: its
+    ``_get_active_ddp_module()``): SlimFit refuses ``find_unused_parameters=False`` before DDP's reducer fails."""
     return DistributedDataParallel._get_active_ddp_module()
 
 
 def optimizer_running_step_hooks(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer whose ``step`` runs torch's step hooks: ``optimizer``, or for a wrapper without step hooks of
-    its own (accelerate's ``AcceleratedOptimizer``) the one it wraps (``.optimizer``), followed down.
-
-    Private API: ``Optimizer._optimizer_step_pre_hooks`` (created by ``Optimizer.__init__``). SlimFit attaches its
-    step hooks to the optimizer found.
-    """
+    """The optimizer whose ``step`` runs torch's step hooks, where SlimFit attaches its own: ``optimizer``, or for a
+    wrapper without them (accelerate's) the ``.optimizer`` it wraps, followed down. Private API:
+    ``Optimizer._optimizer_step_pre_hooks``."""
     while not hasattr(optimizer, "_optimizer_step_pre_hooks") and isinstance(
         getattr(optimizer, "optimizer", None), torch.optim.Optimizer
     ):
@@ -80,11 +74,9 @@ def optimizer_running_step_hooks(optimizer: torch.optim.Optimizer) -> torch.opti
 def rowwise_byte_kernels() -> tuple[Callable, Callable] | None:
     """torch's fused row-wise 8-bit quantization ops ``(prepack, unpack)``, or None where this build lacks them.
 
-    Private API: ``torch.ops.quantized.embedding_bag_byte_prepack`` / ``embedding_bag_byte_unpack``. ``prepack``
-    turns a ``[rows, n]`` fp32/fp16 tensor into uint8 ``[rows, n + 8]`` (per row: ``n`` codes, fp32 scale and
-    minimum); ``unpack`` decodes to fp32. Activation compression quantizes at 8 bits on the CPU with them in one pass
-    over memory (``peft_slim.compression.quant`` checks once that they code as its own grid). None: it takes its own
-    packed path (same grid, slower on the CPU).
+    Private API: ``torch.ops.quantized.embedding_bag_byte_prepack`` / ``_unpack``: ``[rows, n]`` to uint8
+    ``[rows, n + 8]`` (codes, fp32 scale and minimum) and back. Activation compression quantizes at 8 bits on the
+    CPU with them in one pass (``compression.quant`` checks they match its grid); without them, its own slower path.
     """
     try:
         namespace = torch.ops.quantized
@@ -107,20 +99,15 @@ ACTIVATION_MODULES: tuple[str, ...] = ("torch.nn.modules.activation", "transform
 
 
 def storage_base(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor that owns ``tensor``'s storage: ``tensor`` itself, or the tensor it is a view of.
-
-    Private API: ``Tensor._base``. A saved tensor is a weight when its root is a Parameter (a frozen layer saves
-    ``weight.t()``); a storage's stats live as long as its root tensor.
-    """
+    """The tensor that owns ``tensor``'s storage (private: ``Tensor._base``): a saved tensor is a weight when its
+    root is a Parameter (a frozen layer saves ``weight.t()``); a storage's stats live as long as its root."""
     return tensor if tensor._base is None else tensor._base
 
 
 def tensor_version(tensor: torch.Tensor) -> int:
-    """A value that changes whenever ``tensor`` (or a view sharing its storage) is modified in place.
-
-    Private API: ``Tensor._version``. Activation compression reuses a tensor's compressed copy only while it is
-    unchanged, and checks at backward that no saved tensor was written in place (as autograd does).
-    """
+    """A value that changes whenever ``tensor`` (or a view of its storage) is modified in place (private:
+    ``Tensor._version``): compression reuses a compressed copy only while it is unchanged, and checks at backward
+    that no saved tensor was written in place (as autograd does)."""
     return tensor._version
 
 
@@ -210,12 +197,9 @@ _LOADED_MARK = "_is_hf_initialized"
 
 def newly_initialized_parameters(model: nn.Module) -> list[str] | None:
     """Names of the parameters of ``model`` that ``from_pretrained`` initialised instead of loading (missing from
-    the checkpoint, or another shape there). None when the model carries no record of a load (built from a config,
-    parameters replaced since, or the mark renamed: ``tests/test_compat.py`` catches that).
-
+    the checkpoint, or another shape there); None without a record of a load (built from a config, or replaced).
     Private API: the ``_is_hf_initialized`` mark transformers' loader sets on every tensor it loads, the only record
-    a plain ``from_pretrained`` leaves on the model. A parameter replaced after loading has no mark.
-    """
+    a plain ``from_pretrained`` leaves (renamed: ``tests/test_compat.py`` catches it)."""
     named = list(model.named_parameters())
     marked = [getattr(param, _LOADED_MARK, False) is True for _, param in named]
     if not any(marked):
@@ -241,11 +225,8 @@ def loading_marks_differ_across_processes() -> bool:
 
 
 def checkpointing_function(block: nn.Module) -> Callable | None:
-    """The function through which transformers checkpoints ``block``'s forward, or None when it has none.
-
-    Private API: ``GradientCheckpointingLayer._gradient_checkpointing_func``. TokenTune wraps it so that a block's
-    backward replay runs under TokenTune's attention functions.
-    """
+    """The function through which transformers checkpoints ``block``'s forward, or None (private:
+    ``_gradient_checkpointing_func``): TokenTune wraps it so that the replay runs under its attention functions."""
     return getattr(block, "_gradient_checkpointing_func", None)
 
 
@@ -256,11 +237,8 @@ def set_checkpointing_function(block: nn.Module, function: Callable) -> None:
 
 @contextlib.contextmanager
 def checkpointing_paused(block: nn.Module) -> Iterator[None]:
-    """Run ``block``'s forward without transformers' activation checkpointing inside this context.
-
-    Private API: ``GradientCheckpointingLayer.gradient_checkpointing``. TokenTune's backward recomputation of a
-    block already is a checkpoint; checkpointing it again would only compute it twice.
-    """
+    """Run ``block``'s forward without transformers' checkpointing (private: its ``gradient_checkpointing`` flag):
+    TokenTune's backward recomputation already is a checkpoint; checkpointing it would compute it twice."""
     enabled = getattr(block, "gradient_checkpointing", None)
     if not enabled:
         yield
@@ -273,12 +251,8 @@ def checkpointing_paused(block: nn.Module) -> Iterator[None]:
 
 
 def eager_attention_function(module: nn.Module) -> Callable | None:
-    """The module-level ``eager_attention_forward`` of the modeling file that defines ``module``'s class, or None
-    (e.g. remote code: the caller asks for attn_implementation="sdpa").
-
-    Internal convention of ``transformers.models.<arch>.modeling_<arch>``, not in the attention registry. TokenTune's
-    "eager" entry calls it.
-    """
+    """The module-level ``eager_attention_forward`` of the modeling file of ``module``'s class (an internal
+    convention of transformers, not in its registry), which TokenTune's "eager" entry calls; None for remote code."""
     return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
 
 
@@ -295,11 +269,8 @@ def auxiliary_training_wrapper_cls() -> type:
 def lora_adapter_state_dict(
     model: nn.Module, lora: Any, adapter_name: str, state_dict: dict, unwanted_adapter_names: list[str]
 ) -> dict:
-    """The entries of ``state_dict`` that vanilla PEFT saves for LoRA adapter ``adapter_name`` configured by ``lora``.
-
-    Private API: ``LoraModel._get_adapter_state_dict`` (PEFT >= 0.21). A stacked peft_slim adapter saves exactly
-    what LoRA saves for the same ``LoraConfig`` (DoRA, biases, anything a later PEFT adds). Keys keep the adapter name.
-    """
+    """The entries of ``state_dict`` that PEFT saves for LoRA adapter ``adapter_name`` (private:
+    ``LoraModel._get_adapter_state_dict``): a stacked adapter saves exactly what LoRA saves. Keys keep the name."""
     return peft.LoraModel._get_adapter_state_dict(model, lora, adapter_name, state_dict, unwanted_adapter_names)
 
 
@@ -323,12 +294,9 @@ _ENUM_INTERNALS = ("_member_map_", "_value2member_map_", "_member_names_")
 
 
 def add_enum_member(enum_cls: type[enum.Enum], name: str) -> enum.Enum:
-    """``enum_cls[name]`` (value ``name``) of a ``(str, Enum)`` class, adding the member first if it is missing.
-
-    Private API: the ``Enum`` internals ``_member_map_``, ``_value2member_map_``, ``_member_names_`` (and
-    ``_hashable_values_``). PEFT's ``register_peft_method`` accepts only members of its closed ``PeftType``.
-    Idempotent. No fallback: a RuntimeError, before anything is changed, when the internals are missing.
-    """
+    """``enum_cls[name]`` (value ``name``) of a ``(str, Enum)`` class, adding the member first if it is missing
+    (idempotent): PEFT's ``register_peft_method`` accepts only members of its closed ``PeftType``. Private API: the
+    ``Enum`` internals (``_member_map_``, ...); none missing, else a RuntimeError before anything is changed."""
     if name in enum_cls.__members__:
         return enum_cls[name]
     if not (isinstance(enum_cls, enum.EnumMeta) and issubclass(enum_cls, str)):

@@ -38,11 +38,6 @@ class SavedDict(dict):
     """A nested config dict read from a saved ``adapter_config.json``: unknown keys warn instead of raising."""
 
 
-def field_name(config_or_cls: Any, name: str) -> str:
-    cls = config_or_cls if isinstance(config_or_cls, type) else type(config_or_cls)
-    return f"{cls.__name__}.{name}"
-
-
 def nearest(name: str, valid: list[str]) -> str:
     """' (did you mean `x`?)' for the closest valid name, or ''."""
     close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
@@ -435,7 +430,7 @@ def validate(config: Any) -> None:
     for spec in dataclasses.fields(config):
         check = spec.metadata.get("check")
         if check is not None:
-            setattr(config, spec.name, check(getattr(config, spec.name), field_name(config, spec.name)))
+            setattr(config, spec.name, check(getattr(config, spec.name), f"{type(config).__name__}.{spec.name}"))
     config._check()
 
 
