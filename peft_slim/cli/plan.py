@@ -78,18 +78,13 @@ def train_command(
     model: str | None, candidate, batch_size: int, seq_len: int | None, dtype: str, gguf_file: str | None = None
 ) -> str:
     """The ``peft-slim train`` line for one planned setting (``model`` None: train's default model)."""
-    parts = ["peft-slim train"]
-    if model is not None:
-        parts.append(f"--model {shlex.quote(model)}")
-    if gguf_file is not None:
-        parts.append(f"--gguf-file {shlex.quote(gguf_file)}")
-    parts += [shlex.join(candidate.recipe.to_flags())]
-    parts.append(f"--batch-size {batch_size}")
-    if seq_len is not None:
-        parts.append(f"--max-length {seq_len}")
-    if dtype != "float32":
-        parts.append(f"--dtype {dtype}")
-    return " ".join(parts)
+    parts = ["peft-slim", "train"]
+    for flag, value in (("--model", model), ("--gguf-file", gguf_file)):
+        parts += [] if value is None else [flag, value]
+    parts += [*candidate.recipe.to_flags(), "--batch-size", str(batch_size)]
+    parts += [] if seq_len is None else ["--max-length", str(seq_len)]
+    parts += [] if dtype == "float32" else ["--dtype", dtype]
+    return shlex.join(parts)
 
 
 def _size(value: int) -> str:
