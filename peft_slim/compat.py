@@ -202,9 +202,7 @@ def newly_initialized_parameters(model: nn.Module) -> list[str] | None:
     a plain ``from_pretrained`` leaves (renamed: ``tests/test_compat.py`` catches it)."""
     named = list(model.named_parameters())
     marked = [getattr(param, _LOADED_MARK, False) is True for _, param in named]
-    if not any(marked):
-        return None
-    return [name for (name, _), loaded in zip(named, marked) if not loaded]
+    return [name for (name, _), loaded in zip(named, marked) if not loaded] if any(marked) else None
 
 
 def copy_loading_marks(source: nn.Module, copy: nn.Module) -> None:

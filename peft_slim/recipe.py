@@ -231,15 +231,10 @@ class Recipe:
         if targets != ALL_LINEAR:
             targets = tuple(name.strip() for name in targets.split(",") if name.strip())
         bits = args.compression_bits
+        same = ("method", "lora_r", "lora_alpha", "token_ratio", "selection", "freeze_ratio", "catch_up")
         return cls(
-            method=args.method,
-            lora_r=args.lora_r,
-            lora_alpha=args.lora_alpha,
+            **{name: getattr(args, name) for name in same},
             lora_target_modules=targets,
-            token_ratio=args.token_ratio,
-            selection=args.selection,
-            freeze_ratio=args.freeze_ratio,
-            catch_up=args.catch_up,
             compression_bits=bits if bits in (None, "none") else int(bits),
             gradient_checkpointing=bool(args.gradient_checkpointing),
         )

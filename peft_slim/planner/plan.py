@@ -8,7 +8,7 @@ settings that fit are then ranked by the equal-budget benchmark's measurements (
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -55,14 +55,7 @@ class Candidate:
     @property
     def recipe(self) -> Recipe:
         """The setting as a ``Recipe`` (LoRA alpha 2 r on every linear layer, the method's other defaults)."""
-        return Recipe(
-            method=self.method,
-            lora_r=self.lora_r,
-            token_ratio=self.token_ratio,
-            compression_bits=self.compression_bits,
-            freeze_ratio=self.freeze_ratio,
-            gradient_checkpointing=self.gradient_checkpointing,
-        )
+        return Recipe(**{spec.name: getattr(self, spec.name) for spec in fields(self) if spec.compare})
 
     def peft_config(self, task_type: str | None, target_modules):
         """The setting's PEFT config, its LoRA on ``target_modules``."""
