@@ -1,10 +1,9 @@
 """``Recipe``: one training setting (the method, its LoRA, token selection, freezing, compression, checkpointing),
 defined once for ``peft-slim train``, the planner, its measured table and the benchmarks.
 
-A recipe is validated at construction and fills in the method's defaults, so that two recipes that train the same
-way are equal. ``to_peft_config()`` builds the PEFT config ``peft-slim train`` trains with, ``to_flags()`` the
-``peft-slim train`` flags that give the recipe back (``from_train_args``), and ``key`` what the planner's measured
-table (``planner/measured.json``) files a setting under.
+A recipe fills in the method's defaults, so that two recipes that train the same way are equal. It gives the PEFT
+config (``to_peft_config``), the ``peft-slim train`` flags (``to_flags``, read back by ``from_train_args``) and the
+key of the planner's measured table (``key``).
 """
 
 from __future__ import annotations
@@ -42,10 +41,7 @@ def _optional(config: type, name: str) -> Check:
 @dataclass(frozen=True)
 class Recipe:
     """How one run trains: the fields ``peft-slim train``'s method flags set, with the method's defaults filled in.
-    Each field's ``"flag"`` metadata is its flag's help (and default, where it differs) in ``peft-slim train``.
-
-    Fields that do not apply to the method are refused (a ``ValueError`` naming the field), never ignored.
-    """
+    Fields that do not apply to the method are refused (a ``ValueError`` naming the field), never ignored."""
 
     method: str = setting(
         "tokentune",

@@ -71,8 +71,7 @@ def estimate_memory(
     workload = resolve_workload(model, peft_config, batch_size, seq_len, optimizer, dtype, task)
     trained = trainable_model(base_model(workload, "meta"), peft_config, gradient_checkpointing)
     inputs = make_inputs(trained, workload)
-    mode = fake_tensor_mode()
-    with mode:
+    with fake_tensor_mode():
         _make_fake(trained)
         optimizer = make_optimizer(trained, workload.optimizer)
         held = weight_bytes(trained)
