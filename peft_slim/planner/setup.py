@@ -240,16 +240,13 @@ def base_model(workload: Workload, device: str) -> nn.Module:
             "model: pass the base model and its PEFT config separately (estimate_memory(base, peft_config, ...)), "
             "not a PeftModel: the planner applies the config itself."
         )
-    if device != "meta":
-        built = copy.deepcopy(model)
-    else:
-        memo = {}
-        for tensor in [*model.parameters(), *model.buffers()]:
-            empty = torch.empty_like(tensor, device="meta")
-            memo[id(tensor)] = (
-                nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
-            )
-        built = copy.deepcopy(model, memo)
+    memo = {}  # deepcopy takes these for the tensors (on "meta": none of the original's data is copied)
+    for tensor in [*model.parameters(), *model.buffers()] if device == "meta" else []:
+        empty = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = (
+            nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+        )
+    built = copy.deepcopy(model, memo)
     copy_loading_marks(model, built)  # which weights the checkpoint lacked: SlimFit trains them at every step
     return built.to(dtype)
 
