@@ -418,11 +418,12 @@ class Lora(Check):
 # ---------------------------------------------------------------------------------------------- configs
 
 
-def setting(default: Any, help: str, check: Check | None = None, **metadata: Any) -> Any:
+def setting(default: Any, help: str, check: Check | None = None, flag_help: str | None = None, **metadata: Any) -> Any:
     """A dataclass field (``dataclasses.MISSING``: no default) with its ``help``, its ``check`` where it has one and
-    any other metadata (``flag``, ``parse``: see ``peft_slim.cli.flags``)."""
+    any other metadata (``flag``, ``parse``: see ``peft_slim.cli.flags``); ``flag_help``: ``flag={"help": ...}``."""
     checked = {} if check is None else {"check": check}
-    return dataclasses.field(default=default, metadata={"help": help, **checked, **metadata})
+    flag = {} if flag_help is None else {"flag": {"help": flag_help}}
+    return dataclasses.field(default=default, metadata={"help": help, **checked, **flag, **metadata})
 
 
 def validate(config: Any) -> None:

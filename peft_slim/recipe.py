@@ -48,23 +48,21 @@ class Recipe:
         "What trains: 'tokentune' (LoRA, or the base weights with lora_r=0, through a subset of tokens), 'slimfit' "
         "(LoRA or the base weights, a changing fraction frozen at each step), 'lora', or 'full' (every base weight).",
         OneOf(METHODS),
-        flag={"help": "What trains."},
+        flag_help="What trains.",
     )
     lora_r: int | None = setting(
         None,
         f"LoRA rank (0 to {MAX_LORA_R}); 0 with tokentune or slimfit trains the base weights. None: "
         f"{DEFAULT_LORA_R}, or 0 with 'full' (the only rank it takes).",
         Integer(0, MAX_LORA_R, optional=True),
-        flag={
-            "help": f"LoRA rank (default {DEFAULT_LORA_R}); 0 with tokentune or slimfit trains the base weights. "
-            "Not with --method full."
-        },
+        flag_help=f"LoRA rank (default {DEFAULT_LORA_R}); 0 with tokentune or slimfit trains the base weights. "
+        "Not with --method full.",
     )
     lora_alpha: float | None = setting(
         None,
         "LoRA alpha, a finite float > 0. None: 2 * lora_r.",
         Real(0.0, math.inf, low_open=True, high_open=True, optional=True, keep_int=True),
-        flag={"help": "LoRA alpha (default 2 * --lora-r)."},
+        flag_help="LoRA alpha (default 2 * --lora-r).",
     )
     lora_target_modules: str | tuple[str, ...] | None = setting(
         ALL_LINEAR,
@@ -79,47 +77,39 @@ class Recipe:
         f"tokentune, slimfit: fraction in (0, 1] of each sequence's tokens that get gradients. None: "
         f"{DEFAULT_TOKEN_RATIO} with tokentune, every token with slimfit.",
         _optional(TokenSelectionConfig, "token_ratio"),
-        flag={
-            "help": "tokentune, slimfit: fraction of each sequence's tokens that get gradients (tokentune "
-            f"default {DEFAULT_TOKEN_RATIO}; slimfit: none, all tokens, unless given)."
-        },
+        flag_help="tokentune, slimfit: fraction of each sequence's tokens that get gradients (tokentune "
+        f"default {DEFAULT_TOKEN_RATIO}; slimfit: none, all tokens, unless given).",
     )
     selection: str | None = setting(
         None,
         f"With a token ratio: which tokens, one of {SELECTION_RULES}. None: {LABEL_FIRST!r} (the "
         "labelled answer tokens first, then the rest at random).",
         _optional(TokenSelectionConfig, "selection"),
-        flag={
-            "help": f"tokentune, slimfit with --token-ratio: which tokens (default {LABEL_FIRST!r}: the labelled "
-            "answer tokens first, then the rest at random)."
-        },
+        flag_help=f"tokentune, slimfit with --token-ratio: which tokens (default {LABEL_FIRST!r}: the labelled "
+        "answer tokens first, then the rest at random).",
     )
     freeze_ratio: float | None = setting(
         None,
         f"slimfit: fraction in [0, 1) of units frozen at each step. None: "
         f"{SLIMFIT_DEFAULTS.freeze_ratio} (SlimFitConfig's default).",
         _optional(SlimFitConfig, "freeze_ratio"),
-        flag={"help": f"slimfit: fraction of units frozen at each step (default {SLIMFIT_DEFAULTS.freeze_ratio})."},
+        flag_help=f"slimfit: fraction of units frozen at each step (default {SLIMFIT_DEFAULTS.freeze_ratio}).",
     )
     catch_up: str | None = setting(
         None,
         f"slimfit: how far a unit moves when it trains after missed steps, one of {CATCH_UP}. None: "
         f"{SLIMFIT_DEFAULTS.catch_up!r} (SlimFitConfig's default).",
         _optional(SlimFitConfig, "catch_up"),
-        flag={
-            "help": f"slimfit: how far a unit moves when it trains after missed steps (default "
-            f"{SLIMFIT_DEFAULTS.catch_up!r}; 'none': the paper's update)."
-        },
+        flag_help=f"slimfit: how far a unit moves when it trains after missed steps (default "
+        f"{SLIMFIT_DEFAULTS.catch_up!r}; 'none': the paper's update).",
     )
     compression_bits: int | str | None = setting(
         None,
         "Bits the saved activations are stored in: 8, 4 or 2; 'none': exact (slimfit: its own "
         "compression off). None: the method's default (slimfit's own recipe, exact for the others).",
         OneOf(COMPRESSION_BITS, optional=True),
-        flag={
-            "help": "Store saved activations in this many bits (none: exact). Default: slimfit's own recipe "
-            "(4-bit GELU/SiLU inputs, 8-bit elsewhere), none for the other methods."
-        },
+        flag_help="Store saved activations in this many bits (none: exact). Default: slimfit's own recipe "
+        "(4-bit GELU/SiLU inputs, 8-bit elsewhere), none for the other methods.",
     )
     gradient_checkpointing: bool = setting(
         False, "Recompute each layer in backward (transformers' non-reentrant checkpointing).", Boolean()
