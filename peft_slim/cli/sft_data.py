@@ -379,8 +379,7 @@ def tokenize(
     no labelled token within it; a malformed row is refused (``check_rows``), never dropped. ``chat_template``: as
     ``--chat-template`` (None: when the tokenizer has one); without it an end-of-sequence token ends each row."""
     has_template = getattr(tokenizer, "chat_template", None) is not None
-    if chat_template is None:
-        chat_template = has_template
+    chat_template = has_template if chat_template is None else chat_template
     if (chat_template or columns.format == "messages") and not has_template:
         raise DataError(
             "the tokenizer has no chat template: chat (`messages`) data cannot be rendered, and "

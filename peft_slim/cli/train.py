@@ -156,8 +156,7 @@ def check_flags(args: argparse.Namespace) -> None:
         args.learning_rate = ADAPTER_LR if uses_lora else BASE_WEIGHT_LR
     if args.max_steps is None:
         args.max_steps = DEFAULT_STEPS if args.dataset is None and args.num_epochs is None else -1
-    if args.num_epochs is None:
-        args.num_epochs = 1.0
+    args.num_epochs = 1.0 if args.num_epochs is None else args.num_epochs
 
 
 def describe(args: argparse.Namespace) -> str:
