@@ -102,20 +102,9 @@ def run(args: argparse.Namespace) -> int:
         # The same reader as `peft-slim train`'s; a GGUF file holds a causal LM (its config names no architecture).
         config = models.load_config(path, gguf_file)
         task = args.task or ("causal_lm" if gguf_file else None)
-        found = plan(
-            config,
-            args.budget,
-            args.batch_size,
-            args.seq_len,
-            args.optimizer,
-            dtype=args.dtype,
-            lora_r=args.lora_r,
-            min_token_ratio=args.min_token_ratio,
-            task=task,
-            checkpointing=not args.no_checkpointing,
-            progress=True,
-            rank=args.rank,
-        )
+        same = {name: getattr(args, name) for name in ("dtype", "lora_r", "min_token_ratio", "rank")}
+        workload = (config, args.budget, args.batch_size, args.seq_len, args.optimizer)
+        found = plan(*workload, task=task, checkpointing=not args.no_checkpointing, progress=True, **same)
     except ValueError as error:
         print(f"peft-slim plan: {error}")
         return 2

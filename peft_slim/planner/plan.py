@@ -66,8 +66,7 @@ def ladder(lora_r: int, min_token_ratio: float) -> list[Candidate]:
     """Every setting tried, cheapest first (before checkpointing variants)."""
     ratios = [r for r in TOKEN_RATIOS if r >= min_token_ratio]
     steps = [Candidate("lora", lora_r)]
-    steps += [Candidate("tokentune", lora_r, token_ratio=r) for r in ratios]
-    for bits in (8, 4):
+    for bits in (None, 8, 4):
         steps += [Candidate("tokentune", lora_r, token_ratio=r, compression_bits=bits) for r in ratios]
     # SlimFit's defaults: its freeze ratio and compression
     steps.append(Candidate("slimfit", lora_r, freeze_ratio=SLIMFIT_DEFAULTS.freeze_ratio))
