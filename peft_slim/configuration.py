@@ -38,11 +38,6 @@ class SavedDict(dict):
     """A nested config dict read from a saved ``adapter_config.json``: unknown keys warn instead of raising."""
 
 
-def field_name(config_or_cls: Any, name: str) -> str:
-    cls = config_or_cls if isinstance(config_or_cls, type) else type(config_or_cls)
-    return f"{cls.__name__}.{name}"
-
-
 def nearest(name: str, valid: list[str]) -> str:
     """' (did you mean `x`?)' for the closest valid name, or ''."""
     close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
@@ -55,7 +50,7 @@ def unknown_keys_message(cls: type, unknown: list[str]) -> str:
     return f"{cls.__name__} has no field(s):{hints}\nValid fields: {', '.join(valid)}."
 
 
-def warn_unknown_saved_keys(cls: type, unknown: list[str], version: Any) -> None:
+def warn_unknown_saved_keys(cls: type, unknown: list[str], version: Any, stacklevel: int = 3) -> None:
     """Fields a saved file has and this version does not: from a newer release (upgrade to use them) or an older
     build of this version or earlier (fields since dropped)."""
     try:
@@ -67,8 +62,20 @@ def warn_unknown_saved_keys(cls: type, unknown: list[str], version: Any) -> None
     warnings.warn(
         f"{cls.__name__}: the saved config has field(s) {sorted(unknown)} that this version of peft_slim "
         f"({__version__}) does not know; they are ignored. It was written by {saved_by}: {advice}",
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
+
+
+def known_fields(cls: type, values: dict[str, Any], saved: bool, where: str | None) -> dict[str, Any]:
+    """The entries of ``values`` that are fields of ``cls``; an unknown key raises (``saved``: warns, then is
+    dropped, as a newer version wrote it)."""
+    valid = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(key for key in values if key not in valid)
+    if unknown and not saved:
+        raise ValueError((f"{where}: " if where else "") + unknown_keys_message(cls, unknown))
+    if unknown:
+        warn_unknown_saved_keys(cls, unknown, values.get(VERSION_KEY), stacklevel=4)
+    return {key: value for key, value in values.items() if key in valid}
 
 
 # ---------------------------------------------------------------------------------------------- field checks
@@ -88,9 +95,9 @@ class Check:
     def coerce(self, value: Any, where: str) -> Any:
         raise NotImplementedError
 
-    def fail(self, value: Any, where: str):
+    def fail(self, value: Any, where: str, hint: str = ""):
         none = " or None" if self.optional else ""
-        raise ValueError(f"{where} must be {self.expected}{none}, got {value!r}.")
+        raise ValueError(f"{where} must be {self.expected}{none}, got {value!r}{hint}.")
 
 
 @dataclasses.dataclass
@@ -112,9 +119,8 @@ class Integer(Check):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             self.fail(value, where)
         value = int(value)
-        if (self.low is not None and value < self.low) or (self.high is not None and value > self.high):
-            self.fail(value, where)
-        if value % self.multiple_of:
+        too_low, too_high = self.low is not None and value < self.low, self.high is not None and value > self.high
+        if too_low or too_high or value % self.multiple_of:
             self.fail(value, where)
         return value
 
@@ -187,9 +193,7 @@ class OneOf(Check):
         elif not isinstance(value, str):
             self.fail(value, where)
         if value not in self.choices:
-            hint = nearest(value, [str(c) for c in self.choices]) if isinstance(value, str) else ""
-            none = " or None" if self.optional else ""
-            raise ValueError(f"{where} must be {self.expected}{none}, got {value!r}{hint}.")
+            self.fail(value, where, nearest(value, [str(c) for c in self.choices]) if isinstance(value, str) else "")
         return value
 
 
@@ -241,16 +245,13 @@ class NameList(Check):
 
 
 @dataclasses.dataclass
-class Regexes(Check):
+class Regexes(NameList):
     """A non-empty list of regexes; a single string is one regex."""
 
-    optional: bool = True
     expected: str = "a non-empty list of regexes"
 
     def coerce(self, value: Any, where: str) -> list[str]:
-        if isinstance(value, str):
-            value = [value]
-        return [_compiled(pattern, where) for pattern in _string_list(value, where, self.expected)]
+        return [_compiled(pattern, where) for pattern in super().coerce(value, where)]
 
 
 @dataclasses.dataclass
@@ -268,7 +269,7 @@ class Choices(Check):
         values = _string_list([value] if isinstance(value, str) else value, where, self.expected)
         unknown = [v for v in values if v not in self.choices]
         if unknown:
-            raise ValueError(f"{where} must be {self.expected}, got {value!r}{nearest(unknown[0], self.choices)}.")
+            self.fail(value, where, nearest(unknown[0], self.choices))
         return sorted(set(values))
 
 
@@ -354,7 +355,7 @@ class Nested(Check):
                 message = str(error)
                 raise ValueError(message if message.startswith(where) else f"{where}: {message}") from None
         if not isinstance(value, self.cls):
-            raise ValueError(f"{where} must be {self.expected}{' or None' if self.optional else ''}, got {value!r}.")
+            self.fail(value, where)
         return value
 
 
@@ -403,15 +404,9 @@ class Lora(Check):
 
     def coerce(self, value: Any, where: str) -> LoraConfig:
         if isinstance(value, dict):
-            valid = [f.name for f in dataclasses.fields(LoraConfig) if f.init]
-            unknown = sorted(key for key in value if key not in valid)
             saved = isinstance(value, SavedDict) or "peft_type" in value
-            if unknown and not saved:
-                raise ValueError(f"{where}: {unknown_keys_message(LoraConfig, unknown)}")
-            if unknown:
-                warn_unknown_saved_keys(LoraConfig, unknown, value.get(VERSION_KEY))
-            known = checked_lora_fields({k: v for k, v in value.items() if k in valid}, where)
-            return LoraConfig.from_peft_type(**known)
+            known = known_fields(LoraConfig, value, saved, where)
+            return LoraConfig.from_peft_type(**checked_lora_fields(known, where))
         if not isinstance(value, LoraConfig):
             self.fail(value, where)
         given = {name: getattr(value, name) for name in LORA_FIELDS if hasattr(value, name)}
@@ -423,12 +418,20 @@ class Lora(Check):
 # ---------------------------------------------------------------------------------------------- configs
 
 
+def setting(default: Any, help: str, check: Check | None = None, flag_help: str | None = None, **metadata: Any) -> Any:
+    """A dataclass field (``dataclasses.MISSING``: no default) with its ``help``, its ``check`` where it has one and
+    any other metadata (``flag``, ``parse``: see ``peft_slim.cli.flags``); ``flag_help``: ``flag={"help": ...}``."""
+    checked = {} if check is None else {"check": check}
+    flag = {} if flag_help is None else {"flag": {"help": flag_help}}
+    return dataclasses.field(default=default, metadata={"help": help, **checked, **flag, **metadata})
+
+
 def validate(config: Any) -> None:
     """Run every field's check (storing the coerced value), then the config's cross-field ``_check()``."""
     for spec in dataclasses.fields(config):
         check = spec.metadata.get("check")
         if check is not None:
-            setattr(config, spec.name, check(getattr(config, spec.name), field_name(config, spec.name)))
+            setattr(config, spec.name, check(getattr(config, spec.name), f"{type(config).__name__}.{spec.name}"))
     config._check()
 
 
@@ -453,23 +456,14 @@ def from_dict(cls: type, values: dict[str, Any], saved: bool = False, where: str
     """``cls(**values)``; an unknown key raises (``saved``: warns and is dropped, as a newer version wrote it)."""
     if not isinstance(values, dict):
         raise ValueError(f"{where or cls.__name__} must be a dict of {cls.__name__}'s fields, got {values!r}.")
-    valid = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(key for key in values if key not in valid)
-    if unknown and not saved:
-        prefix = f"{where}: " if where else ""
-        raise ValueError(prefix + unknown_keys_message(cls, unknown))
-    if unknown:
-        warn_unknown_saved_keys(cls, unknown, values.get(VERSION_KEY))
-    known = {key: SavedDict(value) if saved and isinstance(value, dict) else value for key, value in values.items()}
-    return cls(**{key: value for key, value in known.items() if key in valid})
+    known = known_fields(cls, values, saved, where)
+    return cls(**{key: SavedDict(v) if saved and isinstance(v, dict) else v for key, v in known.items()})
 
 
 def _suggest_on_unknown_keyword(init: Callable) -> Callable:
     """Wrap a dataclass ``__init__``: a misspelt keyword names the nearest field (still a TypeError, as Python's).
-
-    Keywords that carry ``peft_type`` come from a saved ``adapter_config.json`` (users never pass it; PEFT's
-    loaders pass the whole file): there unknown keys warn and are dropped, and nested dicts are read as saved.
-    """
+    Keywords with ``peft_type`` come from a saved ``adapter_config.json`` (PEFT's loaders pass the whole file):
+    there unknown keys warn and are dropped, and nested dicts are read as saved."""
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):

@@ -29,20 +29,14 @@ PROFILER_LINES = (
 )
 
 
-class _DropMessage(logging.Filter):
-    def __init__(self, prefix: str):
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefix)
-
-
 @contextlib.contextmanager
 def bitsandbytes_cpu_probe_silenced() -> Iterator[None]:
     """Drop bitsandbytes' "Failed to load CPU gemm_4bit_forward" warning while the block (an import) runs."""
     logger = logging.getLogger(BNB_CPU_PROBE_LOGGER)
-    drop = _DropMessage(BNB_CPU_PROBE_MESSAGE)
+
+    def drop(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(BNB_CPU_PROBE_MESSAGE)
+
     logger.addFilter(drop)
     try:
         yield

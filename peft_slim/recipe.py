@@ -1,23 +1,22 @@
 """``Recipe``: one training setting (the method, its LoRA, token selection, freezing, compression, checkpointing),
 defined once for ``peft-slim train``, the planner, its measured table and the benchmarks.
 
-A recipe is validated at construction and fills in the method's defaults, so that two recipes that train the same
-way are equal. ``to_peft_config()`` builds the PEFT config ``peft-slim train`` trains with, ``to_flags()`` the
-``peft-slim train`` flags that give the recipe back (``from_train_args``), and ``key`` what the planner's measured
-table (``planner/measured.json``) files a setting under.
+A recipe fills in the method's defaults, so that two recipes that train the same way are equal. It gives the PEFT
+config (``to_peft_config``), the ``peft-slim train`` flags (``to_flags``, read back by ``from_train_args``) and the
+key of the planner's measured table (``key``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from peft import LoraConfig
 
 from .compression import ActivationCompressionConfig
-from .configuration import Boolean, Check, Integer, ModuleNames, OneOf, Real
+from .configuration import Boolean, Check, Integer, ModuleNames, OneOf, Real, setting
 from .slimfit import SlimFitConfig
 from .slimfit.config import CATCH_UP
 from .token_selection import TokenSelectionConfig
@@ -42,119 +41,78 @@ def _optional(config: type, name: str) -> Check:
 @dataclass(frozen=True)
 class Recipe:
     """How one run trains: the fields ``peft-slim train``'s method flags set, with the method's defaults filled in.
-    Each field's ``"flag"`` metadata is its flag's help (and default, where it differs) in ``peft-slim train``.
+    Fields that do not apply to the method are refused (a ``ValueError`` naming the field), never ignored."""
 
-    Fields that do not apply to the method are refused (a ``ValueError`` naming the field), never ignored.
-    """
-
-    method: str = field(
-        default="tokentune",
-        metadata={
-            "help": "What trains: 'tokentune' (LoRA, or the base weights with lora_r=0, through a subset of tokens), "
-            "'slimfit' (LoRA or the base weights, a changing fraction frozen at each step), 'lora', or 'full' (every "
-            "base weight).",
-            "check": OneOf(METHODS),
-            "flag": {"help": "What trains."},
-        },
+    method: str = setting(
+        "tokentune",
+        "What trains: 'tokentune' (LoRA, or the base weights with lora_r=0, through a subset of tokens), 'slimfit' "
+        "(LoRA or the base weights, a changing fraction frozen at each step), 'lora', or 'full' (every base weight).",
+        OneOf(METHODS),
+        flag_help="What trains.",
     )
-    lora_r: int | None = field(
-        default=None,
-        metadata={
-            "help": f"LoRA rank (0 to {MAX_LORA_R}); 0 with tokentune or slimfit trains the base weights. None: "
-            f"{DEFAULT_LORA_R}, or 0 with 'full' (the only rank it takes).",
-            "check": Integer(0, MAX_LORA_R, optional=True),
-            "flag": {
-                "help": f"LoRA rank (default {DEFAULT_LORA_R}); 0 with tokentune or slimfit trains the base weights. "
-                "Not with --method full."
-            },
-        },
+    lora_r: int | None = setting(
+        None,
+        f"LoRA rank (0 to {MAX_LORA_R}); 0 with tokentune or slimfit trains the base weights. None: "
+        f"{DEFAULT_LORA_R}, or 0 with 'full' (the only rank it takes).",
+        Integer(0, MAX_LORA_R, optional=True),
+        flag_help=f"LoRA rank (default {DEFAULT_LORA_R}); 0 with tokentune or slimfit trains the base weights. "
+        "Not with --method full.",
     )
-    lora_alpha: float | None = field(
-        default=None,
-        metadata={
-            "help": "LoRA alpha, a finite float > 0. None: 2 * lora_r.",
-            "check": Real(0.0, math.inf, low_open=True, high_open=True, optional=True, keep_int=True),
-            "flag": {"help": "LoRA alpha (default 2 * --lora-r)."},
-        },
+    lora_alpha: float | None = setting(
+        None,
+        "LoRA alpha, a finite float > 0. None: 2 * lora_r.",
+        Real(0.0, math.inf, low_open=True, high_open=True, optional=True, keep_int=True),
+        flag_help="LoRA alpha (default 2 * --lora-r).",
     )
-    lora_target_modules: str | tuple[str, ...] | None = field(
-        default=ALL_LINEAR,
-        metadata={
-            "help": "The modules LoRA adapts: 'all-linear', module names (a tuple), one regex (a string) or None "
-            "(PEFT's default for the model type).",
-            "check": ModuleNames(),
-            # None: not given (a method without LoRA refuses the flag even as all-linear)
-            "flag": {
-                "help": "Comma-separated module names LoRA adapts, or `all-linear` (the default).",
-                "default": None,
-            },
-        },
+    lora_target_modules: str | tuple[str, ...] | None = setting(
+        ALL_LINEAR,
+        "The modules LoRA adapts: 'all-linear', module names (a tuple), one regex (a string) or None "
+        "(PEFT's default for the model type).",
+        ModuleNames(),
+        # None: not given (a method without LoRA refuses the flag even as all-linear)
+        flag={"help": "Comma-separated module names LoRA adapts, or `all-linear` (the default).", "default": None},
     )
-    token_ratio: float | None = field(
-        default=None,
-        metadata={
-            "help": f"tokentune, slimfit: fraction in (0, 1] of each sequence's tokens that get gradients. None: "
-            f"{DEFAULT_TOKEN_RATIO} with tokentune, every token with slimfit.",
-            "check": _optional(TokenSelectionConfig, "token_ratio"),
-            "flag": {
-                "help": "tokentune, slimfit: fraction of each sequence's tokens that get gradients (tokentune "
-                f"default {DEFAULT_TOKEN_RATIO}; slimfit: none, all tokens, unless given)."
-            },
-        },
+    token_ratio: float | None = setting(
+        None,
+        f"tokentune, slimfit: fraction in (0, 1] of each sequence's tokens that get gradients. None: "
+        f"{DEFAULT_TOKEN_RATIO} with tokentune, every token with slimfit.",
+        _optional(TokenSelectionConfig, "token_ratio"),
+        flag_help="tokentune, slimfit: fraction of each sequence's tokens that get gradients (tokentune "
+        f"default {DEFAULT_TOKEN_RATIO}; slimfit: none, all tokens, unless given).",
     )
-    selection: str | None = field(
-        default=None,
-        metadata={
-            "help": f"With a token ratio: which tokens, one of {SELECTION_RULES}. None: {LABEL_FIRST!r} (the "
-            "labelled answer tokens first, then the rest at random).",
-            "check": _optional(TokenSelectionConfig, "selection"),
-            "flag": {
-                "help": f"tokentune, slimfit with --token-ratio: which tokens (default {LABEL_FIRST!r}: the labelled "
-                "answer tokens first, then the rest at random)."
-            },
-        },
+    selection: str | None = setting(
+        None,
+        f"With a token ratio: which tokens, one of {SELECTION_RULES}. None: {LABEL_FIRST!r} (the "
+        "labelled answer tokens first, then the rest at random).",
+        _optional(TokenSelectionConfig, "selection"),
+        flag_help=f"tokentune, slimfit with --token-ratio: which tokens (default {LABEL_FIRST!r}: the labelled "
+        "answer tokens first, then the rest at random).",
     )
-    freeze_ratio: float | None = field(
-        default=None,
-        metadata={
-            "help": f"slimfit: fraction in [0, 1) of units frozen at each step. None: "
-            f"{SLIMFIT_DEFAULTS.freeze_ratio} (SlimFitConfig's default).",
-            "check": _optional(SlimFitConfig, "freeze_ratio"),
-            "flag": {
-                "help": f"slimfit: fraction of units frozen at each step (default {SLIMFIT_DEFAULTS.freeze_ratio})."
-            },
-        },
+    freeze_ratio: float | None = setting(
+        None,
+        f"slimfit: fraction in [0, 1) of units frozen at each step. None: "
+        f"{SLIMFIT_DEFAULTS.freeze_ratio} (SlimFitConfig's default).",
+        _optional(SlimFitConfig, "freeze_ratio"),
+        flag_help=f"slimfit: fraction of units frozen at each step (default {SLIMFIT_DEFAULTS.freeze_ratio}).",
     )
-    catch_up: str | None = field(
-        default=None,
-        metadata={
-            "help": f"slimfit: how far a unit moves when it trains after missed steps, one of {CATCH_UP}. None: "
-            f"{SLIMFIT_DEFAULTS.catch_up!r} (SlimFitConfig's default).",
-            "check": _optional(SlimFitConfig, "catch_up"),
-            "flag": {
-                "help": f"slimfit: how far a unit moves when it trains after missed steps (default "
-                f"{SLIMFIT_DEFAULTS.catch_up!r}; 'none': the paper's update)."
-            },
-        },
+    catch_up: str | None = setting(
+        None,
+        f"slimfit: how far a unit moves when it trains after missed steps, one of {CATCH_UP}. None: "
+        f"{SLIMFIT_DEFAULTS.catch_up!r} (SlimFitConfig's default).",
+        _optional(SlimFitConfig, "catch_up"),
+        flag_help=f"slimfit: how far a unit moves when it trains after missed steps (default "
+        f"{SLIMFIT_DEFAULTS.catch_up!r}; 'none': the paper's update).",
     )
-    compression_bits: int | str | None = field(
-        default=None,
-        metadata={
-            "help": "Bits the saved activations are stored in: 8, 4 or 2; 'none': exact (slimfit: its own "
-            "compression off). None: the method's default (slimfit's own recipe, exact for the others).",
-            "check": OneOf(COMPRESSION_BITS, optional=True),
-            "flag": {
-                "help": "Store saved activations in this many bits (none: exact). Default: slimfit's own recipe "
-                "(4-bit GELU/SiLU inputs, 8-bit elsewhere), none for the other methods."
-            },
-        },
+    compression_bits: int | str | None = setting(
+        None,
+        "Bits the saved activations are stored in: 8, 4 or 2; 'none': exact (slimfit: its own "
+        "compression off). None: the method's default (slimfit's own recipe, exact for the others).",
+        OneOf(COMPRESSION_BITS, optional=True),
+        flag_help="Store saved activations in this many bits (none: exact). Default: slimfit's own recipe "
+        "(4-bit GELU/SiLU inputs, 8-bit elsewhere), none for the other methods.",
     )
-    gradient_checkpointing: bool = field(
-        default=False,
-        metadata={
-            "help": "Recompute each layer in backward (transformers' non-reentrant checkpointing).",
-            "check": Boolean(),
-        },
+    gradient_checkpointing: bool = setting(
+        False, "Recompute each layer in backward (transformers' non-reentrant checkpointing).", Boolean()
     )
 
     def __post_init__(self):
@@ -229,44 +187,27 @@ class Recipe:
         return ActivationCompressionConfig(bits=self.compression_bits)
 
     def to_peft_config(self, seed: int | None = None, task_type: str | None = "CAUSAL_LM", **fields):
-        """The PEFT config that trains this recipe: a ``LoraConfig``, ``TokenTuneConfig`` or ``SlimFitConfig``;
-        None for 'full' (every base weight trains; with ``compression_bits``, the training forwards run in
-        ``peft_slim.compress_activations(recipe.activation_compression())``, as for 'lora'). ``seed``: of the token
-        selection and SlimFit's order (None: the configs' defaults); ``fields``: other fields of that config
-        (``modules_to_save``, say)."""
+        """The PEFT config that trains this recipe: a ``LoraConfig``, ``TokenTuneConfig`` or ``SlimFitConfig``; None
+        for 'full' (compressed: as 'lora', in ``compress_activations(recipe.activation_compression())``).
+        ``seed``: of the token selection and SlimFit's order (None: the defaults); ``fields``: other config fields."""
         if self.method == "full":
             if fields:
                 raise ValueError(f"Recipe(method='full') builds no config to set {sorted(fields)} on.")
             return None
         if self.method == "lora":
             return self.lora_config(task_type, **fields)
-        lora = self.lora_config(task_type) if self.uses_lora else None
-        compression = self.activation_compression()
+        common = {"task_type": task_type, "lora": self.lora_config(task_type) if self.uses_lora else None}
+        compression = {"activation_compression": self.activation_compression()}
         seeded = {} if seed is None else {"seed": seed}
         if self.method == "tokentune":
-            return TokenTuneConfig(
-                task_type=task_type,
-                token_ratio=self.token_ratio,
-                selection=self.selection,
-                lora=lora,
-                activation_compression=compression,
-                **seeded,
-                **fields,
-            )
+            selecting = {"token_ratio": self.token_ratio, "selection": self.selection}
+            return TokenTuneConfig(**common, **selecting, **compression, **seeded, **fields)
         selection = None
         if self.token_ratio is not None:
             selection = TokenSelectionConfig(token_ratio=self.token_ratio, selection=self.selection, **seeded)
-        extra = {} if self.compression_bits is None else {"activation_compression": compression}
-        return SlimFitConfig(
-            task_type=task_type,
-            freeze_ratio=self.freeze_ratio,
-            catch_up=self.catch_up,
-            lora=lora,
-            tokentune=selection,
-            **seeded,
-            **extra,
-            **fields,
-        )
+        compression = {} if self.compression_bits is None else compression  # None: SlimFit's own default
+        freezing = {"freeze_ratio": self.freeze_ratio, "catch_up": self.catch_up}
+        return SlimFitConfig(**common, **freezing, tokentune=selection, **seeded, **compression, **fields)
 
     # ------------------------------------------------------------------------------------------- command line
     @classmethod
@@ -276,15 +217,10 @@ class Recipe:
         if targets != ALL_LINEAR:
             targets = tuple(name.strip() for name in targets.split(",") if name.strip())
         bits = args.compression_bits
+        same = ("method", "lora_r", "lora_alpha", "token_ratio", "selection", "freeze_ratio", "catch_up")
         return cls(
-            method=args.method,
-            lora_r=args.lora_r,
-            lora_alpha=args.lora_alpha,
+            **{name: getattr(args, name) for name in same},
             lora_target_modules=targets,
-            token_ratio=args.token_ratio,
-            selection=args.selection,
-            freeze_ratio=args.freeze_ratio,
-            catch_up=args.catch_up,
             compression_bits=bits if bits in (None, "none") else int(bits),
             gradient_checkpointing=bool(args.gradient_checkpointing),
         )
@@ -305,16 +241,11 @@ class Recipe:
                     "comma-separated names."
                 )
             flags += ["--lora-target-modules", ",".join(targets)]
-        if self.token_ratio is not None:
-            flags += ["--token-ratio", _number(self.token_ratio)]
-        if self.selection is not None and self.selection != LABEL_FIRST:
-            flags += ["--selection", self.selection]
-        if self.freeze_ratio is not None:
-            flags += ["--freeze-ratio", _number(self.freeze_ratio)]
-        if self.catch_up is not None and self.catch_up != SLIMFIT_DEFAULTS.catch_up:
-            flags += ["--catch-up", self.catch_up]
-        if self.compression_bits is not None:
-            flags += ["--compression-bits", str(self.compression_bits)]
+        defaults = {"selection": LABEL_FIRST, "catch_up": SLIMFIT_DEFAULTS.catch_up}
+        for name in ("token_ratio", "selection", "freeze_ratio", "catch_up", "compression_bits"):
+            value = getattr(self, name)
+            if value is not None and value != defaults.get(name):
+                flags += ["--" + name.replace("_", "-"), value if isinstance(value, str) else _number(value)]
         if self.gradient_checkpointing:
             flags.append("--gradient-checkpointing")
         return flags
@@ -322,11 +253,8 @@ class Recipe:
     @property
     def key(self) -> dict[str, Any]:
         """What decides how the recipe trains, not the LoRA's size: the key of ``planner/measured.json``."""
-        slimfit = self.method == "slimfit"
-        if self.compression_bits is None:
-            compression = "slimfit default" if slimfit else None
-        else:
-            compression = None if self.compression_bits == "none" else self.compression_bits
+        slimfit, bits = self.method == "slimfit", self.compression_bits
+        compression = {None: "slimfit default" if slimfit else None, "none": None}.get(bits, bits)
         return {
             "method": self.method,
             "token_ratio": self.token_ratio,

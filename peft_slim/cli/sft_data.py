@@ -21,7 +21,6 @@ from ..token_selection.loss import IGNORE_INDEX
 
 DEFAULT_DATASET = "chatterbot_qa.jsonl"  # under peft_slim/data/, with its licence file
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-FORMATS = ("text", "prompt-completion", "messages")
 
 
 class DataError(ValueError):
@@ -376,16 +375,11 @@ def tokenize(
     completion_only: bool = True,
     chat_template: bool | None = None,
 ) -> tuple[list[dict], int]:
-    """``input_ids`` and ``labels`` per row, cut to ``max_length``; also how many rows were dropped because no
-    labelled token was left within ``max_length`` (valid rows, unusable at this length). Every row is checked
-    first (``check_rows``): a malformed row is refused, never dropped or trained on.
-
-    ``chat_template``: render prompt/completion rows with the tokenizer's chat template (None: when it has one;
-    chat rows always use it). Without the template an end-of-sequence token ends each completion or text.
-    """
+    """``input_ids`` and ``labels`` per row, cut to ``max_length``, and how many valid rows were dropped for keeping
+    no labelled token within it; a malformed row is refused (``check_rows``), never dropped. ``chat_template``: as
+    ``--chat-template`` (None: when the tokenizer has one); without it an end-of-sequence token ends each row."""
     has_template = getattr(tokenizer, "chat_template", None) is not None
-    if chat_template is None:
-        chat_template = has_template
+    chat_template = has_template if chat_template is None else chat_template
     if (chat_template or columns.format == "messages") and not has_template:
         raise DataError(
             "the tokenizer has no chat template: chat (`messages`) data cannot be rendered, and "

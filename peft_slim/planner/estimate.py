@@ -1,10 +1,8 @@
 """``estimate_memory``: the memory of one training step, from the model's own computation on fake tensors.
 
-The model is built on the meta device (no weights), the PEFT config applied for real, every tensor made fake
-(shapes, dtypes and strides, no data), then one training step (forward, backward, optimizer step) runs
-after the optimizer state has been created (as a real run's first step leaves it). Saved-tensor hooks,
-activation compression, token selection, checkpointing and SlimFit's freezing all run as they do in training,
-so a new architecture or method needs no formula here.
+The model is built on the meta device, the PEFT config applied for real, every tensor made fake (no data), then
+one training step runs after the optimizer state has been created. Hooks, compression, token selection,
+checkpointing and SlimFit's freezing all run as in training, so a new architecture or method needs no formula here.
 """
 
 from __future__ import annotations
@@ -73,8 +71,7 @@ def estimate_memory(
     workload = resolve_workload(model, peft_config, batch_size, seq_len, optimizer, dtype, task)
     trained = trainable_model(base_model(workload, "meta"), peft_config, gradient_checkpointing)
     inputs = make_inputs(trained, workload)
-    mode = fake_tensor_mode()
-    with mode:
+    with fake_tensor_mode():
         _make_fake(trained)
         optimizer = make_optimizer(trained, workload.optimizer)
         held = weight_bytes(trained)

@@ -1,17 +1,14 @@
 """``plan``: the training settings that fit a memory budget, cheapest in time and accuracy first, each estimated.
 
-The ladder, from what costs least to what costs most: plain LoRA; TokenTune + LoRA with fewer and fewer tokens
-(down to ``min_token_ratio``); the same with activations compressed to 8, then 4 bits; SlimFit (LoRA units
-frozen by training dynamics, its default compression); and each of those again with gradient checkpointing
-(recomputation: about a third more time per step), tried only where it lowers the estimate.
-
-The settings that fit are then ranked by what the equal-budget benchmark measured (``measured``): those measured
-first, soonest to reach LoRA's final perplexity relative to LoRA + checkpointing, then the rest in ladder order.
+The ladder, cheapest first: plain LoRA; TokenTune + LoRA with fewer and fewer tokens (down to
+``min_token_ratio``); the same with activations compressed to 8, then 4 bits; SlimFit (its defaults); then each of
+those with gradient checkpointing (about a third more time per step), kept only where it lowers the estimate. The
+settings that fit are then ranked by the equal-budget benchmark's measurements (``measured``), the rest in order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -58,14 +55,7 @@ class Candidate:
     @property
     def recipe(self) -> Recipe:
         """The setting as a ``Recipe`` (LoRA alpha 2 r on every linear layer, the method's other defaults)."""
-        return Recipe(
-            method=self.method,
-            lora_r=self.lora_r,
-            token_ratio=self.token_ratio,
-            compression_bits=self.compression_bits,
-            freeze_ratio=self.freeze_ratio,
-            gradient_checkpointing=self.gradient_checkpointing,
-        )
+        return Recipe(**{spec.name: getattr(self, spec.name) for spec in fields(self) if spec.compare})
 
     def peft_config(self, task_type: str | None, target_modules):
         """The setting's PEFT config, its LoRA on ``target_modules``."""
@@ -76,8 +66,7 @@ def ladder(lora_r: int, min_token_ratio: float) -> list[Candidate]:
     """Every setting tried, cheapest first (before checkpointing variants)."""
     ratios = [r for r in TOKEN_RATIOS if r >= min_token_ratio]
     steps = [Candidate("lora", lora_r)]
-    steps += [Candidate("tokentune", lora_r, token_ratio=r) for r in ratios]
-    for bits in (8, 4):
+    for bits in (None, 8, 4):
         steps += [Candidate("tokentune", lora_r, token_ratio=r, compression_bits=bits) for r in ratios]
     # SlimFit's defaults: its freeze ratio and compression
     steps.append(Candidate("slimfit", lora_r, freeze_ratio=SLIMFIT_DEFAULTS.freeze_ratio))
@@ -102,11 +91,9 @@ def plan(
 ) -> list[Candidate]:
     """The settings whose estimated peak fits ``budget`` bytes (None: every setting), best first.
 
-    ``model`` and the rest as for ``estimate_memory``; ``lora_r`` and ``target_modules`` make every setting's
-    LoRA. With ``checkpointing``, gradient-checkpointed variants follow the others and are kept only where they
-    lower the peak. ``rank="measured"``: the settings the equal-budget benchmark measured first, by its
-    time to LoRA's final perplexity, then the rest in ladder order; ``"ladder"``: ladder order only. Each
-    candidate's ``evidence`` says which. ``progress``: a progress bar. An empty list: nothing fits.
+    ``model`` and the rest as for ``estimate_memory``; ``lora_r`` and ``target_modules`` make every setting's LoRA.
+    ``checkpointing``: try checkpointed variants too. ``rank``: "measured" or "ladder" order (see the module
+    docstring; each candidate's ``evidence`` says which). ``progress``: a progress bar. An empty list: nothing fits.
     """
     budget = Integer(1, MAX_BUDGET, optional=True)(budget, "budget (bytes)")
     lora_r = Integer(1, MAX_LORA_R)(lora_r, "lora_r")
@@ -119,7 +106,7 @@ def plan(
     task_type = TASK_TYPES.get(task)
     steps = ladder(lora_r, min_token_ratio)
     if checkpointing:
-        steps += [Candidate(**{**_fields(c), "gradient_checkpointing": True}) for c in steps]
+        steps += [replace(c, gradient_checkpointing=True) for c in steps]
     if progress:
         from tqdm.auto import tqdm
 
@@ -136,27 +123,15 @@ def plan(
             gradient_checkpointing=candidate.gradient_checkpointing,
             task=task,
         )
-        key = _fields(candidate) | {"gradient_checkpointing": False}
         if candidate.gradient_checkpointing:
-            if estimate.peak >= plain[tuple(key.items())]:
+            if estimate.peak >= plain[replace(candidate, gradient_checkpointing=False)]:
                 continue  # checkpointing costs time and saves nothing here
         else:
-            plain[tuple(key.items())] = estimate.peak
+            plain[candidate] = estimate.peak  # candidates compare (and hash) by their setting
         if budget is None or estimate.peak <= budget:
             measured = measurement_for(candidate)
             evidence = NOT_MEASURED if measured is None else measured.evidence()
-            results.append(Candidate(**_fields(candidate), estimate=estimate, measurement=measured, evidence=evidence))
+            results.append(replace(candidate, estimate=estimate, measurement=measured, evidence=evidence))
     if rank == "measured":  # a stable sort: the unmeasured keep the ladder's order
         results.sort(key=lambda c: (1,) if c.measurement is None else (0, c.measurement.sort_key()))
     return results
-
-
-def _fields(candidate: Candidate) -> dict:
-    return {
-        "method": candidate.method,
-        "lora_r": candidate.lora_r,
-        "token_ratio": candidate.token_ratio,
-        "compression_bits": candidate.compression_bits,
-        "freeze_ratio": candidate.freeze_ratio,
-        "gradient_checkpointing": candidate.gradient_checkpointing,
-    }

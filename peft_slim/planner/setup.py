@@ -35,8 +35,8 @@ _SUFFIXES = {
     "ForCausalLM": "causal_lm",
     "LMHeadModel": "causal_lm",
     "ForSequenceClassification": "sequence_classification",
+    "ForImageClassification": "image_classification",
 }
-_SUFFIXES["ForImageClassification"] = "image_classification"
 TASK_TYPES = {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS"}  # PEFT has none for images
 _PEFT_TASKS = {task_type: task for task, task_type in TASK_TYPES.items()}
 # The sizes of a model config that the model is built from and the inputs are drawn with: each one the config has
@@ -240,16 +240,13 @@ def base_model(workload: Workload, device: str) -> nn.Module:
             "model: pass the base model and its PEFT config separately (estimate_memory(base, peft_config, ...)), "
             "not a PeftModel: the planner applies the config itself."
         )
-    if device != "meta":
-        built = copy.deepcopy(model)
-    else:
-        memo = {}
-        for tensor in [*model.parameters(), *model.buffers()]:
-            empty = torch.empty_like(tensor, device="meta")
-            memo[id(tensor)] = (
-                nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
-            )
-        built = copy.deepcopy(model, memo)
+    memo = {}  # deepcopy takes these for the tensors (on "meta": none of the original's data is copied)
+    for tensor in [*model.parameters(), *model.buffers()] if device == "meta" else []:
+        empty = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = (
+            nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+        )
+    built = copy.deepcopy(model, memo)
     copy_loading_marks(model, built)  # which weights the checkpoint lacked: SlimFit trains them at every step
     return built.to(dtype)
 
@@ -265,9 +262,7 @@ def trainable_model(base: nn.Module, peft_config: PeftConfig | None, gradient_ch
         model = base
     else:
         model = get_peft_model(base, copy.deepcopy(peft_config))
-        tuner = model.base_model
-        if isinstance(tuner, SlimFitModel):
-            tuner.train_largest_units()
+        after_step(model)  # SlimFit sized at its worst step: the largest units train
     return model.train()
 
 

@@ -17,17 +17,13 @@ from .fake import TorchDispatchMode, tree_leaves
 
 
 class LiveBytes(TorchDispatchMode):
-    """``total``: bytes of the storages created inside the mode and still alive; ``peak``: the highest ``total``
-    since the last ``reset_peak()``."""
+    """``total``: bytes of the storages created inside the mode and still alive; ``peak``: the highest ``total``."""
 
     def __init__(self):
         super().__init__()
         self._live: dict[int, list[int]] = {}  # storage key -> [bytes, tensors using it]
         self.total = 0
         self.peak = 0
-
-    def reset_peak(self) -> None:
-        self.peak = self.total
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
