@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import field
 
-from ..configuration import Boolean, Choices, Integer, Mapping, OneOf, Real, ValidatedConfig, config_dataclass
+from ..configuration import Boolean, Choices, Integer, Mapping, OneOf, Real, ValidatedConfig, config_dataclass, setting
 
 BITS = (8, 4, 2)
 KINDS = ("attention", "norm", "activation", "linear", "other")
@@ -32,22 +32,18 @@ class ActivationCompressionConfig(ValidatedConfig):
     additive attention masks). `bits=None` without pruning is exact.
     """
 
-    bits: int | None = field(
-        default=8,
-        metadata={
-            "help": "Bits per stored value: 8, 4 or 2 (narrower codes packed into bytes). None: not quantized.",
-            "check": OneOf(BITS, optional=True),
-        },
+    bits: int | None = setting(
+        8,
+        "Bits per stored value: 8, 4 or 2 (narrower codes packed into bytes). None: not quantized.",
+        OneOf(BITS, optional=True),
     )
-    group_size: int = field(
-        default=128,
-        metadata={
-            "help": "Consecutive values (in memory order) sharing one fp32 scale and minimum; a multiple of 8 in "
-            "[8, 65536]. Each tensor's groups are fitted to its rows (the innermost dimension): the nearest size "
-            "at or below this one that divides a row, or whole rows when rows are shorter. Smaller groups are "
-            "more accurate and cost 8 bytes per group.",
-            "check": Integer(8, 65536, multiple_of=8),
-        },
+    group_size: int = setting(
+        128,
+        "Consecutive values (in memory order) sharing one fp32 scale and minimum; a multiple of 8 in "
+        "[8, 65536]. Each tensor's groups are fitted to its rows (the innermost dimension): the nearest size "
+        "at or below this one that divides a row, or whole rows when rows are shorter. Smaller groups are "
+        "more accurate and cost 8 bytes per group.",
+        Integer(8, 65536, multiple_of=8),
     )
     kinds: list[str] = field(
         default_factory=lambda: [ALL],
@@ -56,23 +52,19 @@ class ActivationCompressionConfig(ValidatedConfig):
             "check": Choices((*KINDS, ALL)),
         },
     )
-    kind_bits: dict[str, int | None] | None = field(
-        default=None,
-        metadata={
-            "help": f"Per-kind override of `bits` (keys among {KINDS}, values 8, 4, 2 or None = kept exact), e.g. "
-            "{'activation': 4} for 4-bit GELU/SiLU inputs. A kind listed here is compressed at its width even if "
-            "`kinds` leaves it out (None: left unquantized even if `kinds` selects it); unlisted kinds follow "
-            "`bits` and `kinds`. None: every kind `kinds` selects uses `bits`.",
-            "check": Mapping(KINDS, OneOf(BITS, optional=True)),
-        },
+    kind_bits: dict[str, int | None] | None = setting(
+        None,
+        f"Per-kind override of `bits` (keys among {KINDS}, values 8, 4, 2 or None = kept exact), e.g. "
+        "{'activation': 4} for 4-bit GELU/SiLU inputs. A kind listed here is compressed at its width even if "
+        "`kinds` leaves it out (None: left unquantized even if `kinds` selects it); unlisted kinds follow "
+        "`bits` and `kinds`. None: every kind `kinds` selects uses `bits`.",
+        Mapping(KINDS, OneOf(BITS, optional=True)),
     )
-    prune_ratio: float | None = field(
-        default=None,
-        metadata={
-            "help": "Keep only this fraction in (0, 1] of the values, the largest in magnitude, of tensors of the "
-            "`prune_kinds` (the rest backpropagate as zeros; lossy). None: no pruning.",
-            "check": Real(0.0, 1.0, low_open=True, optional=True),
-        },
+    prune_ratio: float | None = setting(
+        None,
+        "Keep only this fraction in (0, 1] of the values, the largest in magnitude, of tensors of the "
+        "`prune_kinds` (the rest backpropagate as zeros; lossy). None: no pruning.",
+        Real(0.0, 1.0, low_open=True, optional=True),
     )
     prune_kinds: list[str] = field(
         default_factory=lambda: ["norm"],
@@ -81,28 +73,22 @@ class ActivationCompressionConfig(ValidatedConfig):
             "check": Choices((*KINDS, ALL)),
         },
     )
-    prune_frozen_only: bool = field(
-        default=False,
-        metadata={
-            "help": "Prune only tensors saved inside a module none of whose own parameters requires grad (a frozen "
-            "norm layer, or one without parameters); a trainable layer's tensors are never pruned, so its weight "
-            "gradient stays unpruned. Tensors saved outside any module are then not pruned either.",
-            "check": Boolean(),
-        },
+    prune_frozen_only: bool = setting(
+        False,
+        "Prune only tensors saved inside a module none of whose own parameters requires grad (a frozen "
+        "norm layer, or one without parameters); a trainable layer's tensors are never pruned, so its weight "
+        "gradient stays unpruned. Tensors saved outside any module are then not pruned either.",
+        Boolean(),
     )
-    min_numel: int = field(
-        default=4096,
-        metadata={
-            "help": "Saved tensors with fewer elements than this are kept as they are (>= 0).",
-            "check": Integer(0),
-        },
+    min_numel: int = setting(
+        4096,
+        "Saved tensors with fewer elements than this are kept as they are (>= 0).",
+        Integer(0),
     )
-    offload: bool = field(
-        default=False,
-        metadata={
-            "help": "Keep the compressed tensors in CPU memory while the model runs on an accelerator.",
-            "check": Boolean(),
-        },
+    offload: bool = setting(
+        False,
+        "Keep the compressed tensors in CPU memory while the model runs on an accelerator.",
+        Boolean(),
     )
 
     @property

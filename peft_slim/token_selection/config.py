@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import field, fields
+from dataclasses import fields
 
-from ..configuration import Boolean, Integer, OneOf, Real, ValidatedConfig, config_dataclass
+from ..configuration import Boolean, Integer, OneOf, Real, ValidatedConfig, config_dataclass, setting
 
 SELECTION_RULES = ("random", "answer")
 DEFAULT_TOKEN_RATIO = 0.3
@@ -22,50 +22,40 @@ class TokenSelectionConfig(ValidatedConfig):
     selection fields and as `SlimFitConfig.tokentune`.
     """
 
-    token_ratio: float | None = field(
-        default=None,
-        metadata={
-            "help": "Fraction in (0, 1] of each sequence's real tokens that receive gradients.",
-            "check": Real(0.0, 1.0, low_open=True, optional=True),
-        },
+    token_ratio: float | None = setting(
+        None,
+        "Fraction in (0, 1] of each sequence's real tokens that receive gradients.",
+        Real(0.0, 1.0, low_open=True, optional=True),
     )
-    num_tokens: int | None = field(
-        default=None,
-        metadata={
-            "help": f"Absolute number (1 to {MAX_NUM_TOKENS}) of tokens per sequence that receive gradients.",
-            "check": Integer(1, MAX_NUM_TOKENS, optional=True),
-        },
+    num_tokens: int | None = setting(
+        None,
+        f"Absolute number (1 to {MAX_NUM_TOKENS}) of tokens per sequence that receive gradients.",
+        Integer(1, MAX_NUM_TOKENS, optional=True),
     )
-    selection: str = field(
-        default="answer",
-        metadata={
-            "help": "'answer' (default): every position whose prediction carries a loss label first (a causal LM's "
-            "position t when labels[t+1] != -100: the completion, or the assistant turns, of SFT data), uniformly "
-            "among them when the budget is smaller, and the rest of the budget uniformly among the other real tokens "
-            "(the prompt); without labels, or where every position is labelled, the same as 'random'. 'random': "
-            "uniform per sequence, redrawn every forward (the paper). The positions the head reads, the first real "
-            "token and a decoder LM's last real token are always selected and count toward the budget; padding only "
-            "where the head reads it.",
-            "check": OneOf(SELECTION_RULES),
-        },
+    selection: str = setting(
+        "answer",
+        "'answer' (default): every position whose prediction carries a loss label first (a causal LM's "
+        "position t when labels[t+1] != -100: the completion, or the assistant turns, of SFT data), uniformly "
+        "among them when the budget is smaller, and the rest of the budget uniformly among the other real tokens "
+        "(the prompt); without labels, or where every position is labelled, the same as 'random'. 'random': "
+        "uniform per sequence, redrawn every forward (the paper). The positions the head reads, the first real "
+        "token and a decoder LM's last real token are always selected and count toward the budget; padding only "
+        "where the head reads it.",
+        OneOf(SELECTION_RULES),
     )
-    seed: int | None = field(
-        default=None,
-        metadata={
-            "help": f"Seed (0 to {MAX_SEED}) of the selection generator, for reproducible selections; each process "
-            "of a distributed run adds its rank. None: a fresh seed.",
-            "check": Integer(0, MAX_SEED, optional=True),
-        },
+    seed: int | None = setting(
+        None,
+        f"Seed (0 to {MAX_SEED}) of the selection generator, for reproducible selections; each process "
+        "of a distributed run adds its rank. None: a fresh seed.",
+        Integer(0, MAX_SEED, optional=True),
     )
-    chunked_loss: bool = field(
-        default=True,
-        metadata={
-            "help": "Causal LMs: compute the LM head and loss over the selected positions a chunk of rows at a time, "
-            "recomputed in backward, so that their full-vocabulary logits are never kept (same loss and gradient). "
-            "The training forward then returns `logits=None` when it computes the loss. False: materialise the "
-            "selected positions' logits and return them.",
-            "check": Boolean(),
-        },
+    chunked_loss: bool = setting(
+        True,
+        "Causal LMs: compute the LM head and loss over the selected positions a chunk of rows at a time, "
+        "recomputed in backward, so that their full-vocabulary logits are never kept (same loss and gradient). "
+        "The training forward then returns `logits=None` when it computes the loss. False: materialise the "
+        "selected positions' logits and return them.",
+        Boolean(),
     )
 
     def _check(self) -> None:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import field
 from typing import ClassVar
 
-from ..configuration import ModuleNames, config_dataclass
+from ..configuration import ModuleNames, config_dataclass, setting
 from ..token_selection import TokenSelectionConfig
 from ..tuner import MethodConfig
 
@@ -22,13 +21,11 @@ class TokenTuneConfig(MethodConfig, TokenSelectionConfig):
 
     method: ClassVar[str] = "TOKENTUNE"
 
-    trainable_modules: list[str] | str | None = field(
-        default=None,
-        metadata={
-            "help": "Without `lora` only: module names (suffix match, like LoRA's target_modules) or one regex "
-            "(full match) whose parameters train. None trains every parameter (full fine-tuning).",
-            "check": ModuleNames(),
-        },
+    trainable_modules: list[str] | str | None = setting(
+        None,
+        "Without `lora` only: module names (suffix match, like LoRA's target_modules) or one regex "
+        "(full match) whose parameters train. None trains every parameter (full fine-tuning).",
+        ModuleNames(),
     )
 
     def _check(self) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import field
 from typing import Any, ClassVar
 
 from huggingface_hub import hf_hub_download
@@ -26,6 +25,7 @@ from ..configuration import (
     atomic_write_text,
     config_dataclass,
     dump_json,
+    setting,
     to_json_value,
 )
 from ..nested_lora import check_lora_fields, lora_export_config, merged_modules_to_save
@@ -51,31 +51,25 @@ class MethodConfig(PeftConfig, ValidatedConfig):
 
     method: ClassVar[str] = ""
 
-    lora: LoraConfig | dict | None = field(
-        default=None,
-        metadata={
-            "help": "A peft.LoraConfig: train this LoRA adapter. None: train the base model's weights.",
-            "check": Lora(),
-        },
+    lora: LoraConfig | dict | None = setting(
+        None,
+        "A peft.LoraConfig: train this LoRA adapter. None: train the base model's weights.",
+        Lora(),
     )
-    modules_to_save: list[str] | None = field(
-        default=None,
-        metadata={
-            "help": "Extra modules (e.g. a new classification head) trained and saved in full, as in LoRA.",
-            "check": NameList(),
-        },
+    modules_to_save: list[str] | None = setting(
+        None,
+        "Extra modules (e.g. a new classification head) trained and saved in full, as in LoRA.",
+        NameList(),
     )
-    activation_compression: ActivationCompressionConfig | dict | None = field(
-        default=None,
-        metadata={
-            "help": "A peft_slim.ActivationCompressionConfig (or its dict): compress the activations saved for "
-            "backward inside every training forward. None: no compression.",
-            "check": Nested(ActivationCompressionConfig),
-        },
+    activation_compression: ActivationCompressionConfig | dict | None = setting(
+        None,
+        "A peft_slim.ActivationCompressionConfig (or its dict): compress the activations saved for "
+        "backward inside every training forward. None: no compression.",
+        Nested(ActivationCompressionConfig),
     )
-    peft_slim_version: str | None = field(
-        default=None,
-        metadata={"help": "The peft_slim version that saved this config (written on save; informative)."},
+    peft_slim_version: str | None = setting(
+        None,
+        "The peft_slim version that saved this config (written on save; informative).",
     )
 
     def __post_init__(self):
