@@ -1,9 +1,8 @@
 """One path for every peft_slim config: field checks, coercion, unknown keys and (de)serialisation.
 
 Each config field is declared by :func:`setting` with its help and check (``metadata={"help", "check"}``);
-:func:`validate` runs
-the checks of every field (coercing, e.g. ``np.int64`` to ``int``), then the config's cross-field
-``_check()``. Nested configs are checked the same way, by :class:`Nested`. The contract, kept in one place:
+:func:`validate` runs the checks of every field (coercing, e.g. ``np.int64`` to ``int``), then the config's
+cross-field ``_check()``. Nested configs are checked the same way, by :class:`Nested`. The contract, kept in one place:
 
 * a wrong value is a ``ValueError`` naming ``Class.field``, what was given and what would work;
 * an unknown key given by the user is a ``TypeError``/``ValueError`` naming it and the nearest valid field;
