@@ -170,6 +170,16 @@ def _mean(values: list) -> float | None:
     return statistics.mean(values) if values else None
 
 
+# The per-seed ratios budget.json gives for a method, averaged over seeds per task.
+RATIOS = (
+    "time_to_reference_ratio",
+    "best_within_budget_ratio",
+    "peak_ratio_to_budget_method",
+    "step_time_ratio_to_budget_method",
+    "perplexity_at_steps_ratio",
+)
+
+
 def _task_means(report: dict, name: str) -> dict:
     """Per task of ``report`` that ran method ``name``: its seeds and the mean over seeds of each ratio."""
     tasks = {}
@@ -180,15 +190,6 @@ def _task_means(report: dict, name: str) -> dict:
         tasks[task] = {"seeds": s["seeds"], "seeds_reaching_reference": s["seeds_reaching_reference"]}
         tasks[task] |= {key: _mean(s[key]) for key in RATIOS}
     return tasks
-
-
-RATIOS = (
-    "time_to_reference_ratio",
-    "best_within_budget_ratio",
-    "peak_ratio_to_budget_method",
-    "step_time_ratio_to_budget_method",
-    "perplexity_at_steps_ratio",
-)
 
 
 def measured(report: dict, trl_head: dict | None = None) -> dict:
