@@ -1,0 +1,93 @@
+"""How much of the loss TokenTune's answer-first selection keeps at a token ratio, on the equal-budget tasks' data.
+
+    python -m benchmarks.label_coverage [--ratios 0.2 0.3 0.5] [--out benchmarks/results]
+
+At ratio r each row selects ceil(r x its real tokens) positions, every labelled position first (a causal LM's
+position t when labels[t+1] != -100), so a row whose labelled share is above r leaves some of its loss out of
+the step. For each task of ``benchmarks.bench_budget`` (its training rows, tokenised as the benchmark does) this
+draws the package's own selection (``draw_selection``, first and last real token forced, as for a decoder LM) and
+counts the labelled positions selected, and the ratio each row would need to select all of them. No model runs:
+writes ``label_coverage.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from transformers import AutoTokenizer
+
+from benchmarks import bench_budget
+from benchmarks.report import markdown_table, write_report
+from peft_slim.cli import models, sft_data
+from peft_slim.token_selection.config import TokenSelectionConfig
+from peft_slim.token_selection.selection import draw_selection, forced_positions
+
+
+def coverage(train: list[dict], ratio: float, seed: int = 0) -> float:
+    """Share of the labelled positions of ``train`` that answer-first selection at ``ratio`` selects."""
+    config = TokenSelectionConfig(token_ratio=ratio, selection="answer")
+    generator = torch.Generator().manual_seed(seed)
+    selected = labelled_total = 0
+    for example in train:
+        labels = torch.tensor([example["labels"]])
+        real = torch.ones_like(labels, dtype=torch.bool)
+        labelled = torch.zeros_like(real)
+        labelled[:, :-1] = labels[:, 1:] != sft_data.IGNORE_INDEX
+        mask = draw_selection(config, real, forced_positions(real, True, True), labelled, generator)
+        selected += int((mask & labelled).sum())
+        labelled_total += int(labelled.sum())
+    return selected / labelled_total
+
+
+def ratio_needed(example: dict) -> float:
+    """The lowest ratio at which a row's selection holds every labelled position beside the forced first and last."""
+    labels = example["labels"]
+    keep = [label != sft_data.IGNORE_INDEX for label in labels[1:]] + [True]  # position t: labels[t+1]; last forced
+    keep[0] = True
+    return sum(keep) / len(labels)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ratios", nargs="+", type=float, default=[0.2, 0.3, 0.5])
+    parser.add_argument("--out", default=bench_budget.RESULTS)
+    args = parser.parse_args(argv)
+    task_args = bench_budget.parse_args([])
+    path, gguf_file, model_name = models.resolve_model(None, None)
+    tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    report = {"model": model_name, "ratios": args.ratios, "environment": bench_budget.environment(), "tasks": {}}
+    rows = []
+    for task in bench_budget.TASKS:
+        train, _, description = bench_budget.task_data(task, tokenizer, task_args)
+        needed = sorted(ratio_needed(example) for example in train)
+        entry = {
+            "description": description,
+            "rows": len(train),
+            "ratio_needed": {"median": statistics.median(needed), "p90": needed[int(0.9 * len(needed))]},
+            "labelled_selected": {str(ratio): coverage(train, ratio) for ratio in args.ratios},
+        }
+        entry["ratio_needed"]["max"] = needed[-1]
+        report["tasks"][task] = entry
+        rows.append(
+            [task, len(train)]
+            + [f"{entry['labelled_selected'][str(ratio)]:.1%}" for ratio in args.ratios]
+            + [f"{entry['ratio_needed'][key]:.2f}" for key in ("median", "p90", "max")]
+        )
+    header = ["task", "train rows"] + [f"labelled kept at {ratio}" for ratio in args.ratios]
+    header += ["ratio keeping all: median", "p90", "max"]
+    text = "\n\n".join(
+        [
+            "# Loss kept by answer-first selection",
+            markdown_table(header, rows),
+            f"{model_name}'s tokenizer; the training rows of `benchmarks.bench_budget`'s tasks as it tokenises them; "
+            "one draw per row (seed 0). Written by `python -m benchmarks.label_coverage`.",
+        ]
+    )
+    write_report(args.out, "label_coverage", report, text)
+    return report
+
+
+if __name__ == "__main__":
+    main()
