@@ -402,12 +402,12 @@ def collate(examples: list[dict], pad_token_id: int) -> dict:
     """Right-pad a batch to its longest example: ``input_ids``, ``attention_mask`` and ``labels`` (-100 on padding)."""
     # The batch of TRL's DataCollatorForLanguageModeling(pad_token_id), but trl is no dependency of peft-slim[train].
     import torch
+    from torch.nn.utils.rnn import pad_sequence
 
-    longest = max(len(example["input_ids"]) for example in examples)
-    batch = {"input_ids": [], "attention_mask": [], "labels": []}
-    for example in examples:
-        pad = longest - len(example["input_ids"])
-        batch["input_ids"].append(example["input_ids"] + [pad_token_id] * pad)
-        batch["attention_mask"].append([1] * len(example["input_ids"]) + [0] * pad)
-        batch["labels"].append(example["labels"] + [IGNORE_INDEX] * pad)
-    return {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()}
+    ids = [torch.tensor(example["input_ids"], dtype=torch.long) for example in examples]
+    labels = [torch.tensor(example["labels"], dtype=torch.long) for example in examples]
+    return {
+        "input_ids": pad_sequence(ids, batch_first=True, padding_value=pad_token_id),
+        "attention_mask": pad_sequence([torch.ones_like(row) for row in ids], batch_first=True),
+        "labels": pad_sequence(labels, batch_first=True, padding_value=IGNORE_INDEX),
+    }
