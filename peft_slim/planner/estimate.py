@@ -14,16 +14,7 @@ import torch
 from peft import PeftConfig
 
 from .fake import fake_tensor_mode, one_sequence_per_row
-from .setup import (
-    base_model,
-    gradient_bytes,
-    make_inputs,
-    make_optimizer,
-    optimizer_state_bytes,
-    resolve_workload,
-    trainable_model,
-    weight_bytes,
-)
+from .setup import gradient_bytes, make_optimizer, optimizer_state_bytes, training_step, weight_bytes
 from .trace import LiveBytes
 
 
@@ -68,9 +59,8 @@ def estimate_memory(
     the largest units train. Sizes are those of CPU tensors; an accelerator's allocator rounds each block up a
     little.
     """
-    workload = resolve_workload(model, peft_config, batch_size, seq_len, optimizer, dtype, task)
-    trained = trainable_model(base_model(workload, "meta"), peft_config, gradient_checkpointing)
-    inputs = make_inputs(trained, workload)
+    step = (model, peft_config, batch_size, seq_len, optimizer, dtype, task, gradient_checkpointing)
+    workload, trained, inputs = training_step(*step, "meta")
     with fake_tensor_mode():
         _make_fake(trained)
         optimizer = make_optimizer(trained, workload.optimizer)

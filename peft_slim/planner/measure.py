@@ -5,22 +5,11 @@ from __future__ import annotations
 
 import warnings
 
-import torch
 from peft import PeftConfig
 
 from ..memory import held_memory_bytes, timeline_peak_bytes
 from .estimate import MemoryEstimate
-from .setup import (
-    after_step,
-    base_model,
-    gradient_bytes,
-    make_inputs,
-    make_optimizer,
-    optimizer_state_bytes,
-    resolve_workload,
-    trainable_model,
-    weight_bytes,
-)
+from .setup import after_step, gradient_bytes, make_optimizer, optimizer_state_bytes, training_step, weight_bytes
 
 
 def measure_memory(
@@ -38,11 +27,9 @@ def measure_memory(
     """Build the model for real (a module given is copied; a config gets random weights), train three steps and
     measure as ``estimate_memory`` estimates: step 2 gives the activations (bytes the forward leaves allocated),
     gradients and optimizer state, step 3 the peak (``timeline_peak_bytes`` plus what was held before it)."""
-    workload = resolve_workload(model, peft_config, batch_size, seq_len, optimizer, dtype, task)
-    torch.manual_seed(seed)
-    trained = trainable_model(base_model(workload, "cpu"), peft_config, gradient_checkpointing)
+    step = (model, peft_config, batch_size, seq_len, optimizer, dtype, task, gradient_checkpointing)
+    workload, trained, inputs = training_step(*step, "cpu", seed)
     opt = make_optimizer(trained, workload.optimizer)
-    inputs = make_inputs(trained, workload, seed)
 
     def forward():
         return trained(**inputs).loss

@@ -32,30 +32,14 @@ class Measurement:
     source: dict  # the file's provenance (model, machine, report, command)
     against_trl_head: dict | None = None  # {"report", "tasks"}: ratios against LoRA + ckpt with TRL's fused head
 
-    @property
-    def reaches(self) -> bool:
-        """Reached LoRA's final perplexity (within 2%) in the time budget in every seed of every task."""
-        return _reaches(self.tasks)
-
-    @property
-    def time_to_reference(self) -> float | None:
-        """Mean over tasks of the mean time to LoRA's final perplexity / the budget (seeds that reached it)."""
-        return _mean_over(self.tasks, "time_to_reference_ratio")
-
-    @property
-    def best_within_budget(self) -> float:
-        """Mean over tasks of the best perplexity within the time budget / LoRA's final perplexity."""
-        best = _mean_over(self.tasks, "best_within_budget_ratio")
-        return math.inf if best is None else best
-
-    @property
-    def peak(self) -> float | None:
-        """Mean over tasks of the measured step peak / LoRA + checkpointing's (None: not measured)."""
-        return _mean_over(self.tasks, "peak_ratio_to_budget_method")
-
     def sort_key(self) -> tuple:
-        """Those that reach LoRA's perplexity first, soonest first; then the rest by best perplexity in the budget."""
-        return (0, self.time_to_reference) if self.reaches else (1, self.best_within_budget)
+        """Those that reach LoRA's final perplexity (within 2%) in the time budget in every seed of every task first,
+        soonest first (mean over tasks of the time to it / the budget); then the rest by best perplexity within the
+        budget / LoRA's final (mean over tasks)."""
+        if _reaches(self.tasks):
+            return (0, _mean_over(self.tasks, "time_to_reference_ratio"))
+        best = _mean_over(self.tasks, "best_within_budget_ratio")
+        return (1, math.inf if best is None else best)
 
     def evidence(self) -> str:
         """The measured numbers and where they come from, against LoRA + checkpointing and, where that run has

@@ -131,6 +131,18 @@ def resolve_workload(model, peft_config, batch_size, seq_len, optimizer, dtype, 
     return Workload(module, config, batch_size, seq_len, task, optimizer, DTYPES[dtype])
 
 
+def training_step(
+    model, peft_config, batch_size, seq_len, optimizer, dtype, task, gradient_checkpointing, device, seed=None
+):
+    """The checked ``Workload``, the model to train on ``device`` ("meta": no weights; else random ones drawn after
+    ``torch.manual_seed(seed)``) and its batch of inputs (drawn with ``seed``; None: 0)."""
+    workload = resolve_workload(model, peft_config, batch_size, seq_len, optimizer, dtype, task)
+    if seed is not None:
+        torch.manual_seed(seed)
+    trained = trainable_model(base_model(workload, device), peft_config, gradient_checkpointing)
+    return workload, trained, make_inputs(trained, workload, 0 if seed is None else seed)
+
+
 def max_positions(config) -> int | None:
     """The longest sequence the model's position embeddings cover, where its config says (else None)."""
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
