@@ -177,6 +177,59 @@ def test_each_method_reports_and_ends_with_the_saved_path(name, trained):
     assert any(line.startswith("the same step of LoRA") and "ratio" in line for line in lines)
 
 
+@pytest.mark.parametrize("name", list(METHOD_FLAGS))
+def test_token_selection_runs_say_how_much_of_the_first_batchs_loss_they_keep(name, trained):
+    selecting = [line for line in trained[name][1] if line.startswith("token selection on the first batch")]
+    assert len(selecting) == (1 if name in ("tokentune-lora", "tokentune-base", "slimfit-lora") else 0)
+    assert all("labelled positions" in line and "carry the loss" in line for line in selecting)
+
+
+def _selected(positions: dict[int, list[int]], shape=(2, 10)) -> torch.Tensor:
+    mask = torch.zeros(shape, dtype=torch.bool)
+    for row, columns in positions.items():
+        mask[row, columns] = True
+    return mask
+
+
+@pytest.mark.parametrize("selection", ["answer", "random"])
+def test_loss_kept_counts_the_selected_labelled_positions_and_the_ratio_keeping_them_all(selection):
+    """Row 0: 8 real tokens, labels on tokens 4-7 (so positions 3-6 are scored); row 1: 10 real, labels on 2-9
+    (positions 1-8). Selected: 3 of row 0's 4 scored positions, 5 of row 1's 8."""
+    from types import SimpleNamespace
+
+    from peft_slim.cli.train import loss_kept
+    from peft_slim.token_selection import TokenSelectionConfig
+
+    attention_mask = torch.ones(2, 10, dtype=torch.long)
+    attention_mask[0, 8:] = 0
+    labels = torch.full((2, 10), -100)
+    labels[0, 4:8] = 1
+    labels[1, 2:] = 1
+    mask = _selected({0: [0, 3, 4, 5, 7], 1: [0, 1, 2, 3, 4, 5, 9]})
+    config = TokenSelectionConfig(token_ratio=0.3, selection=selection)
+    selector = SimpleNamespace(config=config, last_token_mask=mask)
+    model = SimpleNamespace(base_model=SimpleNamespace(token_selector=selector))
+    text = loss_kept(model, {"attention_mask": attention_mask, "labels": labels})
+    rule = "answer tokens first" if selection == "answer" else "random"
+    head = f"token selection on the first batch (token ratio 0.3, {rule}): "
+    assert text.startswith(f"{head}8 of 12 labelled positions (67%) carry the loss, the rest are left out")
+    # Keeping all: row 0 needs positions 0, 3-6 and its last real token 7 (6 of 8 = 0.75); row 1 needs 0-8 and 9 (1.0).
+    assert text.endswith("; --token-ratio 1 or more keeps all of them") == (selection == "answer")
+    labels[1, 2:] = -100  # row 1 unlabelled: row 0 decides
+    labels[1, 9] = 1
+    assert loss_kept(model, {"attention_mask": attention_mask, "labels": labels}).endswith(
+        "3 of 5 labelled positions (60%) carry the loss, the rest are left out"
+        + ("; --token-ratio 0.75 or more keeps all of them" if selection == "answer" else "")
+    )
+    selector.last_token_mask = _selected({0: [0, 3, 4, 5, 6, 7], 1: [0, 8, 9]})
+    assert (
+        loss_kept(model, {"attention_mask": attention_mask, "labels": labels})
+        == f"{head}all 5 labelled positions carry the loss"
+    )
+    model.base_model.token_selector = None
+    assert loss_kept(model, {"attention_mask": attention_mask, "labels": labels}) is None
+
+
 def test_the_baseline_loss_is_the_models_loss_with_the_head_only_at_labelled_positions():
     """The baseline's loss is the model's own next-token loss, and its LM head sees only the labelled positions."""
     from tiny_models import build, make_batch

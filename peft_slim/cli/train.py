@@ -22,6 +22,7 @@ from ..planner.setup import MAX_BATCH_SIZE, MAX_SEQ_LEN, MAX_TOKENS, max_positio
 from ..recipe import DEFAULT_LORA_R, Recipe
 from ..token_selection.chunked_loss import chunk_rows, chunked_head_loss
 from ..token_selection.loss import IGNORE_INDEX
+from ..token_selection.selection import forced_positions
 from . import models, sft_data
 from .flags import MAX_EPOCHS, MAX_SEED, MAX_STEPS, add_fields
 
@@ -290,6 +291,31 @@ def step_peak(model, batch: dict, context, bf16: bool = False, loss_of=None) -> 
         model.zero_grad(set_to_none=True)
 
 
+def loss_kept(model, batch: dict) -> str | None:
+    """What the token selection of ``batch`` (drawn in the latest training forward) kept of its loss: the loss covers
+    the selected positions only. Under answer-first selection also the lowest ratio at which every row's budget
+    holds all its labelled positions besides the first and last token (always selected). None without selection."""
+    import torch
+
+    selector = getattr(model.base_model, "token_selector", None)
+    if selector is None or selector.last_token_mask is None:
+        return None
+    config, mask = selector.config, selector.last_token_mask.cpu()
+    real = batch["attention_mask"].bool()
+    labelled = torch.zeros_like(real)
+    labelled[:, :-1] = batch["labels"][:, 1:] != IGNORE_INDEX  # position t predicts token t + 1
+    kept, total = int((mask & labelled).sum()), int(labelled.sum())
+    rule = "answer tokens first" if config.selection == "answer" else config.selection
+    head = f"token selection on the first batch (token ratio {config.token_ratio}, {rule}): "
+    if kept == total:
+        return f"{head}all {total} labelled positions carry the loss"
+    text = f"{head}{kept} of {total} labelled positions ({kept / total:.0%}) carry the loss, the rest are left out"
+    if config.selection != "answer":
+        return text
+    needed = ((labelled | forced_positions(real, True, True)) & real).sum(dim=1) / real.sum(dim=1)
+    return f"{text}; --token-ratio {math.ceil(round(float(needed.max()) * 100, 6)) / 100:g} or more keeps all of them"
+
+
 def labelled_positions_loss(model, batch: dict):
     """Next-token cross-entropy with the LM head run only at positions whose next token has a label, a chunk of
     rows at a time, as TRL's fused SFT loss computes it (no full-vocabulary logits): a pre-hook takes the head's
@@ -435,6 +461,9 @@ def _run(args: argparse.Namespace) -> int:
     set_seed(args.seed)
     model, context = wrap(model, args)
     method_peak = step_peak(model, batch, context, args.bf16)
+    kept = loss_kept(model, batch)
+    if kept is not None:
+        print(kept, flush=True)
 
     trainer = make_trainer(model, tokenizer, examples, args, context)
     start = time.perf_counter()
