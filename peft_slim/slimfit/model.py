@@ -20,7 +20,6 @@ from ..tuner.model import AdapterState, BaseWeightsSwitch
 from .base_weights import BaseWeights
 from .config import SlimFitConfig, rotation_steps
 from .observer import StepObserver
-from .optimizers import check_releasable
 from .scheduler import FreezeScheduler
 from .units import Unit, find_units, new_weights, saved_by_peft
 
@@ -318,8 +317,17 @@ class SlimFitModel(MethodTuner):
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._refuse_while_disabled("optimizer.step()")
-        if self._config.release_frozen_optimizer_state:
-            check_releasable(optimizer)
+        # Releasing state is ``optimizer.state.pop(param)``: torch's and bitsandbytes' optimizers rebuild it as a
+        # fresh optimizer does, but bitsandbytes' *paged* ones keep each large buffer in a process-wide page manager:
+        # nothing would be freed, and each restart would allocate more. (``.optimizer``: accelerate's wrapper.)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if self._config.release_frozen_optimizer_state and getattr(inner, "is_paged", False) is True:
+            raise ValueError(
+                f"SlimFit: release_frozen_optimizer_state=True cannot free the state of {type(inner).__name__} (a "
+                "bitsandbytes paged optimizer): its page manager keeps every state buffer, so frozen units' state "
+                "would stay and each restart would allocate more. Use bitsandbytes' non-paged AdamW8bit / AdamW (or "
+                "torch's AdamW), or set release_frozen_optimizer_state=False to keep all state."
+            )
 
     def _refuse_while_disabled(self, what: str) -> None:
         if self._state.swapped is not None:
