@@ -18,7 +18,10 @@ from typing import Any
 
 import peft
 import torch
-from peft.utils.other import AuxiliaryTrainingWrapper
+
+# Internal module: ``peft.utils.other``. The base class of the wrappers PEFT puts on ``modules_to_save`` (and trainable
+# token embeddings): parameters under such a wrapper are PEFT's; TokenTune and SlimFit leave them alone.
+from peft.utils.other import AuxiliaryTrainingWrapper as AuxiliaryTrainingWrapper
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -255,13 +258,6 @@ def eager_attention_function(module: nn.Module) -> Callable | None:
 
 
 # ---------------------------------------------------------------------------------------------- PEFT
-
-
-def auxiliary_training_wrapper_cls() -> type:
-    """The base class of the wrappers PEFT puts on ``modules_to_save`` (and trainable token embeddings). Internal
-    module: ``peft.utils.other``. Parameters under such a wrapper are PEFT's; TokenTune and SlimFit leave them alone.
-    """
-    return AuxiliaryTrainingWrapper
 
 
 def lora_adapter_state_dict(

@@ -15,13 +15,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..compat import active_ddp_module
 from ..token_selection import TokenSelectionConfig
+from ..trainable import peft_wrapped_names
 from ..tuner import MethodTuner
 from ..tuner.model import AdapterState, BaseWeightsSwitch
 from .base_weights import BaseWeights
 from .config import SlimFitConfig, rotation_steps
 from .observer import StepObserver
 from .scheduler import FreezeScheduler
-from .units import Unit, find_units, new_weights, saved_by_peft
+from .units import Unit, find_units, new_weights
 
 # Set to 1 to check, at every freeze decision, that all processes of a distributed run took the same one.
 CHECK_RANKS_ENV = "PEFT_SLIM_CHECK_RANKS"
@@ -69,7 +70,7 @@ class SlimFitModel(MethodTuner):
         new = new_weights(model, config)
         state.units, always = find_units(model, config, new)
         if new and not config.inference_mode:
-            warn_new_weights(new, saved_by_peft(model, config))
+            warn_new_weights(new, peft_wrapped_names(model, config.modules_to_save))
         if config.lora is None:
             tracked = {id(p) for unit in state.units for p in unit.params} | {id(p) for p in always}
             named = {name: p for name, p in model.named_parameters() if id(p) in tracked}
