@@ -29,7 +29,7 @@ class SavedActivationBytes(saved_tensors_hooks):
     def __init__(self, parameters: Iterable[torch.Tensor] = ()):
         self._parameter_storages = {storage_key(p) for p in parameters}
         self._seen: dict[int, int] = {}
-        super().__init__(self._pack, self._unpack)
+        super().__init__(self._pack, lambda tensor: tensor)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = storage_key(tensor)
@@ -40,10 +40,6 @@ class SavedActivationBytes(saved_tensors_hooks):
     def __enter__(self) -> SavedActivationBytes:
         super().__enter__()
         return self
-
-    @staticmethod
-    def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
 
     @property
     def bytes(self) -> int:
