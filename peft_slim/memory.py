@@ -7,6 +7,9 @@ tensors and allocations that actually happen.
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import tempfile
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -95,10 +98,6 @@ def timeline_peak_bytes(step: Callable[[], object]) -> int:
     operator's start, so when autograd frees a node's saved tensors and input gradient before the node's kernel
     allocates its output, the free is counted first and the backward peak reads low.
     """
-    import json
-    import os
-    import tempfile
-
     activities = [torch.profiler.ProfilerActivity.CPU]
     device = "cpu"
     if torch.cuda.is_available():
