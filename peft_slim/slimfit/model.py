@@ -95,7 +95,7 @@ class SlimFitModel(MethodTuner):
         # built before it holds them all; freezing starts there.
         state.observer = StepObserver(
             state.units,
-            self._unit_trains,
+            state.scheduler,
             config.metric,
             config.epsilon,
             resolve=self._resolve_params,
@@ -103,9 +103,6 @@ class SlimFitModel(MethodTuner):
             catch_up=None if config.catch_up == "none" else self._catch_up_factor,
         )
         state.handles.append(model.register_forward_pre_hook(self._before_forward))
-
-    def _unit_trains(self, index: int) -> bool:
-        return self.scheduler.trained[index]
 
     def _remove_method_hooks(self) -> None:
         state = self._active_state()
