@@ -194,12 +194,11 @@ class StepObserver:
     def __getstate__(self) -> dict:
         """A copy (deepcopy, pickle) watches the copy's parameters with hooks of its own; the optimizers seen are the
         original's, not the copy's; parameter ids become (unit, position) pairs."""
-        private = {"_finalizer", "_hook_handles", "_attached"}
+        private = {"_finalizer", "_hook_handles", "_attached", "_unit_of"}
         state = {key: value for key, value in self.__dict__.items() if key not in private}
         state["_optimizers"], state["_last_optimizers"] = [], []
         positions = {id(p): (i, j) for i, unit in enumerate(self.units) for j, p in enumerate(unit.params)}
         state["_stepped"] = sorted(positions[key] for key in self._stepped if key in positions)
-        state["_unit_of"] = None
         state["_watching"] = self._finalizer.alive
         return state
 
