@@ -18,9 +18,14 @@ from typing import Any
 
 import peft
 import torch
-from peft.utils.other import AuxiliaryTrainingWrapper
+
+# Internal module: ``peft.utils.other``. The base class of the wrappers PEFT puts on ``modules_to_save`` (and trainable
+# token embeddings): parameters under such a wrapper are PEFT's; TokenTune and SlimFit leave them alone.
+from peft.utils.other import AuxiliaryTrainingWrapper as AuxiliaryTrainingWrapper
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.nn.parallel import DistributedDataParallel
+from transformers.integrations import is_fsdp_enabled
 
 # Internal module: ``transformers.trainer_callback.ExportableState``. The Trainer saves ``state()`` of such callbacks
 # in ``trainer_state.json``: SlimFit's and TokenTune's derive from it so that their state survives a resume.
@@ -121,8 +126,6 @@ def storage_key(tensor: torch.Tensor) -> int:
 def is_fake_tensor(tensor: Any) -> bool:
     """Whether ``tensor`` is a fake tensor (shapes, no data): the training code runs on them inside a memory
     estimate (``peft_slim.planner``). Private API: ``torch._subclasses.fake_tensor.FakeTensor``."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return isinstance(tensor, FakeTensor)
 
 
@@ -130,8 +133,6 @@ def outside_fake_mode() -> Any:
     """A context in which operators run for real again inside a memory estimate's fake-tensor mode (no-op outside
     one), for the token selection's mask and the one-time self-checks. Private API:
     ``torch._subclasses.fake_tensor.unset_fake_temporarily``."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     return unset_fake_temporarily()
 
 
@@ -217,8 +218,6 @@ def copy_loading_marks(source: nn.Module, copy: nn.Module) -> None:
 def loading_marks_differ_across_processes() -> bool:
     """Whether transformers' loading marks differ between processes: under FSDP (``is_fsdp_enabled()``) processes
     other than the first receive the weights by broadcast, every tensor marked as loaded."""
-    from transformers.integrations import is_fsdp_enabled
-
     return bool(is_fsdp_enabled())
 
 
@@ -255,13 +254,6 @@ def eager_attention_function(module: nn.Module) -> Callable | None:
 
 
 # ---------------------------------------------------------------------------------------------- PEFT
-
-
-def auxiliary_training_wrapper_cls() -> type:
-    """The base class of the wrappers PEFT puts on ``modules_to_save`` (and trainable token embeddings). Internal
-    module: ``peft.utils.other``. Parameters under such a wrapper are PEFT's; TokenTune and SlimFit leave them alone.
-    """
-    return AuxiliaryTrainingWrapper
 
 
 def lora_adapter_state_dict(

@@ -7,6 +7,9 @@ tensors and allocations that actually happen.
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import tempfile
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -29,7 +32,7 @@ class SavedActivationBytes(saved_tensors_hooks):
     def __init__(self, parameters: Iterable[torch.Tensor] = ()):
         self._parameter_storages = {storage_key(p) for p in parameters}
         self._seen: dict[int, int] = {}
-        super().__init__(self._pack, self._unpack)
+        super().__init__(self._pack, lambda tensor: tensor)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = storage_key(tensor)
@@ -40,10 +43,6 @@ class SavedActivationBytes(saved_tensors_hooks):
     def __enter__(self) -> SavedActivationBytes:
         super().__enter__()
         return self
-
-    @staticmethod
-    def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
 
     @property
     def bytes(self) -> int:
@@ -57,48 +56,38 @@ def peak_memory_bytes(step: Callable[[], object]) -> int:
     are replayed in order and the highest running total is taken (an operator's temporary buffers that it
     frees before returning are not seen).
     """
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
-    with native_stderr_without(), _cpu_profile() as prof:
-        step()
-    changes = (change for _, change in sorted(_allocation_changes(prof)))  # replayed in time order
-    return max(itertools.accumulate(changes, initial=0))
+    return _measure(step, peak=True)[0]
 
 
 def held_memory_bytes(step: Callable[[], object]) -> tuple[int, object]:
     """Bytes allocated by ``step()`` and still held when it returns (CPU: the profiler's events replayed, as in
     ``peak_memory_bytes``; CUDA: the allocator's count), and what ``step()`` returned (kept alive)."""
+    return _measure(step, peak=False)
+
+
+def _measure(step: Callable[[], object], peak: bool) -> tuple[int, object]:
+    """``step()``'s peak (``peak``) or held bytes above what was held before it, and what it returned.
+
+    On CPU, each allocation is reported by the operator that made it (its *self* usage, children excluded) and each
+    free outside an operator as a "[memory]" event; they are replayed in time order.
+    """
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+        if peak:
+            torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         result = step()
         torch.cuda.synchronize()
-        return torch.cuda.memory_allocated() - before, result
-    with native_stderr_without(), _cpu_profile() as prof:
+        return (torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()) - before, result
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with native_stderr_without(), torch.profiler.profile(activities=cpu, profile_memory=True) as prof:
         result = step()
-    return sum(change for _, change in _allocation_changes(prof)), result
-
-
-def _cpu_profile() -> torch.profiler.profile:
-    """The CPU profiler with memory events; its start/stop lines on stderr are dropped by the caller."""
-    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-
-
-def _allocation_changes(prof: torch.profiler.profile) -> list[tuple[int, int]]:
-    """(start time, byte change) of every CPU allocation and free the profiler saw.
-
-    Each allocation is reported by the operator that made it (its *self* usage, children excluded) and each free
-    outside an operator as a "[memory]" event.
-    """
-    return [
+    events = sorted(
         (e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
         for e in prof.events()
-    ]
+    )
+    changes = [change for _, change in events]
+    return (max(itertools.accumulate(changes, initial=0)) if peak else sum(changes)), result
 
 
 def timeline_peak_bytes(step: Callable[[], object]) -> int:
@@ -109,10 +98,6 @@ def timeline_peak_bytes(step: Callable[[], object]) -> int:
     operator's start, so when autograd frees a node's saved tensors and input gradient before the node's kernel
     allocates its output, the free is counted first and the backward peak reads low.
     """
-    import json
-    import os
-    import tempfile
-
     activities = [torch.profiler.ProfilerActivity.CPU]
     device = "cpu"
     if torch.cuda.is_available():

@@ -30,21 +30,6 @@ PROFILER_LINES = (
 
 
 @contextlib.contextmanager
-def bitsandbytes_cpu_probe_silenced() -> Iterator[None]:
-    """Drop bitsandbytes' "Failed to load CPU gemm_4bit_forward" warning while the block (an import) runs."""
-    logger = logging.getLogger(BNB_CPU_PROBE_LOGGER)
-
-    def drop(record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(BNB_CPU_PROBE_MESSAGE)
-
-    logger.addFilter(drop)
-    try:
-        yield
-    finally:
-        logger.removeFilter(drop)
-
-
-@contextlib.contextmanager
 def native_stderr_without(patterns: tuple[re.Pattern, ...] = PROFILER_LINES) -> Iterator[None]:
     """Run the block with file descriptor 2 sent to a temporary file, then write back every line that matches none
     of ``patterns`` (C++ code writes to the descriptor, not to ``sys.stderr``, so only this can catch it)."""
@@ -80,6 +65,13 @@ def warning_silenced(category: type[Warning], message: str) -> Iterator[None]:
 
 
 # peft imports bitsandbytes (when installed) on its own import; everything in peft_slim imports peft, so this module
-# is imported first (peft_slim/__init__.py) and does it here with the probe's warning silenced.
-with bitsandbytes_cpu_probe_silenced():
+# is imported first (peft_slim/__init__.py) and does it here with the probe's warning dropped.
+def _not_the_probe(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(BNB_CPU_PROBE_MESSAGE)
+
+
+logging.getLogger(BNB_CPU_PROBE_LOGGER).addFilter(_not_the_probe)
+try:
     import peft  # noqa: F401, E402
+finally:
+    logging.getLogger(BNB_CPU_PROBE_LOGGER).removeFilter(_not_the_probe)

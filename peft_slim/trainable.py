@@ -7,9 +7,7 @@ import re
 
 from torch import nn
 
-from .compat import auxiliary_training_wrapper_cls
-
-AuxiliaryTrainingWrapper = auxiliary_training_wrapper_cls()
+from .compat import AuxiliaryTrainingWrapper
 
 
 def peft_wrapped_names(model: nn.Module, modules_to_save: list[str] | None = None) -> list[str]:

@@ -69,7 +69,7 @@ class _Witness:
     """The version of a compressed tensor's root (shared by all its views), readable after the root has died."""
 
     root: weakref.ref
-    last: object = None  # the root's version when last seen: when saved, or when the context exited
+    last: int = 0  # the root's version when last seen: when saved, or when the context exited
 
     def version(self):
         root = self.root()
@@ -81,13 +81,13 @@ class _Saved:
     """What the pack hook returns: the stored form, and the saved tensor's version then, checked by ``unpack``."""
 
     value: object  # a detached alias of the saved tensor (same version counter), or a CompressedTensor
-    version: object
+    version: int
     witness: _Witness | None = None  # for a CompressedTensor: its root's version
 
     def unpack(self) -> torch.Tensor:
         value = self.value
         now = version_of(value) if self.witness is None else self.witness.version()
-        if now != self.version and type(now) is int:  # not int: compat's fallback, no version counter to check
+        if now != self.version:
             form = "as it was" if self.witness is None else "compressed"
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace operation: "

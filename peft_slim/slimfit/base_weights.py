@@ -21,8 +21,8 @@ class BaseWeights:
     """
 
     def __init__(self, params: dict[str, nn.Parameter], keep_copies: bool):
-        self._digests = {name: tensor_digest(p) for name, p in params.items()}
-        self._kinds = {name: (str(p.dtype), tuple(p.shape)) for name, p in params.items()}
+        # name -> (dtype, shape, digest) at wrapping time
+        self._entries = {name: (str(p.dtype), tuple(p.shape), tensor_digest(p)) for name, p in params.items()}
         self._copies = {name: p.detach().to("cpu", copy=True) for name, p in params.items()} if keep_copies else None
 
     @property
@@ -31,29 +31,27 @@ class BaseWeights:
 
     def changed(self, name: str, tensor: torch.Tensor) -> bool:
         """Whether parameter ``name`` now holding ``tensor`` differs from wrapping time (False if not tracked)."""
-        digest = self._digests.get(name)
-        return digest is not None and tensor_digest(tensor) != digest
+        entry = self._entries.get(name)
+        return entry is not None and tensor_digest(tensor) != entry[2]
 
     @property
     def names(self) -> list[str]:
-        return list(self._digests)
+        return list(self._entries)
 
     def tracks(self, name: str) -> bool:
-        return name in self._digests
+        return name in self._entries
 
     def entry(self, name: str) -> tuple[str, tuple, bytes] | None:
         """``(dtype, shape, digest)`` of parameter ``name`` at wrapping time (None if not tracked): what a saved
         standalone adapter records of the base model it was trained on, and what loading compares it with."""
-        if name not in self._digests:
-            return None
-        return (*self._kinds[name], self._digests[name])
+        return self._entries.get(name)
 
     def any_changed(self, model: nn.Module) -> bool:
-        return any(self.changed(name, model.get_parameter(name)) for name in self._digests)
+        return any(self.changed(name, model.get_parameter(name)) for name in self._entries)
 
     def changed_except(self, model: nn.Module, names: set[str]) -> list[str]:
         """Tracked parameters, other than ``names``, that differ from wrapping time."""
-        return [name for name in self._digests if name not in names and self.changed(name, model.get_parameter(name))]
+        return [name for name in self._entries if name not in names and self.changed(name, model.get_parameter(name))]
 
     @torch.no_grad()
     def restore(self, model: nn.Module, values: dict[str, torch.Tensor] | None = None) -> None:
@@ -70,6 +68,6 @@ class BaseWeights:
         Copies in place, so the parameters (and an optimizer's references to them) stay the same objects and the
         device holds no second copy of the weights.
         """
-        current = {name: model.get_parameter(name).detach().to("cpu", copy=True) for name in self._digests}
+        current = {name: model.get_parameter(name).detach().to("cpu", copy=True) for name in self._entries}
         self.restore(model)
         return current

@@ -15,14 +15,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..compat import active_ddp_module
 from ..token_selection import TokenSelectionConfig
+from ..trainable import peft_wrapped_names
 from ..tuner import MethodTuner
 from ..tuner.model import AdapterState, BaseWeightsSwitch
 from .base_weights import BaseWeights
 from .config import SlimFitConfig, rotation_steps
 from .observer import StepObserver
-from .optimizers import check_releasable
 from .scheduler import FreezeScheduler
-from .units import Unit, find_units, new_weights, saved_by_peft
+from .units import Unit, find_units, new_weights
 
 # Set to 1 to check, at every freeze decision, that all processes of a distributed run took the same one.
 CHECK_RANKS_ENV = "PEFT_SLIM_CHECK_RANKS"
@@ -70,7 +70,7 @@ class SlimFitModel(MethodTuner):
         new = new_weights(model, config)
         state.units, always = find_units(model, config, new)
         if new and not config.inference_mode:
-            warn_new_weights(new, saved_by_peft(model, config))
+            warn_new_weights(new, peft_wrapped_names(model, config.modules_to_save))
         if config.lora is None:
             tracked = {id(p) for unit in state.units for p in unit.params} | {id(p) for p in always}
             named = {name: p for name, p in model.named_parameters() if id(p) in tracked}
@@ -95,7 +95,7 @@ class SlimFitModel(MethodTuner):
         # built before it holds them all; freezing starts there.
         state.observer = StepObserver(
             state.units,
-            self._unit_trains,
+            state.scheduler,
             config.metric,
             config.epsilon,
             resolve=self._resolve_params,
@@ -103,9 +103,6 @@ class SlimFitModel(MethodTuner):
             catch_up=None if config.catch_up == "none" else self._catch_up_factor,
         )
         state.handles.append(model.register_forward_pre_hook(self._before_forward))
-
-    def _unit_trains(self, index: int) -> bool:
-        return self.scheduler.trained[index]
 
     def _remove_method_hooks(self) -> None:
         state = self._active_state()
@@ -318,8 +315,17 @@ class SlimFitModel(MethodTuner):
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._refuse_while_disabled("optimizer.step()")
-        if self._config.release_frozen_optimizer_state:
-            check_releasable(optimizer)
+        # Releasing state is ``optimizer.state.pop(param)``: torch's and bitsandbytes' optimizers rebuild it as a
+        # fresh optimizer does, but bitsandbytes' *paged* ones keep each large buffer in a process-wide page manager:
+        # nothing would be freed, and each restart would allocate more. (``.optimizer``: accelerate's wrapper.)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if self._config.release_frozen_optimizer_state and getattr(inner, "is_paged", False) is True:
+            raise ValueError(
+                f"SlimFit: release_frozen_optimizer_state=True cannot free the state of {type(inner).__name__} (a "
+                "bitsandbytes paged optimizer): its page manager keeps every state buffer, so frozen units' state "
+                "would stay and each restart would allocate more. Use bitsandbytes' non-paged AdamW8bit / AdamW (or "
+                "torch's AdamW), or set release_frozen_optimizer_state=False to keep all state."
+            )
 
     def _refuse_while_disabled(self, what: str) -> None:
         if self._state.swapped is not None:

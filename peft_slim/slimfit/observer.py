@@ -22,7 +22,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..compat import optimizer_running_step_hooks
-from .scheduler import DTensor, _item, finish_score, score_parts
+from .scheduler import DTensor, FreezeScheduler, _item, finish_score, score_parts
 from .units import Unit
 
 ORDER = "loss.backward(); optimizer.step(); optimizer.zero_grad(); model.slimfit_step()"
@@ -118,7 +118,7 @@ class StepObserver:
     def __init__(
         self,
         units: list[Unit],
-        is_training: Callable[[int], bool],
+        scheduler: FreezeScheduler,
         metric: str,
         epsilon: float,
         resolve: Callable[[], None] | None = None,
@@ -129,7 +129,7 @@ class StepObserver:
         self.catch_up = catch_up  # unit index -> factor of its update (SlimFitConfig.catch_up), None: 1
         self.resolve = resolve  # re-points units at the model's current parameters (FSDP2 replaces them)
         self.guard = guard  # called with an optimizer before it steps over the units; raises if it must not
-        self.is_training = is_training
+        self.scheduler = scheduler  # whose `trained` says which units train in this step
         self.metric = metric
         self.epsilon = epsilon
         self.active = True  # False while the schedule is paused: steps are not watched
@@ -194,12 +194,11 @@ class StepObserver:
     def __getstate__(self) -> dict:
         """A copy (deepcopy, pickle) watches the copy's parameters with hooks of its own; the optimizers seen are the
         original's, not the copy's; parameter ids become (unit, position) pairs."""
-        private = {"_finalizer", "_hook_handles", "_attached"}
+        private = {"_finalizer", "_hook_handles", "_attached", "_unit_of"}
         state = {key: value for key, value in self.__dict__.items() if key not in private}
         state["_optimizers"], state["_last_optimizers"] = [], []
         positions = {id(p): (i, j) for i, unit in enumerate(self.units) for j, p in enumerate(unit.params)}
         state["_stepped"] = sorted(positions[key] for key in self._stepped if key in positions)
-        state["_unit_of"] = None
         state["_watching"] = self._finalizer.alive
         return state
 
@@ -297,7 +296,7 @@ class StepObserver:
         self._stepped |= mine
         if not any(ref() is optimizer for ref in self._optimizers):
             self._optimizers.append(weakref.ref(optimizer))
-        training = [(i, p) for i, unit in enumerate(self.units) if self.is_training(i) for p in unit.params]
+        training = [(i, p) for i, unit in enumerate(self.units) if self.scheduler.trained[i] for p in unit.params]
         indices, params = [i for i, p in training if id(p) in mine], [p for _, p in training if id(p) in mine]
         with torch.no_grad():
             # 'gradient' reads the gradients now; it needs the old values only for the catch-up
@@ -342,7 +341,7 @@ class StepObserver:
         missing = [
             unit.name
             for index, unit in enumerate(self.units)
-            if self.is_training(index) and any(id(p) not in self._stepped for p in unit.params)
+            if self.scheduler.trained[index] and any(id(p) not in self._stepped for p in unit.params)
         ]
         if missing:
             self._warned_missing = True

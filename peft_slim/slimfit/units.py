@@ -25,18 +25,12 @@ class Unit:
     params: list[nn.Parameter]
 
 
-def saved_by_peft(model: nn.Module, config: SlimFitConfig) -> list[str]:
-    """The modules PEFT trains and saves itself: `modules_to_save` (with a task type, also "classifier"/"score"),
-    which PEFT wraps after the tuner is built, and any wrapper already there."""
-    return peft_wrapped_names(model, config.modules_to_save)
-
-
 def new_weights(model: nn.Module, config: SlimFitConfig) -> list[str]:
     """With `train_new_weights` and without LoRA: the parameters ``from_pretrained`` initialised rather than loaded
     (the checkpoint lacked them), outside PEFT's `modules_to_save`. Empty for a model built from a config."""
     if not config.train_new_weights or config.lora is not None:
         return []
-    wrapped = saved_by_peft(model, config)
+    wrapped = peft_wrapped_names(model, config.modules_to_save)
     new = [name for name in newly_initialized_parameters(model) or [] if not is_under(name, wrapped)]
     if new and loading_marks_differ_across_processes():
         warnings.warn(
@@ -60,7 +54,7 @@ def find_units(
     with `always_train_norms`, the weights of normalisation layers; and the parameters ``new`` names, see
     ``new_weights``) train at every step; PEFT's `modules_to_save` copies are PEFT's and always train.
     """
-    wrapped = saved_by_peft(model, config)
+    wrapped = peft_wrapped_names(model, config.modules_to_save)
     always_names = set(new) if config.lora is None else set()
     if config.always_trainable is not None:
         always_names |= set(
