@@ -3,7 +3,6 @@ and reading a saved adapter's config back (:func:`load_config`, from a folder or
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Any, ClassVar
@@ -101,9 +100,7 @@ class MethodConfig(PeftConfig, ValidatedConfig):
         return self.lora.runtime_config
 
     def to_dict(self) -> dict[str, Any]:
-        values = {spec.name: to_json_value(getattr(self, spec.name)) for spec in dataclasses.fields(self)}
-        values[VERSION_KEY] = __version__
-        return values
+        return {**ValidatedConfig.to_dict(self), VERSION_KEY: __version__}
 
     def save_pretrained(self, save_directory: str, **kwargs) -> None:
         """Write the adapter's config files, each atomically (a failure leaves the file that was there untouched).
