@@ -157,11 +157,9 @@ class Boolean(Check):
     expected: str = "True or False"
 
     def coerce(self, value: Any, where: str) -> bool:
-        if not isinstance(value, bool):  # numpy bools included via their type's `item` below
-            if type(value).__name__ == "bool_" and hasattr(value, "item"):
-                return bool(value.item())
-            self.fail(value, where)
-        return value
+        if type(value).__name__ == "bool_" and hasattr(value, "item"):  # numpy's bool
+            return bool(value.item())
+        return value if isinstance(value, bool) else self.fail(value, where)
 
 
 @dataclasses.dataclass
@@ -239,9 +237,7 @@ class NameList(Check):
     expected: str = "a list of module names"
 
     def coerce(self, value: Any, where: str) -> list[str]:
-        if isinstance(value, str):
-            value = [value]
-        return _string_list(value, where, self.expected)
+        return _string_list([value] if isinstance(value, str) else value, where, self.expected)
 
 
 @dataclasses.dataclass
