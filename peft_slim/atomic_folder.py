@@ -98,32 +98,27 @@ def held_files(directory: str, names: Iterable[str], attempts: int = 20) -> Iter
     """
     paths = {name: os.path.join(directory, name) for name in names}
     for attempt in range(attempts):
-        held = {}
-        try:
+        with contextlib.ExitStack() as opened:
+            held = {}
             for name, path in paths.items():
                 with contextlib.suppress(FileNotFoundError):
-                    held[name] = open(path, "rb")  # noqa: SIM115 (closed below)
+                    held[name] = opened.enter_context(open(path, "rb"))
             if _unchanged(paths, held):
+                opened = opened.pop_all()  # kept open past this block, closed below
                 break
-        except BaseException:
-            _close(held)
-            raise
-        _close(held)
         time.sleep(0.005 * (attempt + 1))
     else:
         raise FolderReplaced(f"{directory}: replaced again and again by saves; could not read one version of it.")
     replaced = f"{directory} was replaced by a save while it was read."
-    try:
-        yield held
-    except BaseException as error:
-        if not _unchanged(paths, held):
-            raise FolderReplaced(replaced) from error
-        raise
-    else:
+    with opened:
+        try:
+            yield held
+        except BaseException as error:
+            if not _unchanged(paths, held):
+                raise FolderReplaced(replaced) from error
+            raise
         if not _unchanged(paths, held):
             raise FolderReplaced(replaced)
-    finally:
-        _close(held)
 
 
 def _unchanged(paths: dict[str, str], held: dict[str, BinaryIO]) -> bool:
@@ -140,11 +135,6 @@ def _unchanged(paths: dict[str, str], held: dict[str, BinaryIO]) -> bool:
         if now != (identity(os.fstat(held[name].fileno())) if name in held else None):
             return False
     return True
-
-
-def _close(held: dict[str, BinaryIO]) -> None:
-    for handle in held.values():
-        handle.close()
 
 
 def _swap_in(new: str, directory: str) -> None:

@@ -157,11 +157,9 @@ class Boolean(Check):
     expected: str = "True or False"
 
     def coerce(self, value: Any, where: str) -> bool:
-        if not isinstance(value, bool):  # numpy bools included via their type's `item` below
-            if type(value).__name__ == "bool_" and hasattr(value, "item"):
-                return bool(value.item())
-            self.fail(value, where)
-        return value
+        if type(value).__name__ == "bool_" and hasattr(value, "item"):  # numpy's bool
+            return bool(value.item())
+        return value if isinstance(value, bool) else self.fail(value, where)
 
 
 @dataclasses.dataclass
@@ -239,9 +237,7 @@ class NameList(Check):
     expected: str = "a list of module names"
 
     def coerce(self, value: Any, where: str) -> list[str]:
-        if isinstance(value, str):
-            value = [value]
-        return _string_list(value, where, self.expected)
+        return _string_list([value] if isinstance(value, str) else value, where, self.expected)
 
 
 @dataclasses.dataclass
@@ -437,10 +433,8 @@ def validate(config: Any) -> None:
 
 def to_json_value(value: Any) -> Any:
     """``value`` as JSON-ready data: nested configs as dicts, sets as sorted lists, enums as their value."""
-    if isinstance(value, LoraConfig):
-        return {key: to_json_value(item) for key, item in value.to_dict().items()}
-    if hasattr(value, "to_dict") and dataclasses.is_dataclass(value):
-        return value.to_dict()
+    if hasattr(value, "to_dict") and dataclasses.is_dataclass(value):  # a LoraConfig's dict holds sets and enums
+        return to_json_value(value.to_dict())
     if isinstance(value, (set, frozenset)):
         return sorted((to_json_value(v) for v in value), key=str)
     if isinstance(value, (list, tuple)):
@@ -467,13 +461,12 @@ def _suggest_on_unknown_keyword(init: Callable) -> Callable:
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
+        if "peft_type" in kwargs:
+            known = known_fields(type(self), kwargs, saved=True, where=None)
+            kwargs = {key: SavedDict(v) if isinstance(v, dict) else v for key, v in known.items()}
         valid = [f.name for f in dataclasses.fields(self) if f.init]
         unknown = sorted(key for key in kwargs if key not in valid)
-        if "peft_type" in kwargs:
-            if unknown:
-                warn_unknown_saved_keys(type(self), unknown, kwargs.get(VERSION_KEY))
-            kwargs = {k: SavedDict(v) if isinstance(v, dict) else v for k, v in kwargs.items() if k not in unknown}
-        elif unknown:
+        if unknown:
             raise TypeError(
                 f"{type(self).__name__}.__init__() got an unexpected keyword argument {unknown[0]!r}"
                 f"{nearest(unknown[0], valid)}. " + unknown_keys_message(type(self), unknown)

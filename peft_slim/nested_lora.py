@@ -1,4 +1,4 @@
-"""A LoraConfig nested in another method's config: serialised by hand, and exported as a plain LoRA config."""
+"""A LoraConfig nested in another method's config: the settings refused, the saved modules merged, the injection."""
 
 from __future__ import annotations
 
@@ -48,22 +48,6 @@ def merged_modules_to_save(modules_to_save: list[str] | None, lora: LoraConfig, 
     nested = NameList()(lora.modules_to_save, f"{where}.modules_to_save") or []
     names += [name for name in nested if name not in names]
     return names or modules_to_save
-
-
-def lora_export_config(lora: LoraConfig | None, owner: PeftConfig) -> LoraConfig:
-    """The plain LoraConfig that vanilla PEFT would save for ``owner``'s nested ``lora`` adapter."""
-    if lora is None:
-        raise ValueError(f"{type(owner).__name__}.lora is None: this adapter trains base weights, not LoRA.")
-    values = {key: sorted(value) if isinstance(value, set) else value for key, value in lora.to_dict().items()}
-    config = LoraConfig.from_peft_type(**values)  # its sets as lists: PEFT only converts a config's top-level sets
-    config.base_model_name_or_path = owner.base_model_name_or_path
-    config.revision = owner.revision
-    config.task_type = owner.task_type
-    config.inference_mode = True
-    extra = list(getattr(owner, "modules_to_save", None) or [])
-    if extra:
-        config.modules_to_save = sorted(set(config.modules_to_save or []) | set(extra))
-    return config
 
 
 def inject_lora(model: nn.Module, owner: PeftConfig, adapter_name: str, **kwargs) -> None:

@@ -25,16 +25,11 @@ MINIMUM = {"torch": "2.11", "transformers": "5.23", "peft": "0.21"}
 TESTED = {"torch": ("2.13.0", "2.13.0"), "transformers": ("5.23.0", "5.25.0"), "peft": ("0.21.0", "0.21.2")}
 
 
-def installed_version(package: str) -> str:
-    """The installed version of ``package`` (its distribution's metadata)."""
-    return metadata.version(package)
-
-
 def check_versions() -> None:
     """ImportError for a package older than ``MINIMUM``; one UserWarning naming every package outside ``TESTED``."""
     untested = []
     for package, minimum in MINIMUM.items():
-        found = installed_version(package)
+        found = metadata.version(package)
         oldest, newest = TESTED[package]
         release = Version(found).release  # major, minor, patch: no local build tag (+cpu) or pre-release part
         if release < Version(minimum).release:

@@ -18,8 +18,8 @@ OLDEST = (ROOT / ".ci" / "oldest.txt").read_text()
 
 
 def _with(monkeypatch, **found):
-    real = versions.installed_version
-    monkeypatch.setattr(versions, "installed_version", lambda package: found.get(package) or real(package))
+    real = versions.metadata.version
+    monkeypatch.setattr(versions.metadata, "version", lambda package: found.get(package) or real(package))
 
 
 def _check(monkeypatch, **found) -> list[str]:

@@ -3,7 +3,6 @@ and reading a saved adapter's config back (:func:`load_config`, from a folder or
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Any, ClassVar
@@ -28,7 +27,7 @@ from ..configuration import (
     setting,
     to_json_value,
 )
-from ..nested_lora import check_lora_fields, lora_export_config, merged_modules_to_save
+from ..nested_lora import check_lora_fields, merged_modules_to_save
 from ..registry import add_peft_type
 
 RECORD_NAME = "peft_slim_config.json"  # a LoRA-stacked adapter's method and settings
@@ -101,9 +100,7 @@ class MethodConfig(PeftConfig, ValidatedConfig):
         return self.lora.runtime_config
 
     def to_dict(self) -> dict[str, Any]:
-        values = {spec.name: to_json_value(getattr(self, spec.name)) for spec in dataclasses.fields(self)}
-        values[VERSION_KEY] = __version__
-        return values
+        return {**ValidatedConfig.to_dict(self), VERSION_KEY: __version__}
 
     def save_pretrained(self, save_directory: str, **kwargs) -> None:
         """Write the adapter's config files, each atomically (a failure leaves the file that was there untouched).
@@ -141,8 +138,20 @@ class MethodConfig(PeftConfig, ValidatedConfig):
         return config
 
     def lora_export_config(self) -> LoraConfig:
-        """The plain LoraConfig equivalent of this adapter, as vanilla PEFT would save it."""
-        return lora_export_config(self.lora, self)
+        """The plain LoraConfig that vanilla PEFT would save for this adapter's nested ``lora``."""
+        if self.lora is None:
+            raise ValueError(f"{type(self).__name__}.lora is None: this adapter trains base weights, not LoRA.")
+        values = {
+            key: sorted(value) if isinstance(value, set) else value for key, value in self.lora.to_dict().items()
+        }
+        config = LoraConfig.from_peft_type(**values)  # its sets as lists: PEFT only converts a config's top-level sets
+        config.base_model_name_or_path = self.base_model_name_or_path
+        config.revision = self.revision
+        config.task_type = self.task_type
+        config.inference_mode = True
+        if self.modules_to_save:
+            config.modules_to_save = sorted(set(config.modules_to_save or []) | set(self.modules_to_save))
+        return config
 
 
 # ---------------------------------------------------------------------------------------------- loading

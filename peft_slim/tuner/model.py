@@ -1,17 +1,8 @@
 """The tuner base every peft_slim method stands on: PEFT registration glue, nested LoRA, token selection,
 activation compression and saving, so that a method adds only its own idea.
 
-A method subclasses :class:`MethodTuner` and fills in the hooks it needs:
-
-* ``_check_model(model, config)``: refuse a model before anything changes;
-* ``_trainable_base_parameters(model, config)``: which base parameters train (and save) without LoRA;
-* ``state_cls``: its ``AdapterState`` subclass, the per-adapter state ``_setup`` fills in (``self._state``, the
-  active adapter's);
-* ``_setup(model, config)``: the method's own state and hooks, after LoRA injection;
-* ``_remove_method_hooks()``: undo ``_setup``'s hooks;
-* ``_token_selection(config)``: the token selection its config asks for, if any;
-* ``_saves_base_tensor(name, tensor)`` and ``_kept_base_entry(name)``: without LoRA, what the adapter file holds
-  and the wrap-time digests it kept of tensors it trains in place.
+A method subclasses :class:`MethodTuner` and fills in the hooks it needs (the section "the hooks a method fills
+in" below; docs/architecture.md, "Adding a method", walks through them).
 """
 
 from __future__ import annotations
@@ -195,6 +186,11 @@ class AdapterState:
             hooks.reattach()
 
 
+ONE_AT_A_TIME = (
+    "a peft_slim model runs one adapter at a time (each carries its own token selection, schedule and compression, "
+    "which cannot be combined)"
+)
+
 # (model, tuners): the tuners created on `model` inside `unchanged_if_raises(model)`.
 _NEW_TUNERS: ContextVar[tuple[nn.Module, list] | None] = ContextVar("peft_slim_new_tuners", default=None)
 
@@ -293,9 +289,8 @@ class MethodTuner(BaseTuner):
         self._check_another_adapter(adapter_name, others)
         if len(self.active_adapters) != 1:
             raise ValueError(
-                f"{self.method_name}: add_adapter with active adapters {self.active_adapters}: a peft_slim model runs "
-                "one adapter at a time (each carries its own token selection, schedule and compression, which cannot "
-                "be combined). Call set_adapter(name) with one name."
+                f"{self.method_name}: add_adapter with active adapters {self.active_adapters}: {ONE_AT_A_TIME}. Call "
+                "set_adapter(name) with one name."
             )
         live = self.active_adapters[0]
         kept = [(param, param.requires_grad) for param in model.parameters()]
@@ -390,9 +385,7 @@ class MethodTuner(BaseTuner):
         names = [adapter_name] if isinstance(adapter_name, str) else list(adapter_name)
         if len(names) != 1:
             raise ValueError(
-                f"{self.method_name}: set_adapter({adapter_name!r}): a peft_slim model runs one adapter at a time "
-                "(each carries its own token selection, schedule and compression, which cannot be combined). Give "
-                "one adapter name."
+                f"{self.method_name}: set_adapter({adapter_name!r}): {ONE_AT_A_TIME}. Give one adapter name."
             )
         (name,) = names
         if name not in self.peft_config:

@@ -3,7 +3,6 @@ base parameter as it was when the model was wrapped (saved in the weights file, 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from collections.abc import Iterable
@@ -12,38 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..configuration import Check
 from ..trainable import is_under, peft_wrapped_names
 
 # The key under which a standalone adapter's file holds the record of its base model (a uint8 tensor of JSON).
 RECORD_KEY = "peft_slim.base_weights"
-
-
-@dataclasses.dataclass
-class BaseWeightsRecord(Check):
-    """What ``save_pretrained`` records of a standalone adapter's base model: ``saved``, the base parameters the file
-    holds, and ``others``, the count, dtypes and joint blake2b digest of every other base parameter as it was when
-    the model was wrapped."""
-
-    expected: str = (
-        "the record save_pretrained writes: {'saved': [parameter names], 'others': {'count': int, 'dtypes': "
-        "[str], 'blake2b': str}}"
-    )
-
-    def coerce(self, value: Any, where: str) -> dict:
-        if not isinstance(value, dict) or set(value) != {"saved", "others"}:
-            self.fail(value, where)
-        saved, others = value["saved"], value["others"]
-        if not isinstance(saved, (list, tuple)) or not all(isinstance(name, str) and name for name in saved):
-            self.fail(value, where)
-        if not isinstance(others, dict) or set(others) != {"count", "dtypes", "blake2b"}:
-            self.fail(value, where)
-        count, dtypes, digest = others["count"], others["dtypes"], others["blake2b"]
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0 or not isinstance(digest, str):
-            self.fail(value, where)
-        if not isinstance(dtypes, (list, tuple)) or not all(isinstance(d, str) for d in dtypes):
-            self.fail(value, where)
-        return {"saved": sorted(saved), "others": {"count": count, "dtypes": sorted(dtypes), "blake2b": digest}}
 
 
 def record_tensor(record: dict) -> torch.Tensor:
@@ -52,12 +23,35 @@ def record_tensor(record: dict) -> torch.Tensor:
 
 
 def record_from_tensor(tensor: torch.Tensor, where: str) -> dict:
-    """The record ``record_tensor`` stored, checked by :class:`BaseWeightsRecord`."""
+    """The record ``record_tensor`` stored: ``saved``, the base parameters the file holds, and ``others``, the count,
+    dtypes and joint blake2b digest of every other base parameter as it was when the model was wrapped."""
     try:
         value = json.loads(bytes(tensor.cpu().numpy().tobytes()).decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{where}: the adapter file's {RECORD_KEY!r} is not a peft_slim record ({error}).") from None
-    return BaseWeightsRecord().coerce(value, f"{where}: {RECORD_KEY}")
+    saved, others = (value.get("saved"), value.get("others")) if isinstance(value, dict) else (None, None)
+    count, dtypes, digest = (
+        (others.get(key) for key in ("count", "dtypes", "blake2b")) if isinstance(others, dict) else [None] * 3
+    )
+    if not (
+        isinstance(value, dict)
+        and set(value) == {"saved", "others"}
+        and isinstance(saved, (list, tuple))
+        and all(isinstance(name, str) and name for name in saved)
+        and isinstance(others, dict)
+        and set(others) == {"count", "dtypes", "blake2b"}
+        and isinstance(count, int)
+        and not isinstance(count, bool)
+        and count >= 0
+        and isinstance(digest, str)
+        and isinstance(dtypes, (list, tuple))
+        and all(isinstance(dtype, str) for dtype in dtypes)
+    ):
+        raise ValueError(
+            f"{where}: {RECORD_KEY} must be the record save_pretrained writes: {{'saved': [parameter names], "
+            f"'others': {{'count': int, 'dtypes': [str], 'blake2b': str}}}}, got {value!r}."
+        )
+    return {"saved": sorted(saved), "others": {"count": count, "dtypes": sorted(dtypes), "blake2b": digest}}
 
 
 def tensor_digest(tensor: torch.Tensor) -> bytes:

@@ -94,12 +94,6 @@ def save_pretrained(
         selected = kwargs.get("selected_adapters") or list(model.peft_config)
         folders = {"" if name == "default" else name for name in selected}
 
-    def written_by_model(relative: str) -> bool:  # PEFT's files of these adapters, or a transformers model's
-        folder, file = os.path.split(relative)  # weights (all shards) and configs
-        if folders is None:
-            return folder == "" and bool(MODEL_FILES.fullmatch(relative))
-        return folder in folders and file in ADAPTER_FILES
-
     with tempfile.TemporaryDirectory(prefix="peft_slim-tokenizer-") as tokenizer_files:
         tokenizer_names: set[str] = set()
         if tokenizer is not None:  # written first, apart, so that the swap knows which old files it replaces
@@ -107,8 +101,12 @@ def save_pretrained(
             tokenizer_names = _tokenizer_file_names(tokenizer, tokenizer_files)
 
         def rewritten(relative: str) -> bool:  # written anew by this save: not kept from the old folder
-            replaced = replace_model_files and model_file(relative)
-            return replaced or written_by_model(relative) or relative in tokenizer_names
+            folder, file = os.path.split(relative)
+            if folders is None:  # a transformers model's weights (all shards) and configs
+                by_model = folder == "" and bool(MODEL_FILES.fullmatch(relative))
+            else:  # PEFT's files of these adapters
+                by_model = folder in folders and file in ADAPTER_FILES
+            return by_model or (replace_model_files and model_file(relative)) or relative in tokenizer_names
 
         with replaced_folder(save_directory, rewritten) as staging:
             model.save_pretrained(staging, **kwargs)
