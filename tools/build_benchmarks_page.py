@@ -194,11 +194,12 @@ def _task_means(report: dict, name: str) -> dict:
     return tasks
 
 
-def measured(report: dict, trl_head: dict | None = None) -> dict:
+def measured(report: dict, trl_head: dict[str, dict] | None = None) -> dict:
     """What ``peft_slim.planner`` ranks by: per method of ``report`` (budget.json), its ``peft-slim train``
     setting and, per task, the mean over seeds of its ratios against LoRA + checkpointing, with the provenance.
-    ``trl_head``: the run against LoRA + checkpointing with TRL's fused LM head (budget_trl/budget.json); a method
-    both runs have also gets its ratios against that baseline (``against_trl_head``)."""
+    ``trl_head``: the runs against LoRA + checkpointing with TRL's fused LM head by results folder (budget_trl and
+    budget_trl_longqa); a method they ran also gets its ratios against that baseline (``against_trl_head``), the
+    tasks of every such run together."""
     sys.path.insert(0, str(ROOT))
     from peft_slim.cli.train import add_arguments, check_flags
     from peft_slim.recipe import Recipe
@@ -221,12 +222,14 @@ def measured(report: dict, trl_head: dict | None = None) -> dict:
                 lora |= {"alpha": args.lora_alpha or 2 * args.lora_r}
                 lora |= {"target_modules": args.lora_target_modules or "all-linear"}
             methods[name] = {"flags": flags, "setting": Recipe.from_train_args(args).key, "lora": lora, "tasks": tasks}
-            stronger = _task_means(trl_head, name) if trl_head and name != trl_head["budget_method"] else {}
+            stronger, reports = {}, []
+            for folder, run in (trl_head or {}).items():
+                means = _task_means(run, name) if name != run["budget_method"] else {}
+                if means:
+                    stronger |= means
+                    reports.append(f"benchmarks/results/{folder}/budget.md")
             if stronger:
-                methods[name]["against_trl_head"] = {
-                    "report": f"benchmarks/results/{TRL}/budget.md",
-                    "tasks": stronger,
-                }
+                methods[name]["against_trl_head"] = {"report": ", ".join(reports), "tasks": stronger}
     return {
         "source": {
             "model": model.group(1).split("/")[-1],
@@ -245,7 +248,9 @@ def measured(report: dict, trl_head: dict | None = None) -> dict:
 
 def render_measured() -> str:
     report = json.loads((RESULTS / "budget" / "budget.json").read_text())
-    trl_head = json.loads((RESULTS / TRL / "budget.json").read_text())
+    trl_head = {
+        folder: json.loads((RESULTS / folder / "budget.json").read_text()) for folder in (TRL, TRL_LONG_PROMPT)
+    }
     return json.dumps(measured(report, trl_head), indent=1) + "\n"
 
 

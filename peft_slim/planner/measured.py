@@ -6,8 +6,9 @@ the benchmark ran it holds the key (``Recipe.key``) of the recipe its ``peft-sli
 the mean over seeds of its ratios against LoRA + gradient checkpointing of the same seed. A planner setting gets a
 measurement only where its recipe has the same key (method, token ratio and selection rule, compression, SlimFit's
 freezing, checkpointing); the LoRA rank and targets may differ, and the evidence line says which were measured.
-A method the later run against LoRA + checkpointing with TRL's fused LM head (``budget_trl/budget.json``) also
-measured carries those ratios too (``against_trl_head``); the ranking uses the first run's, one baseline for all.
+A method the later runs against LoRA + checkpointing with TRL's fused LM head (``budget_trl`` and the long-prompt
+``budget_trl_longqa``) also measured carries those ratios too (``against_trl_head``, their tasks together); the
+ranking uses the first run's, one baseline for all.
 """
 
 from __future__ import annotations
