@@ -20,9 +20,14 @@ from transformers import AutoTokenizer
 
 from benchmarks import bench_budget
 from benchmarks.report import markdown_table, write_report
-from peft_slim.cli import models, sft_data
+from peft_slim.cli import models
 from peft_slim.token_selection.config import TokenSelectionConfig
-from peft_slim.token_selection.selection import draw_selection, forced_positions
+from peft_slim.token_selection.selection import (
+    draw_selection,
+    forced_positions,
+    labelled_positions,
+    ratio_keeping_labels,
+)
 
 
 def coverage(train: list[dict], ratio: float, seed: int = 0) -> float:
@@ -33,8 +38,7 @@ def coverage(train: list[dict], ratio: float, seed: int = 0) -> float:
     for example in train:
         labels = torch.tensor([example["labels"]])
         real = torch.ones_like(labels, dtype=torch.bool)
-        labelled = torch.zeros_like(real)
-        labelled[:, :-1] = labels[:, 1:] != sft_data.IGNORE_INDEX
+        labelled = labelled_positions(labels, causal=True)
         mask = draw_selection(config, real, forced_positions(real, True, True), labelled, generator)
         selected += int((mask & labelled).sum())
         labelled_total += int(labelled.sum())
@@ -43,10 +47,8 @@ def coverage(train: list[dict], ratio: float, seed: int = 0) -> float:
 
 def ratio_needed(example: dict) -> float:
     """The lowest ratio at which a row's selection holds every labelled position beside the forced first and last."""
-    labels = example["labels"]
-    keep = [label != sft_data.IGNORE_INDEX for label in labels[1:]] + [True]  # position t: labels[t+1]; last forced
-    keep[0] = True
-    return sum(keep) / len(labels)
+    labels = torch.tensor([example["labels"]])
+    return float(ratio_keeping_labels(labels, torch.ones_like(labels, dtype=torch.bool))[0])
 
 
 def main(argv=None) -> dict:

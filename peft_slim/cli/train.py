@@ -21,8 +21,7 @@ from ..configuration import Boolean, Integer, OneOf, Real, setting
 from ..planner.setup import MAX_BATCH_SIZE, MAX_SEQ_LEN, MAX_TOKENS, max_positions
 from ..recipe import DEFAULT_LORA_R, Recipe
 from ..token_selection.chunked_loss import chunk_rows, chunked_head_loss
-from ..token_selection.loss import IGNORE_INDEX
-from ..token_selection.selection import forced_positions
+from ..token_selection.selection import labelled_positions, ratio_keeping_labels
 from . import models, sft_data
 from .flags import MAX_EPOCHS, MAX_SEED, MAX_STEPS, add_fields
 
@@ -295,15 +294,11 @@ def loss_kept(model, batch: dict) -> str | None:
     """What the token selection of ``batch`` (drawn in the latest training forward) kept of its loss: the loss covers
     the selected positions only. Under answer-first selection also the lowest ratio at which every row's budget
     holds all its labelled positions besides the first and last token (always selected). None without selection."""
-    import torch
-
     selector = getattr(model.base_model, "token_selector", None)
     if selector is None or selector.last_token_mask is None:
         return None
     config, mask = selector.config, selector.last_token_mask.cpu()
-    real = batch["attention_mask"].bool()
-    labelled = torch.zeros_like(real)
-    labelled[:, :-1] = batch["labels"][:, 1:] != IGNORE_INDEX  # position t predicts token t + 1
+    labelled = labelled_positions(batch["labels"], causal=True)
     kept, total = int((mask & labelled).sum()), int(labelled.sum())
     rule = "answer tokens first" if config.selection == "answer" else config.selection
     head = f"token selection on the first batch (token ratio {config.token_ratio}, {rule}): "
@@ -312,7 +307,7 @@ def loss_kept(model, batch: dict) -> str | None:
     text = f"{head}{kept} of {total} labelled positions ({kept / total:.0%}) carry the loss, the rest are left out"
     if config.selection != "answer":
         return text
-    needed = ((labelled | forced_positions(real, True, True)) & real).sum(dim=1) / real.sum(dim=1)
+    needed = ratio_keeping_labels(batch["labels"], batch["attention_mask"].bool())
     return f"{text}; --token-ratio {math.ceil(round(float(needed.max()) * 100, 6)) / 100:g} or more keeps all of them"
 
 
@@ -320,11 +315,7 @@ def labelled_positions_loss(model, batch: dict):
     """Next-token cross-entropy with the LM head run only at positions whose next token has a label, a chunk of
     rows at a time, as TRL's fused SFT loss computes it (no full-vocabulary logits): a pre-hook takes the head's
     input at those positions and hands the model's own head call no rows."""
-    import torch.nn.functional as F
-
-    labels = batch["labels"]
-    scored = labels[:, 1:] != IGNORE_INDEX
-    keep = F.pad(scored, (0, 1))  # hidden state t predicts token t + 1
+    keep = labelled_positions(batch["labels"], causal=True)
     head = model.get_output_embeddings()
     taken = []
 
@@ -344,7 +335,8 @@ def labelled_positions_loss(model, batch: dict):
     (hidden,) = taken
     rows = chunk_rows(head.weight.shape[0], hidden.shape[-1], hidden.shape[0])
     trained = [p for p in head.parameters() if p.requires_grad]
-    return chunked_head_loss(head, trained, hidden, labels[:, 1:][scored], rows) / hidden.shape[0]
+    targets = batch["labels"][:, 1:][keep[:, :-1]]  # the next token's label at each kept position
+    return chunked_head_loss(head, trained, hidden, targets, rows) / hidden.shape[0]
 
 
 def baseline_step_peak(model, args: argparse.Namespace, batch: dict) -> int:

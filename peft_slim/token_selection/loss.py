@@ -11,9 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .selection import TokenSelection
-
-IGNORE_INDEX = -100
+from .selection import IGNORE_INDEX, TokenSelection
 
 
 def selected_targets(labels: torch.Tensor, selection: TokenSelection, shift: bool) -> torch.Tensor:

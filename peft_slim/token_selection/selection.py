@@ -15,6 +15,8 @@ import torch
 from ..process_rank import rank
 from .config import TokenSelectionConfig
 
+IGNORE_INDEX = -100  # a label that carries no loss (PyTorch's cross-entropy default)
+
 # Tiers added to a uniform [0, 1) draw: a position of a higher tier is always chosen before a lower one.
 _FORCED, _LABELLED, _OTHER = 3.0, 2.0, 1.0
 
@@ -126,6 +128,20 @@ def forced_positions(real: torch.Tensor, keep_first: bool, keep_last: bool) -> t
         last = torch.where(real, positions, -1).max(dim=1).values
         forced[rows, last[has_real]] = True
     return forced
+
+
+def labelled_positions(labels: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Mask of the positions whose loss has a label: a causal LM's position t predicts token t + 1, so it is labelled
+    when ``labels[t + 1]`` is not -100 (its last position never is); another head's position, by its own label."""
+    labelled = labels != IGNORE_INDEX
+    return torch.cat([labelled[:, 1:], torch.zeros_like(labelled[:, :1])], dim=1) if causal else labelled
+
+
+def ratio_keeping_labels(labels: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Per row of a causal LM's batch, the lowest token ratio at which answer-first selection holds every labelled
+    position: those and the first and last real token (always selected), over the row's real tokens."""
+    kept = (labelled_positions(labels, causal=True) | forced_positions(real, True, True)) & real
+    return kept.sum(dim=1, dtype=torch.float64) / real.sum(dim=1)
 
 
 def draw_selection(

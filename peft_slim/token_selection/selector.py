@@ -28,9 +28,16 @@ from .chunked_loss import chunk_rows, chunked_head_loss
 from .config import TokenSelectionConfig
 from .fused_head import FUSED_METRICS_NOTE, check_fused_call, fused_output
 from .heads import head_of, is_decoder
-from .loss import IGNORE_INDEX, labelled_mean, selected_targets, selected_token_loss
+from .loss import labelled_mean, selected_targets, selected_token_loss
 from .outputs import check_output_flags
-from .selection import TokenSelection, check_token_mask, draw_selection, forced_positions, selection_generator
+from .selection import (
+    TokenSelection,
+    check_token_mask,
+    draw_selection,
+    forced_positions,
+    labelled_positions,
+    selection_generator,
+)
 
 
 @dataclass
@@ -274,9 +281,7 @@ class TokenSelector:
             return check_token_mask(state.token_mask, real, reads)
         labelled = None
         if labels is not None and labels.dim() == 2 and tuple(labels.shape) == (batch, length):
-            labelled = labels.to(device) != IGNORE_INDEX
-            if self._head.kind == "causal_lm":
-                labelled = torch.cat([labelled[:, 1:], torch.zeros_like(labelled[:, :1])], dim=1)
+            labelled = labelled_positions(labels.to(device), causal=self._head.kind == "causal_lm")
         return draw_selection(self.config, real, forced, labelled, self.generator)
 
     def _before_head(self, head: nn.Module, args: tuple):
