@@ -53,7 +53,7 @@ class _Storage:
 
     owner: weakref.ref
     kept: bool = False
-    packed: dict = field(default_factory=dict)  # view key -> weakref to its CompressedTensor
+    packed: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)  # view key -> its packed
     witnesses: dict = field(default_factory=dict)  # id of a view family's root -> its _Witness
 
     def witness(self, root: torch.Tensor) -> _Witness:
@@ -158,15 +158,14 @@ class ActivationCompression(saved_tensors_hooks):
             return self._keep(entry, tensor)
         key = (tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, version_of(tensor))
         key += (bits, pruned)
-        cached = entry.packed.get(key)
-        packed = cached() if cached is not None else None
+        packed = entry.packed.get(key)
         if packed is None:
             with torch.no_grad():
                 ratio = config.prune_ratio if pruned else None
                 packed = compress(tensor.detach(), bits, config.group_size, ratio, config.offload)
             if packed is None or (packed.nbytes >= tensor.numel() * tensor.element_size() and not offloaded):
                 return self._keep(entry, tensor)  # not finite, or it would not shrink
-            entry.packed[key] = weakref.ref(packed)
+            entry.packed[key] = packed
             self.stats.compressed += 1
             self.stats.stored_bytes += packed.nbytes
         return packed

@@ -144,7 +144,6 @@ class StepObserver:
         self._closed = False  # slimfit_step() ran and no training forward since
         self._warned_twice = False
         self._warned_missing = False
-        self._unit_of = {id(p): index for index, unit in enumerate(units) for p in unit.params}
         self._register()
 
     def _register(self) -> None:
@@ -155,9 +154,8 @@ class StepObserver:
         self._finalizer = weakref.finalize(self, _remove_handles, self._hook_handles)
 
     def remove(self) -> None:
-        """Stop watching: the process-wide pre-hook and every attached optimizer's hooks go."""
+        """Stop watching: the process-wide pre-hook and every attached optimizer's hooks go (until ``watch()``)."""
         self._finalizer()
-        self._attached = weakref.WeakSet()
 
     def watch(self) -> None:
         """Watch optimizer steps again after ``remove()`` (the adapter is active again on a model with several)."""
@@ -185,16 +183,21 @@ class StepObserver:
         pre-hooks after the process-wide ones, so they watch this step too)."""
         if not self.active or optimizer in self._attached:
             return
-        if not self._depth and self.resolve is not None:  # as _before_step: the parameters the model holds now
-            self.resolve()
-            self._unit_of = {id(p): index for index, unit in enumerate(self.units) for p in unit.params}
-        if any(id(p) in self._unit_of for group in optimizer.param_groups for p in group["params"]):
+        mine = self._unit_params(resolve=not self._depth)  # as _before_step: the parameters the model holds now
+        if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
             self.attach(optimizer)
+
+    def _unit_params(self, resolve: bool) -> set[int]:
+        """Ids of the units' parameters, first (``resolve``) those the model holds now, as an optimizer does between
+        steps (FSDP2 replaces them)."""
+        if resolve and self.resolve is not None:
+            self.resolve()
+        return {id(p) for unit in self.units for p in unit.params}
 
     def __getstate__(self) -> dict:
         """A copy (deepcopy, pickle) watches the copy's parameters with hooks of its own; the optimizers seen are the
         original's, not the copy's; parameter ids become (unit, position) pairs."""
-        private = {"_finalizer", "_hook_handles", "_attached", "_unit_of"}
+        private = {"_finalizer", "_hook_handles", "_attached"}
         state = {key: value for key, value in self.__dict__.items() if key not in private}
         state["_optimizers"], state["_last_optimizers"] = [], []
         positions = {id(p): (i, j) for i, unit in enumerate(self.units) for j, p in enumerate(unit.params)}
@@ -205,7 +208,6 @@ class StepObserver:
     def __setstate__(self, state: dict) -> None:
         watching = state.pop("_watching")
         self.__dict__.update(state)
-        self._unit_of = {id(p): index for index, unit in enumerate(self.units) for p in unit.params}
         self._stepped = {id(self.units[i].params[j]) for i, j in state["_stepped"]}
         self._register()
         if not watching:
@@ -269,10 +271,7 @@ class StepObserver:
         if self._depth:  # a wrapper optimizer's step around its wrapped one's, both attached: one snapshot
             self._depth += 1
             return
-        if self.resolve is not None:  # the optimizer holds the parameters the model holds between steps
-            self.resolve()
-            self._unit_of = {id(p): index for index, unit in enumerate(self.units) for p in unit.params}
-        mine = {id(p) for group in optimizer.param_groups for p in group["params"]} & self._unit_of.keys()
+        mine = {id(p) for group in optimizer.param_groups for p in group["params"]} & self._unit_params(resolve=True)
         if not mine:
             return  # another model's optimizer
         if self.guard is not None:
