@@ -54,14 +54,6 @@ class _Storage:
     owner: weakref.ref
     kept: bool = False
     packed: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)  # view key -> its packed
-    witnesses: dict = field(default_factory=dict)  # id of a view family's root -> its _Witness
-
-    def witness(self, root: torch.Tensor) -> _Witness:
-        witness = self.witnesses.get(id(root))
-        if witness is None or witness.root() is not root:
-            witness = self.witnesses[id(root)] = _Witness(weakref.ref(root))
-        witness.last = version_of(root)
-        return witness
 
 
 @dataclass(eq=False)
@@ -107,6 +99,7 @@ class ActivationCompression(saved_tensors_hooks):
         self.stats = CompressionStats()
         self._modules = ModuleStack()
         self._storages: dict[int, _Storage] = {}
+        self._witnesses: dict[int, _Witness] = {}  # id of a compressed view family's root -> its _Witness
         self._frozen: dict[torch.nn.Module, bool] = {}
         self._active = False
         super().__init__(self._pack, _Saved.unpack)
@@ -125,9 +118,9 @@ class ActivationCompression(saved_tensors_hooks):
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
         self._modules.stop()
-        for entry in self._storages.values():  # compressed tensors still alive: their version from now on
-            for witness in entry.witnesses.values():
-                witness.last = witness.version()
+        for witness in self._witnesses.values():  # compressed tensors still alive: their version from now on
+            witness.last = witness.version()
+        self._witnesses.clear()
         self._storages.clear()  # addresses are meaningless once the forward is over
         self._frozen.clear()
         self._active = False
@@ -136,7 +129,11 @@ class ActivationCompression(saved_tensors_hooks):
         packed = self._store(tensor)
         if isinstance(packed, CompressedTensor):
             root = storage_base(tensor)
-            return _Saved(packed, version_of(root), self._entry(tensor).witness(root))
+            witness = self._witnesses.get(id(root))
+            if witness is None or witness.root() is not root:
+                witness = self._witnesses[id(root)] = _Witness(weakref.ref(root))
+            witness.last = version_of(root)
+            return _Saved(packed, witness.last, witness)
         return _Saved(packed, version_of(packed))  # an alias shares the tensor's version counter: checked exactly
 
     def _store(self, tensor: torch.Tensor):

@@ -121,8 +121,8 @@ class StepObserver:
         scheduler: FreezeScheduler,
         metric: str,
         epsilon: float,
-        resolve: Callable[[], None] | None = None,
-        guard: Callable[[torch.optim.Optimizer], None] | None = None,
+        resolve: Callable[[], None],
+        guard: Callable[[torch.optim.Optimizer], None],
         catch_up: Callable[[int], float] | None = None,
     ):
         self.units = units
@@ -190,7 +190,7 @@ class StepObserver:
     def _unit_params(self, resolve: bool) -> set[int]:
         """Ids of the units' parameters, first (``resolve``) those the model holds now, as an optimizer does between
         steps (FSDP2 replaces them)."""
-        if resolve and self.resolve is not None:
+        if resolve:
             self.resolve()
         return {id(p) for unit in self.units for p in unit.params}
 
@@ -274,8 +274,7 @@ class StepObserver:
         mine = {id(p) for group in optimizer.param_groups for p in group["params"]} & self._unit_params(resolve=True)
         if not mine:
             return  # another model's optimizer
-        if self.guard is not None:
-            self.guard(optimizer)
+        self.guard(optimizer)
         if self._closed:
             raise RuntimeError(
                 "SlimFit: optimizer.step() was called after model.slimfit_step() with no training forward in "
