@@ -197,10 +197,8 @@ def compress_activations(config: ActivationCompressionConfig | dict | None = Non
     then ``loss.backward()``; ``compression.stats`` says how many bytes were saved. ``fields`` override
     ``config`` (``compress_activations(bits=4)`` uses the defaults otherwise).
     """
-    if config is None:
-        config = ActivationCompressionConfig()
-    elif isinstance(config, dict):
-        config = ActivationCompressionConfig.from_dict(config)
+    if config is None or isinstance(config, dict):
+        config = ActivationCompressionConfig.from_dict(config or {})
     elif not isinstance(config, ActivationCompressionConfig):
         raise ValueError(
             f"compress_activations takes an ActivationCompressionConfig, a dict or None, got {type(config).__name__}."
