@@ -133,7 +133,7 @@ class StepObserver:
         self.metric = metric
         self.epsilon = epsilon
         self.active = True  # False while the schedule is paused: steps are not watched
-        self._closed_steps: list[list[Parts]] = []  # training steps closed since take_scores: their parts
+        self._closed_step: list[Parts] = []  # the parts of the last training step closed since take_scores
         self._parts: list[Parts] = []  # the open training step's score parts, one entry per optimizer step
         self._early_scores: dict[int, float] = {}  # of closed steps before the last one, since take_scores
         self._snapshot: tuple[list[int], list[torch.Tensor], list[torch.Tensor]] | None = None
@@ -233,9 +233,8 @@ class StepObserver:
         self._finish_step()
         self._warn_if_missing(stacklevel + 1)
         scores, self._early_scores = self._early_scores, {}
-        for step in self._closed_steps:  # a later training step's score of a unit replaces an earlier one's
-            scores.update(self._step_scores(step))
-        self._closed_steps = []
+        scores.update(self._step_scores(self._closed_step))  # a later step's score of a unit replaces an earlier one's
+        self._closed_step = []
         if self._optimizers:
             self._last_optimizers = self._optimizers
         self._optimizers, self._stepped = [], set()
@@ -244,10 +243,9 @@ class StepObserver:
         return scores
 
     def _finish_step(self) -> None:
-        if self._parts:
-            if self._closed_steps:  # closed without slimfit_step(): keep one step's device sums, at most
-                self._early_scores.update(self._step_scores(self._closed_steps.pop()))
-            self._closed_steps.append(self._parts)
+        if self._parts:  # the step closed before, if not taken: to the host (one step's device sums kept, at most)
+            self._early_scores.update(self._step_scores(self._closed_step))
+            self._closed_step = self._parts
         self._parts = []
 
     def _step_scores(self, step: list[Parts]) -> dict[int, float]:
