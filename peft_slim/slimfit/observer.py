@@ -22,7 +22,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..compat import optimizer_running_step_hooks
-from .scheduler import DTensor, FreezeScheduler, _item, finish_score, score_parts
+from .scheduler import DTensor, FreezeScheduler, _item, _tensor_parts, finish_score, score_parts
 from .units import Unit
 
 ORDER = "loss.backward(); optimizer.step(); optimizer.zero_grad(); model.slimfit_step()"
@@ -93,17 +93,6 @@ def scale_updates(before: list[torch.Tensor], after: list[torch.Tensor], factors
     for old, new, factor in zip(before, after, factors):
         if factor != 1.0:
             new.add_(old.neg_().add_(new.detach()), alpha=factor - 1.0)
-
-
-def _tensor_parts(metric: str, before: torch.Tensor, after: torch.Tensor, epsilon: float, factor: float):
-    """``step_parts`` of one tensor (0-d tensors, no host sync)."""
-    old = before.float()
-    delta = after.detach().float() - old
-    if factor != 1.0:
-        after.add_(delta, alpha=factor - 1.0)
-    if metric == "relative_change":
-        return delta.abs_().div_(old.abs_().add_(epsilon)).sum()
-    return delta.pow_(2).sum(), old.pow(2).sum()
 
 
 def _stack(sums: list[torch.Tensor]) -> torch.Tensor:
