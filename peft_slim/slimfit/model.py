@@ -309,7 +309,6 @@ class SlimFitModel(MethodTuner):
             state.base_weights.restore(self.model, swapped)
             for name, requires_grad in state.swapped_requires_grad.items():
                 self.model.get_parameter(name).requires_grad_(requires_grad)
-            state.swapped_requires_grad = {}
             self.slimfit_base_weights.enable_adapters(True)
         super().enable_adapter_layers()
 

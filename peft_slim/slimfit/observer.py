@@ -79,12 +79,8 @@ def step_parts(
 def gradient_sums(params: list[torch.Tensor]) -> torch.Tensor | list[float]:
     """The 'gradient' metric's sums, read before the optimizer step: sum(|grad|) of each tensor (0 without a
     gradient), in float32, left on the device (shape [n]); under FSDP2, host floats reduced over the shards."""
-    sums = [
-        torch.linalg.vector_norm(p.grad, 1, dtype=torch.float32)
-        if p.grad is not None
-        else p.new_zeros((), dtype=torch.float32)
-        for p in params
-    ]
+    grads = [p.grad if p.grad is not None else p.new_zeros(()) for p in params]
+    sums = [torch.linalg.vector_norm(grad, 1, dtype=torch.float32) for grad in grads]
     return _stack(sums) if _plain(params) else [_item(total) for total in sums]
 
 
