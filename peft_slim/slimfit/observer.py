@@ -319,11 +319,8 @@ class StepObserver:
         """Units that trained in this step but that no optimizer which stepped holds: their gradient is lost."""
         if self._warned_missing or not self._stepped:  # no step at all: skipped (inf gradients under AMP)
             return
-        missing = [
-            unit.name
-            for index, unit in enumerate(self.units)
-            if self.scheduler.trained[index] and any(id(p) not in self._stepped for p in unit.params)
-        ]
+        trained = [unit for unit, trains in zip(self.units, self.scheduler.trained) if trains]
+        missing = [unit.name for unit in trained if any(id(p) not in self._stepped for p in unit.params)]
         if missing:
             self._warned_missing = True
             warnings.warn(
