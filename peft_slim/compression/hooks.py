@@ -153,8 +153,7 @@ class ActivationCompression(saved_tensors_hooks):
         wanted = bits is not None or pruned or (offloaded and kind in self._handled)
         if not wanted or not is_compressible(tensor, config.min_numel):
             return self._keep(entry, tensor)
-        key = (tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, version_of(tensor))
-        key += (bits, pruned)
+        key = (tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, version_of(tensor), bits, pruned)
         packed = entry.packed.get(key)
         if packed is None:
             with torch.no_grad():

@@ -92,8 +92,7 @@ def scale_updates(before: list[torch.Tensor], after: list[torch.Tensor], factors
 
 
 def _stack(sums: list[torch.Tensor]) -> torch.Tensor:
-    device = sums[0].device
-    return torch.stack([s if s.device == device else s.to(device) for s in sums])
+    return torch.stack([s.to(sums[0].device) for s in sums])  # (to the device it is on: itself)
 
 
 class StepObserver:
