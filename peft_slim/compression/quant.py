@@ -334,7 +334,5 @@ def row_aligned_group(row: int, group_size: int) -> int:
     """The group size nearest below ``group_size`` that tiles rows of length ``row`` (whole rows if shorter)."""
     if row <= group_size:
         return row * (group_size // row)
-    for size in range(group_size, group_size // 2, -1):
-        if row % size == 0:
-            return size
-    return group_size  # no divisor within a factor of 2: keep the size, a few groups straddle rows
+    # (no divisor within a factor of 2: keep the size, a few groups straddle rows)
+    return next((size for size in range(group_size, group_size // 2, -1) if row % size == 0), group_size)
