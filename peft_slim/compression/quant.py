@@ -185,8 +185,7 @@ def _prepack(values: torch.Tensor, group_size: int) -> torch.Tensor:
             chunks = _chunks(block.shape[0], group_size, block)
             rows += [prepack(block[a:b].float()) for a, b in chunks]
             if chunks[-1][1] < block.shape[0]:  # a fake tensor: the other chunks' rows, sized alike
-                rest = (block.shape[0] - chunks[-1][1], rows[-1].shape[1])
-                rows.append(torch.empty(rest, dtype=rows[-1].dtype, device=block.device))
+                rows.append(prepack(block[chunks[-1][1] :]))
     return torch.cat(rows) if len(rows) > 1 else rows[0]
 
 
