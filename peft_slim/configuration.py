@@ -50,31 +50,27 @@ def unknown_keys_message(cls: type, unknown: list[str]) -> str:
     return f"{cls.__name__} has no field(s):{hints}\nValid fields: {', '.join(valid)}."
 
 
-def warn_unknown_saved_keys(cls: type, unknown: list[str], version: Any, stacklevel: int = 3) -> None:
-    """Fields a saved file has and this version does not: from a newer release (upgrade to use them) or an older
-    build of this version or earlier (fields since dropped)."""
-    try:
-        newer = Version(str(version)) > Version(__version__)
-    except InvalidVersion:
-        newer = True  # no version, or not one we can read: most likely a newer file
-    saved_by = f"peft_slim {version}" if version else "another version of peft_slim"
-    advice = "upgrade peft_slim to use them." if newer else "this version no longer uses them."
-    warnings.warn(
-        f"{cls.__name__}: the saved config has field(s) {sorted(unknown)} that this version of peft_slim "
-        f"({__version__}) does not know; they are ignored. It was written by {saved_by}: {advice}",
-        stacklevel=stacklevel,
-    )
-
-
 def known_fields(cls: type, values: dict[str, Any], saved: bool, where: str | None) -> dict[str, Any]:
     """The entries of ``values`` that are fields of ``cls``; an unknown key raises (``saved``: warns, then is
-    dropped, as a newer version wrote it)."""
+    dropped). A saved file's unknown fields come from a newer release (upgrade to use them) or an older build of this
+    version or earlier (fields since dropped)."""
     valid = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(key for key in values if key not in valid)
     if unknown and not saved:
         raise ValueError((f"{where}: " if where else "") + unknown_keys_message(cls, unknown))
     if unknown:
-        warn_unknown_saved_keys(cls, unknown, values.get(VERSION_KEY), stacklevel=4)
+        version = values.get(VERSION_KEY)
+        try:
+            newer = Version(str(version)) > Version(__version__)
+        except InvalidVersion:
+            newer = True  # no version, or not one we can read: most likely a newer file
+        saved_by = f"peft_slim {version}" if version else "another version of peft_slim"
+        advice = "upgrade peft_slim to use them." if newer else "this version no longer uses them."
+        warnings.warn(
+            f"{cls.__name__}: the saved config has field(s) {unknown} that this version of peft_slim "
+            f"({__version__}) does not know; they are ignored. It was written by {saved_by}: {advice}",
+            stacklevel=3,
+        )
     return {key: value for key, value in values.items() if key in valid}
 
 
@@ -378,18 +374,6 @@ LORA_FIELDS = {
 }
 
 
-def checked_lora_fields(values: dict[str, Any], where: str) -> dict[str, Any]:
-    """``values`` (LoraConfig fields) with those in ``LORA_FIELDS`` checked and coerced; module names are checked
-    but kept as given (LoraConfig holds a list of them as a set)."""
-    checked = dict(values)
-    for name, check in LORA_FIELDS.items():
-        if name in values:
-            value = check(values[name], f"{where}.{name}")
-            if not isinstance(check, ModuleNames):
-                checked[name] = value
-    return checked
-
-
 @dataclasses.dataclass
 class Lora(Check):
     """A nested ``peft.LoraConfig``, or its dict (as saved), its fields checked (``LORA_FIELDS``). Unknown keys follow
@@ -401,12 +385,19 @@ class Lora(Check):
     def coerce(self, value: Any, where: str) -> LoraConfig:
         if isinstance(value, dict):
             saved = isinstance(value, SavedDict) or "peft_type" in value
-            known = known_fields(LoraConfig, value, saved, where)
-            return LoraConfig.from_peft_type(**checked_lora_fields(known, where))
-        if not isinstance(value, LoraConfig):
+            fields = known_fields(LoraConfig, value, saved, where)
+        elif isinstance(value, LoraConfig):
+            fields = {name: getattr(value, name) for name in LORA_FIELDS if hasattr(value, name)}
+        else:
             self.fail(value, where)
-        given = {name: getattr(value, name) for name in LORA_FIELDS if hasattr(value, name)}
-        for name, checked in checked_lora_fields(given, where).items():
+        for name, check in LORA_FIELDS.items():
+            if name in fields:
+                checked = check(fields[name], f"{where}.{name}")
+                if not isinstance(check, ModuleNames):  # checked, kept as given (LoraConfig holds a list as a set)
+                    fields[name] = checked
+        if isinstance(value, dict):
+            return LoraConfig.from_peft_type(**fields)
+        for name, checked in fields.items():
             setattr(value, name, checked)
         return value
 

@@ -53,15 +53,7 @@ class _Storage:
 
     owner: weakref.ref
     kept: bool = False
-    packed: dict = field(default_factory=dict)  # view key -> weakref to its CompressedTensor
-    witnesses: dict = field(default_factory=dict)  # id of a view family's root -> its _Witness
-
-    def witness(self, root: torch.Tensor) -> _Witness:
-        witness = self.witnesses.get(id(root))
-        if witness is None or witness.root() is not root:
-            witness = self.witnesses[id(root)] = _Witness(weakref.ref(root))
-        witness.last = version_of(root)
-        return witness
+    packed: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)  # view key -> its packed
 
 
 @dataclass(eq=False)
@@ -107,6 +99,7 @@ class ActivationCompression(saved_tensors_hooks):
         self.stats = CompressionStats()
         self._modules = ModuleStack()
         self._storages: dict[int, _Storage] = {}
+        self._witnesses: dict[int, _Witness] = {}  # id of a compressed view family's root -> its _Witness
         self._frozen: dict[torch.nn.Module, bool] = {}
         self._active = False
         super().__init__(self._pack, _Saved.unpack)
@@ -125,9 +118,9 @@ class ActivationCompression(saved_tensors_hooks):
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
         self._modules.stop()
-        for entry in self._storages.values():  # compressed tensors still alive: their version from now on
-            for witness in entry.witnesses.values():
-                witness.last = witness.version()
+        for witness in self._witnesses.values():  # compressed tensors still alive: their version from now on
+            witness.last = witness.version()
+        self._witnesses.clear()
         self._storages.clear()  # addresses are meaningless once the forward is over
         self._frozen.clear()
         self._active = False
@@ -136,7 +129,11 @@ class ActivationCompression(saved_tensors_hooks):
         packed = self._store(tensor)
         if isinstance(packed, CompressedTensor):
             root = storage_base(tensor)
-            return _Saved(packed, version_of(root), self._entry(tensor).witness(root))
+            witness = self._witnesses.get(id(root))
+            if witness is None or witness.root() is not root:
+                witness = self._witnesses[id(root)] = _Witness(weakref.ref(root))
+            witness.last = version_of(root)
+            return _Saved(packed, witness.last, witness)
         return _Saved(packed, version_of(packed))  # an alias shares the tensor's version counter: checked exactly
 
     def _store(self, tensor: torch.Tensor):
@@ -156,17 +153,15 @@ class ActivationCompression(saved_tensors_hooks):
         wanted = bits is not None or pruned or (offloaded and kind in self._handled)
         if not wanted or not is_compressible(tensor, config.min_numel):
             return self._keep(entry, tensor)
-        key = (tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, version_of(tensor))
-        key += (bits, pruned)
-        cached = entry.packed.get(key)
-        packed = cached() if cached is not None else None
+        key = (tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, version_of(tensor), bits, pruned)
+        packed = entry.packed.get(key)
         if packed is None:
             with torch.no_grad():
                 ratio = config.prune_ratio if pruned else None
                 packed = compress(tensor.detach(), bits, config.group_size, ratio, config.offload)
             if packed is None or (packed.nbytes >= tensor.numel() * tensor.element_size() and not offloaded):
                 return self._keep(entry, tensor)  # not finite, or it would not shrink
-            entry.packed[key] = weakref.ref(packed)
+            entry.packed[key] = packed
             self.stats.compressed += 1
             self.stats.stored_bytes += packed.nbytes
         return packed
@@ -201,10 +196,8 @@ def compress_activations(config: ActivationCompressionConfig | dict | None = Non
     then ``loss.backward()``; ``compression.stats`` says how many bytes were saved. ``fields`` override
     ``config`` (``compress_activations(bits=4)`` uses the defaults otherwise).
     """
-    if config is None:
-        config = ActivationCompressionConfig()
-    elif isinstance(config, dict):
-        config = ActivationCompressionConfig.from_dict(config)
+    if config is None or isinstance(config, dict):
+        config = ActivationCompressionConfig.from_dict(config or {})
     elif not isinstance(config, ActivationCompressionConfig):
         raise ValueError(
             f"compress_activations takes an ActivationCompressionConfig, a dict or None, got {type(config).__name__}."

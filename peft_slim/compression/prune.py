@@ -36,14 +36,13 @@ def prune(values: torch.Tensor, ratio: float) -> tuple[torch.Tensor, Positions]:
     """The ``ceil(ratio * n)`` values of largest magnitude (in their original order) and their positions."""
     numel = values.numel()
     keep = max(1, math.ceil(ratio * numel))
-    index = values.abs().topk(keep, sorted=False).indices
+    index = values.abs().topk(keep, sorted=False).indices.sort().values
     if numel < 2**31 and keep * 4 < -(-numel // 8):  # int32 indices are smaller than the bitmask
-        index = index.sort().values
         return values[index], Positions(index.to(torch.int32), False, numel)
     mask = torch.zeros(numel, dtype=torch.bool, device=values.device)
     mask[index] = True
     # (the kept values by sorted index, as values[mask] gives them, but of a size known without the data)
-    return values[index.sort().values], Positions(pack_bits(mask.view(torch.uint8), 1), True, numel)
+    return values[index], Positions(pack_bits(mask.view(torch.uint8), 1), True, numel)
 
 
 def unprune(kept: torch.Tensor, positions: Positions) -> torch.Tensor:

@@ -48,15 +48,8 @@ def quantize(values: torch.Tensor, bits: int, group_size: int, row: int | None =
 def dequantize(quantized: Quantized, dtype: torch.dtype) -> torch.Tensor:
     """The 1-D tensor of ``quantized.numel`` values in ``dtype``."""
     q = quantized
-    groups = q.scale.numel()
-    if q.rowwise:
-        unpack = _rowwise_kernels()[1]
-        if dtype == torch.float32:
-            return unpack(q.codes).view(-1)[: q.numel]
-        out = torch.empty(groups, q.group_size, dtype=dtype, device=q.codes.device)
-        for start, stop in _chunks(groups, q.group_size, q.codes):  # an fp32 chunk at a time, rounded once
-            out[start:stop].copy_(unpack(q.codes[start:stop]))
-        return out.view(-1)[: q.numel]
+    if q.rowwise and dtype == torch.float32:
+        return _rowwise_kernels()[1](q.codes).view(-1)[: q.numel]
     fused = _fused_kernels(q.codes.device)
     if fused is not None and fused.dequantizes(q, dtype) and _kernels_serve(q.codes, dtype):
         return fused.dequantize(q, dtype)
@@ -64,11 +57,14 @@ def dequantize(quantized: Quantized, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _dequantize_packed(q: Quantized, dtype: torch.dtype) -> torch.Tensor:
-    """The torch path for packed codes: unpack, scale and shift a chunk at a time in the scales' dtype."""
+    """The torch path: unpack, scale and shift a chunk at a time in the scales' dtype (row-wise: torch's kernel)."""
     groups = q.scale.numel()
     out = torch.empty(groups, q.group_size, dtype=dtype, device=q.codes.device)
     scratch = None
     for start, stop in _chunks(groups, q.group_size, q.codes):
+        if q.rowwise:  # an fp32 chunk at a time, rounded once
+            out[start:stop].copy_(_rowwise_kernels()[1](q.codes[start:stop]))
+            continue
         first, end = start * q.group_size * q.bits // 8, -(-stop * q.group_size * q.bits // 8)
         codes = unpack_bits(q.codes[first:end], q.bits, (stop - start) * q.group_size).view(-1, q.group_size)
         target = out[start:stop]
@@ -189,8 +185,7 @@ def _prepack(values: torch.Tensor, group_size: int) -> torch.Tensor:
             chunks = _chunks(block.shape[0], group_size, block)
             rows += [prepack(block[a:b].float()) for a, b in chunks]
             if chunks[-1][1] < block.shape[0]:  # a fake tensor: the other chunks' rows, sized alike
-                rest = (block.shape[0] - chunks[-1][1], rows[-1].shape[1])
-                rows.append(torch.empty(rest, dtype=rows[-1].dtype, device=block.device))
+                rows.append(prepack(block[chunks[-1][1] :]))
     return torch.cat(rows) if len(rows) > 1 else rows[0]
 
 
@@ -338,7 +333,5 @@ def row_aligned_group(row: int, group_size: int) -> int:
     """The group size nearest below ``group_size`` that tiles rows of length ``row`` (whole rows if shorter)."""
     if row <= group_size:
         return row * (group_size // row)
-    for size in range(group_size, group_size // 2, -1):
-        if row % size == 0:
-            return size
-    return group_size  # no divisor within a factor of 2: keep the size, a few groups straddle rows
+    # (no divisor within a factor of 2: keep the size, a few groups straddle rows)
+    return next((size for size in range(group_size, group_size // 2, -1) if row % size == 0), group_size)

@@ -25,7 +25,7 @@ class CompressedTensor:
         self.shape: torch.Size = shape
         self.dtype: torch.dtype = dtype
         self.device: torch.device = device
-        self.order: list[int] | None = order  # the permutation that made the tensor contiguous
+        self.order: list[int] = order  # the permutation that made the tensor contiguous (identity: a copy did)
         self.values: torch.Tensor | Quantized = values  # kept values, flat, in memory order
         self.positions: Positions | None = positions  # where the kept values go, if pruned
 
@@ -44,8 +44,6 @@ class CompressedTensor:
         flat = dequantize(values, self.dtype) if isinstance(values, Quantized) else values
         if positions is not None:
             flat = unprune(flat, positions)
-        if self.order is None:
-            return flat.view(self.shape)
         permuted = flat.view([self.shape[d] for d in self.order])
         return permuted.permute(sorted(range(len(self.order)), key=self.order.__getitem__))
 
@@ -54,15 +52,17 @@ def compress(
     tensor: torch.Tensor, bits: int | None, group_size: int, prune_ratio: float | None, offload: bool
 ) -> CompressedTensor | None:
     """Compress a floating-point ``tensor`` (under ``torch.no_grad()``, detached); None if it cannot be quantized."""
-    order = memory_order(tensor)
-    flat = (tensor.permute(order) if order is not None else tensor.contiguous()).view(-1)
+    order = sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), -tensor.size(d)))  # the memory order
+    flat = tensor.permute(order)
+    if not flat.is_contiguous():  # no permutation makes it contiguous: copied, in its own order
+        order, flat = list(range(tensor.dim())), tensor.contiguous()
+    flat = flat.view(-1)
     positions = None
     if prune_ratio is not None and prune_ratio < 1.0:
         flat, positions = prune(flat, prune_ratio)
     row = None
     if positions is None:  # rows: the innermost dimension in memory (of more than one element)
-        dims = reversed(order) if order is not None else reversed(range(tensor.dim()))
-        row = next((tensor.shape[d] for d in dims if tensor.shape[d] > 1), None)
+        row = next((tensor.shape[d] for d in reversed(order) if tensor.shape[d] > 1), None)
     values = quantize(flat, bits, group_size, row) if bits is not None else flat
     if values is None:
         return None
@@ -73,9 +73,3 @@ def compress(
     elif isinstance(values, torch.Tensor) and storage_key(values) == storage_key(tensor):
         values = values.clone()  # never keep the original's storage alive
     return CompressedTensor(tensor.shape, tensor.dtype, tensor.device, order, values, positions)
-
-
-def memory_order(tensor: torch.Tensor) -> list[int] | None:
-    """A permutation of the dimensions under which ``tensor`` is contiguous, or None if there is none."""
-    order = sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), -tensor.size(d)))
-    return order if tensor.permute(order).is_contiguous() else None

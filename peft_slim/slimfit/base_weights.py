@@ -38,9 +38,6 @@ class BaseWeights:
     def names(self) -> list[str]:
         return list(self._entries)
 
-    def tracks(self, name: str) -> bool:
-        return name in self._entries
-
     def entry(self, name: str) -> tuple[str, tuple, bytes] | None:
         """``(dtype, shape, digest)`` of parameter ``name`` at wrapping time (None if not tracked): what a saved
         standalone adapter records of the base model it was trained on, and what loading compares it with."""

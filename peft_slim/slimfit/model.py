@@ -309,7 +309,6 @@ class SlimFitModel(MethodTuner):
             state.base_weights.restore(self.model, swapped)
             for name, requires_grad in state.swapped_requires_grad.items():
                 self.model.get_parameter(name).requires_grad_(requires_grad)
-            state.swapped_requires_grad = {}
             self.slimfit_base_weights.enable_adapters(True)
         super().enable_adapter_layers()
 
@@ -362,11 +361,11 @@ class SlimFitModel(MethodTuner):
         return None if kept is None else kept.entry(name)
 
     def _saves_base_tensor(self, name: str, tensor: torch.Tensor) -> bool:
-        state = self._state
         # Standalone SlimFit trains base tensors in place: save those that changed (modules_to_save are PEFT's);
         # in Trainer checkpoints all it trains, so that loading one into the trained model is exact.
         self._refuse_while_disabled("save_pretrained()")
-        return state.base_weights.tracks(name) if state.full_checkpoints else state.base_weights.changed(name, tensor)
+        weights = self._state.base_weights
+        return weights.entry(name) is not None if self._state.full_checkpoints else weights.changed(name, tensor)
 
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
@@ -407,7 +406,7 @@ def unit_bytes(units: list[Unit]) -> list[int]:
 
 def warn_new_weights(new: list[str], peft_modules: list[str]) -> None:
     """One warning naming the weights that train at every step because the checkpoint did not provide them."""
-    modules = sorted({name.rsplit(".", 1)[0] if "." in name else name for name in new})
+    modules = sorted({name.rsplit(".", 1)[0] for name in new})
     shown = ", ".join(modules[:8]) + (f" and {len(modules) - 8} more" if len(modules) > 8 else "")
     head = f"; PEFT's modules_to_save ({', '.join(peft_modules)}) train at every step too" if peft_modules else ""
     warnings.warn(

@@ -22,7 +22,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..compat import optimizer_running_step_hooks
-from .scheduler import DTensor, FreezeScheduler, _item, finish_score, score_parts
+from .scheduler import DTensor, FreezeScheduler, _item, _tensor_parts, finish_score, score_parts
 from .units import Unit
 
 ORDER = "loss.backward(); optimizer.step(); optimizer.zero_grad(); model.slimfit_step()"
@@ -79,12 +79,8 @@ def step_parts(
 def gradient_sums(params: list[torch.Tensor]) -> torch.Tensor | list[float]:
     """The 'gradient' metric's sums, read before the optimizer step: sum(|grad|) of each tensor (0 without a
     gradient), in float32, left on the device (shape [n]); under FSDP2, host floats reduced over the shards."""
-    sums = [
-        torch.linalg.vector_norm(p.grad, 1, dtype=torch.float32)
-        if p.grad is not None
-        else p.new_zeros((), dtype=torch.float32)
-        for p in params
-    ]
+    grads = [p.grad if p.grad is not None else p.new_zeros(()) for p in params]
+    sums = [torch.linalg.vector_norm(grad, 1, dtype=torch.float32) for grad in grads]
     return _stack(sums) if _plain(params) else [_item(total) for total in sums]
 
 
@@ -95,20 +91,8 @@ def scale_updates(before: list[torch.Tensor], after: list[torch.Tensor], factors
             new.add_(old.neg_().add_(new.detach()), alpha=factor - 1.0)
 
 
-def _tensor_parts(metric: str, before: torch.Tensor, after: torch.Tensor, epsilon: float, factor: float):
-    """``step_parts`` of one tensor (0-d tensors, no host sync)."""
-    old = before.float()
-    delta = after.detach().float() - old
-    if factor != 1.0:
-        after.add_(delta, alpha=factor - 1.0)
-    if metric == "relative_change":
-        return delta.abs_().div_(old.abs_().add_(epsilon)).sum()
-    return delta.pow_(2).sum(), old.pow(2).sum()
-
-
 def _stack(sums: list[torch.Tensor]) -> torch.Tensor:
-    device = sums[0].device
-    return torch.stack([s if s.device == device else s.to(device) for s in sums])
+    return torch.stack([s.to(sums[0].device) for s in sums])  # (to the device it is on: itself)
 
 
 class StepObserver:
@@ -121,8 +105,8 @@ class StepObserver:
         scheduler: FreezeScheduler,
         metric: str,
         epsilon: float,
-        resolve: Callable[[], None] | None = None,
-        guard: Callable[[torch.optim.Optimizer], None] | None = None,
+        resolve: Callable[[], None],
+        guard: Callable[[torch.optim.Optimizer], None],
         catch_up: Callable[[int], float] | None = None,
     ):
         self.units = units
@@ -133,7 +117,7 @@ class StepObserver:
         self.metric = metric
         self.epsilon = epsilon
         self.active = True  # False while the schedule is paused: steps are not watched
-        self._closed_steps: list[list[Parts]] = []  # training steps closed since take_scores: their parts
+        self._closed_step: list[Parts] = []  # the parts of the last training step closed since take_scores
         self._parts: list[Parts] = []  # the open training step's score parts, one entry per optimizer step
         self._early_scores: dict[int, float] = {}  # of closed steps before the last one, since take_scores
         self._snapshot: tuple[list[int], list[torch.Tensor], list[torch.Tensor]] | None = None
@@ -144,7 +128,6 @@ class StepObserver:
         self._closed = False  # slimfit_step() ran and no training forward since
         self._warned_twice = False
         self._warned_missing = False
-        self._unit_of = {id(p): index for index, unit in enumerate(units) for p in unit.params}
         self._register()
 
     def _register(self) -> None:
@@ -155,9 +138,8 @@ class StepObserver:
         self._finalizer = weakref.finalize(self, _remove_handles, self._hook_handles)
 
     def remove(self) -> None:
-        """Stop watching: the process-wide pre-hook and every attached optimizer's hooks go."""
+        """Stop watching: the process-wide pre-hook and every attached optimizer's hooks go (until ``watch()``)."""
         self._finalizer()
-        self._attached = weakref.WeakSet()
 
     def watch(self) -> None:
         """Watch optimizer steps again after ``remove()`` (the adapter is active again on a model with several)."""
@@ -185,16 +167,21 @@ class StepObserver:
         pre-hooks after the process-wide ones, so they watch this step too)."""
         if not self.active or optimizer in self._attached:
             return
-        if not self._depth and self.resolve is not None:  # as _before_step: the parameters the model holds now
-            self.resolve()
-            self._unit_of = {id(p): index for index, unit in enumerate(self.units) for p in unit.params}
-        if any(id(p) in self._unit_of for group in optimizer.param_groups for p in group["params"]):
+        mine = self._unit_params(resolve=not self._depth)  # as _before_step: the parameters the model holds now
+        if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
             self.attach(optimizer)
+
+    def _unit_params(self, resolve: bool) -> set[int]:
+        """Ids of the units' parameters, first (``resolve``) those the model holds now, as an optimizer does between
+        steps (FSDP2 replaces them)."""
+        if resolve:
+            self.resolve()
+        return {id(p) for unit in self.units for p in unit.params}
 
     def __getstate__(self) -> dict:
         """A copy (deepcopy, pickle) watches the copy's parameters with hooks of its own; the optimizers seen are the
         original's, not the copy's; parameter ids become (unit, position) pairs."""
-        private = {"_finalizer", "_hook_handles", "_attached", "_unit_of"}
+        private = {"_finalizer", "_hook_handles", "_attached"}
         state = {key: value for key, value in self.__dict__.items() if key not in private}
         state["_optimizers"], state["_last_optimizers"] = [], []
         positions = {id(p): (i, j) for i, unit in enumerate(self.units) for j, p in enumerate(unit.params)}
@@ -205,7 +192,6 @@ class StepObserver:
     def __setstate__(self, state: dict) -> None:
         watching = state.pop("_watching")
         self.__dict__.update(state)
-        self._unit_of = {id(p): index for index, unit in enumerate(self.units) for p in unit.params}
         self._stepped = {id(self.units[i].params[j]) for i, j in state["_stepped"]}
         self._register()
         if not watching:
@@ -231,9 +217,8 @@ class StepObserver:
         self._finish_step()
         self._warn_if_missing(stacklevel + 1)
         scores, self._early_scores = self._early_scores, {}
-        for step in self._closed_steps:  # a later training step's score of a unit replaces an earlier one's
-            scores.update(self._step_scores(step))
-        self._closed_steps = []
+        scores.update(self._step_scores(self._closed_step))  # a later step's score of a unit replaces an earlier one's
+        self._closed_step = []
         if self._optimizers:
             self._last_optimizers = self._optimizers
         self._optimizers, self._stepped = [], set()
@@ -242,10 +227,9 @@ class StepObserver:
         return scores
 
     def _finish_step(self) -> None:
-        if self._parts:
-            if self._closed_steps:  # closed without slimfit_step(): keep one step's device sums, at most
-                self._early_scores.update(self._step_scores(self._closed_steps.pop()))
-            self._closed_steps.append(self._parts)
+        if self._parts:  # the step closed before, if not taken: to the host (one step's device sums kept, at most)
+            self._early_scores.update(self._step_scores(self._closed_step))
+            self._closed_step = self._parts
         self._parts = []
 
     def _step_scores(self, step: list[Parts]) -> dict[int, float]:
@@ -269,14 +253,10 @@ class StepObserver:
         if self._depth:  # a wrapper optimizer's step around its wrapped one's, both attached: one snapshot
             self._depth += 1
             return
-        if self.resolve is not None:  # the optimizer holds the parameters the model holds between steps
-            self.resolve()
-            self._unit_of = {id(p): index for index, unit in enumerate(self.units) for p in unit.params}
-        mine = {id(p) for group in optimizer.param_groups for p in group["params"]} & self._unit_of.keys()
+        mine = {id(p) for group in optimizer.param_groups for p in group["params"]} & self._unit_params(resolve=True)
         if not mine:
             return  # another model's optimizer
-        if self.guard is not None:
-            self.guard(optimizer)
+        self.guard(optimizer)
         if self._closed:
             raise RuntimeError(
                 "SlimFit: optimizer.step() was called after model.slimfit_step() with no training forward in "
@@ -338,11 +318,8 @@ class StepObserver:
         """Units that trained in this step but that no optimizer which stepped holds: their gradient is lost."""
         if self._warned_missing or not self._stepped:  # no step at all: skipped (inf gradients under AMP)
             return
-        missing = [
-            unit.name
-            for index, unit in enumerate(self.units)
-            if self.scheduler.trained[index] and any(id(p) not in self._stepped for p in unit.params)
-        ]
+        trained = [unit for unit, trains in zip(self.units, self.scheduler.trained) if trains]
+        missing = [unit.name for unit in trained if any(id(p) not in self._stepped for p in unit.params)]
         if missing:
             self._warned_missing = True
             warnings.warn(

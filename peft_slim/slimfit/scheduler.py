@@ -116,17 +116,23 @@ class FreezeScheduler:
 def score_parts(metric: str, before: list[torch.Tensor], after: list[torch.Tensor], epsilon: float) -> list[float]:
     """The two sums a unit's score is made of, over some of its tensors (they add up over tensors, so over several
     optimizers' steps); consumes ``before``."""
+    sums = [_tensor_parts(metric, old, new, epsilon, 1.0) for old, new in zip(before, after)]
     if metric == "relative_change":  # sum of |after - before| / (|before| + eps), and the count of values
-        total, count = 0.0, 0
-        for old, new in zip(before, after):
-            delta = (new.detach().float() - old.float()).abs_()
-            total += _item(delta.div_(old.float().abs_().add_(epsilon)).sum())
-            count += old.numel()
-        return [total, float(count)]
+        return [sum((_item(total) for total in sums), 0.0), float(sum(old.numel() for old in before))]
     # update_norm: squared norms of the change and of the old values
-    change = sum(_item((new.detach().float() - old.float()).pow_(2).sum()) for old, new in zip(before, after))
-    size = sum(_item(old.float().pow(2).sum()) for old in before)
-    return [float(change), float(size)]
+    return [float(sum(_item(change) for change, _ in sums)), float(sum(_item(size) for _, size in sums))]
+
+
+def _tensor_parts(metric: str, before: torch.Tensor, after: torch.Tensor, epsilon: float, factor: float):
+    """One tensor's ``score_parts`` as 0-d tensors (no host sync); a ``factor`` not 1 then moves ``after`` that many
+    times the update (catch-up). Consumes ``before``."""
+    old = before.float()
+    delta = after.detach().float() - old
+    if factor != 1.0:
+        after.add_(delta, alpha=factor - 1.0)
+    if metric == "relative_change":
+        return delta.abs_().div_(old.abs_().add_(epsilon)).sum()
+    return delta.pow_(2).sum(), old.pow(2).sum()
 
 
 def finish_score(metric: str, parts: list[float], epsilon: float) -> float:
