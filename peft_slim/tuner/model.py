@@ -227,8 +227,8 @@ class MethodTuner(BaseTuner):
     state_cls: type[AdapterState] = AdapterState  # a method's own, with the fields its ``_setup`` fills in
 
     def _pre_injection_hook(self, model: nn.Module, config: MethodConfig, adapter_name: str) -> None:
-        self._states: dict[str, AdapterState] = {}  # every adapter's method state, by adapter name
-        self._parked: set[str] = set()  # the adapters whose hooks are off the model: all but the active one
+        # Every adapter's method state, by adapter name; the hooks of all but the active one are off the model.
+        self._states: dict[str, AdapterState] = {}
         # What taking the tuner off again restores (a get_peft_model or load that raised: `_take_off`).
         self._given_requires_grad = {name: param.requires_grad for name, param in model.named_parameters()}
         watched = _NEW_TUNERS.get()
@@ -293,7 +293,7 @@ class MethodTuner(BaseTuner):
                 "set_adapter(name) with one name."
             )
         live = self.active_adapters[0]
-        kept = [(param, param.requires_grad) for param in model.parameters()]
+        kept = {param: param.requires_grad for param in model.parameters()}  # by identity, as tensors hash
         self._park(live)
         try:
             self.active_adapter = adapter_name
@@ -302,7 +302,6 @@ class MethodTuner(BaseTuner):
             if adapter_name in self._states:
                 self._park(adapter_name)  # off the model: whatever hooks the failed set-up installed
                 del self._states[adapter_name]
-                self._parked.discard(adapter_name)
             BaseTuner.set_adapter(self, live)  # then its LoRA out again (not active: deleted without a warning)
             delete_adapter(model, adapter_name, prefix="lora_", layer_cls=self.tuner_layer_cls)
             raise
@@ -310,11 +309,10 @@ class MethodTuner(BaseTuner):
             self._park(adapter_name)
         finally:
             BaseTuner.set_adapter(self, live)
-            existing = {id(param) for param, _ in kept}
-            for param, requires_grad in kept:
-                param.requires_grad = requires_grad
             for name, param in model.named_parameters():
-                if id(param) not in existing and _names_adapter(name, adapter_name):
+                if param in kept:
+                    param.requires_grad = kept[param]
+                elif _names_adapter(name, adapter_name):
                     param.requires_grad = False
             self._unpark(live)
             model.peft_config = self.peft_config  # the LoraModel that injected the new LoRA put its own there
@@ -372,11 +370,9 @@ class MethodTuner(BaseTuner):
         """Take the hooks of ``adapter_name`` (the active adapter) off the model; its state stays in ``_states``."""
         self._states[adapter_name].detach()
         self._remove_method_hooks()
-        self._parked.add(adapter_name)
 
     def _unpark(self, adapter_name: str) -> None:
         """Put the hooks of ``adapter_name`` (the active adapter) back, in the order ``_inject`` installs them."""
-        self._parked.discard(adapter_name)
         self._restore_method_hooks()
         self._states[adapter_name].reattach()
 
@@ -393,7 +389,7 @@ class MethodTuner(BaseTuner):
                 f"{self.method_name}: set_adapter: no adapter {name!r}; this model has {sorted(self.peft_config)}."
             )
         live = self.active_adapters[0] if len(self.active_adapters) == 1 else None
-        switching = live != name and name in self._parked
+        switching = live != name and name in self._states  # its hooks are off the model: put them on
         if switching and live is not None:
             self._park(live)
         super().set_adapter(name, inference_mode=inference_mode)
@@ -416,13 +412,12 @@ class MethodTuner(BaseTuner):
                 "merge_and_unload() for the tuned model as a plain model, or load the base model again (SlimFit "
                 "with keep_base_weights=True: unload() returns it)."
             )
-        parked = adapter_name in self._parked  # its hooks are off the model already
+        parked = adapter_name not in self.active_adapters  # its hooks are off the model already
         if not parked:
             self.remove_hooks()
         super().delete_adapter(adapter_name)
         del self._states[adapter_name]
-        self._parked.discard(adapter_name)
-        if not parked and len(self.active_adapters) == 1 and self.active_adapters[0] in self._parked:
+        if not parked and len(self.active_adapters) == 1 and self.active_adapters[0] in self._states:
             self._unpark(self.active_adapters[0])
             self._after_set_adapter()
 
@@ -540,27 +535,8 @@ class MethodTuner(BaseTuner):
             if stored is not None or loaded_from is not None:
                 ignore = getattr(config, "_ignore_base_mismatch", False)
                 tuner._check_base_model(record, config.base_model_name_or_path, loaded_from, ignore)
-        tuner._check_shapes(model, config, remapped)
-        tuner._report_keys(model, config, adapter_name, set(remapped), record)
+        tuner._check_loaded(model, config, adapter_name, remapped, record)
         return remapped
-
-    def _check_shapes(self, peft_model: nn.Module, config: MethodConfig, loaded: dict[str, torch.Tensor]) -> None:
-        """Refuse an adapter file with tensors of other shapes than this model's, before any is loaded (torch would
-        load the others first, base tensors of a standalone adapter or LoRA's biases among them)."""
-        state_dict = peft_model.state_dict()
-        wrong = [key for key, value in loaded.items() if key in state_dict and value.shape != state_dict[key].shape]
-        if not wrong:
-            return
-        where = getattr(config, "_loaded_from", None)
-        listed = ", ".join(
-            f"{key}: {list(loaded[key].shape)} in the file, {list(state_dict[key].shape)} here" for key in wrong[:3]
-        )
-        raise ValueError(
-            f"{self.method_name} adapter{f' {where!r}' if where else ''}: {len(wrong)} tensor(s) of the adapter file "
-            f"do not fit this model ({listed}{', ...' if len(wrong) > 3 else ''}). It was saved from a model of other "
-            f"shapes ({config.base_model_name_or_path or 'name not recorded'}): load it onto that model. Nothing was "
-            "loaded."
-        )
 
     @classmethod
     def _convert_state_dict_for_initial_model(cls, model, peft_config, *args, **kwargs):
@@ -636,12 +612,27 @@ class MethodTuner(BaseTuner):
             )
         warnings.warn(f"{message}. Loaded anyway ({MISMATCH_FLAG}=True).", stacklevel=3)
 
-    def _report_keys(
-        self, peft_model: nn.Module, config: MethodConfig, adapter_name: str, loaded: set, record: dict | None
+    def _check_loaded(
+        self, peft_model: nn.Module, config: MethodConfig, adapter_name: str, loaded: dict, record: dict | None
     ) -> None:
-        """Warn about the keys an adapter file should have set but did not (PEFT's own report keeps only keys with
-        the tuner's prefix, which none of ours have), and about tensors it holds that this model has no place for."""
+        """Refuse an adapter file with tensors of other shapes than this model's, before any is loaded (torch would
+        load the others first, base tensors of a standalone adapter or LoRA's biases among them). Then warn about the
+        keys it should have set but did not (PEFT's own report keeps only keys with the tuner's prefix, which none of
+        ours have), and about tensors it holds that this model has no place for."""
         state_dict = peft_model.state_dict()
+        wrong = [key for key, value in loaded.items() if key in state_dict and value.shape != state_dict[key].shape]
+        if wrong:
+            where = getattr(config, "_loaded_from", None)
+            listed = ", ".join(
+                f"{key}: {list(loaded[key].shape)} in the file, {list(state_dict[key].shape)} here"
+                for key in wrong[:3]
+            )
+            raise ValueError(
+                f"{self.method_name} adapter{f' {where!r}' if where else ''}: {len(wrong)} tensor(s) of the adapter "
+                f"file do not fit this model ({listed}{', ...' if len(wrong) > 3 else ''}). It was saved from a model "
+                f"of other shapes ({config.base_model_name_or_path or 'name not recorded'}): load it onto that model. "
+                "Nothing was loaded."
+            )
         if config.lora is not None:
             # PEFT's rule for LoRA (tuner prefix and adapter name in the key), plus the biases `lora.bias` saves.
             expected = {key for key in state_dict if "lora_" in key and _names_adapter(key, adapter_name)}
@@ -652,13 +643,13 @@ class MethodTuner(BaseTuner):
             expected = {prefix + name for name in record["saved"]}
         else:
             expected = set()
-        missing = sorted(expected - loaded)
+        missing = sorted(expected - loaded.keys())
         if missing:  # PEFT's wording
             warnings.warn(f"Found missing adapter keys while loading the checkpoint: {missing}.", stacklevel=2)
         # Not warned about: the copies PEFT itself saves of a modules_to_save head's bias with bias="all" (loaded
         # through the head's own key).
         wrapped = peft_wrapped_names(peft_model)
-        unexpected = sorted(key for key in loaded - set(state_dict) if not is_under(key, wrapped))
+        unexpected = sorted(key for key in loaded.keys() - state_dict.keys() if not is_under(key, wrapped))
         if unexpected:
             warnings.warn(
                 f"{self.method_name} adapter: found unexpected keys (tensors this model has no place for; they were "
