@@ -294,19 +294,18 @@ class MethodTuner(BaseTuner):
             )
         live = self.active_adapters[0]
         kept = {param: param.requires_grad for param in model.parameters()}  # by identity, as tensors hash
-        self._park(live)
+        self.remove_hooks()  # the live adapter's, until it is active again below
         try:
             self.active_adapter = adapter_name
             self._inject(model, adapter_name, low_cpu_mem_usage, state_dict)
         except BaseException:
-            if adapter_name in self._states:
-                self._park(adapter_name)  # off the model: whatever hooks the failed set-up installed
-                del self._states[adapter_name]
+            self.remove_hooks()  # off the model: whatever hooks the failed set-up installed
+            self._states.pop(adapter_name, None)
             BaseTuner.set_adapter(self, live)  # then its LoRA out again (not active: deleted without a warning)
             delete_adapter(model, adapter_name, prefix="lora_", layer_cls=self.tuner_layer_cls)
             raise
         else:
-            self._park(adapter_name)
+            self.remove_hooks()  # the new adapter's hooks wait off the model for set_adapter
         finally:
             BaseTuner.set_adapter(self, live)
             for name, param in model.named_parameters():
@@ -366,13 +365,9 @@ class MethodTuner(BaseTuner):
         """The active adapter's method state."""
         return self._states[self.active_adapters[0]]
 
-    def _park(self, adapter_name: str) -> None:
-        """Take the hooks of ``adapter_name`` (the active adapter) off the model; its state stays in ``_states``."""
-        self._states[adapter_name].detach()
-        self._remove_method_hooks()
-
     def _unpark(self, adapter_name: str) -> None:
-        """Put the hooks of ``adapter_name`` (the active adapter) back, in the order ``_inject`` installs them."""
+        """Put the hooks of ``adapter_name`` (the active adapter) back, in the order ``_inject`` installs them (a
+        parked adapter's state stays in ``_states`` while ``remove_hooks`` has them off the model)."""
         self._restore_method_hooks()
         self._states[adapter_name].reattach()
 
@@ -391,7 +386,7 @@ class MethodTuner(BaseTuner):
         live = self.active_adapters[0] if len(self.active_adapters) == 1 else None
         switching = live != name and name in self._states  # its hooks are off the model: put them on
         if switching and live is not None:
-            self._park(live)
+            self.remove_hooks()
         super().set_adapter(name, inference_mode=inference_mode)
         if switching:
             self._unpark(name)
@@ -467,7 +462,7 @@ class MethodTuner(BaseTuner):
     # ------------------------------------------------------------------ unloading and saving
 
     def remove_hooks(self) -> None:
-        """Detach the method from the model (done by unload / merge_and_unload)."""
+        """Detach the active adapter's method from the model (done by unload / merge_and_unload, and to park it)."""
         state = self._active_state()
         if state is not None:
             state.detach()

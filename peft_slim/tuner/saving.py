@@ -186,8 +186,8 @@ def consistent_read(load: Callable) -> Callable:
 
     @functools.wraps(load)
     def load_one_save(model: Any, model_id: str, *args, **kwargs) -> Any:
-        folder = os.fspath(model_id)
-        folder = os.path.join(folder, kwargs["subfolder"]) if kwargs.get("subfolder") else folder
+        model_id = os.fspath(model_id)  # `load` is given a str
+        folder = os.path.join(model_id, kwargs["subfolder"]) if kwargs.get("subfolder") else model_id
         if not os.path.isdir(folder):  # a Hub repository: one revision is one commit
             return load(model, model_id, *args, **kwargs)
         loading = False
@@ -245,7 +245,6 @@ def from_pretrained(
     base model other than the one it was trained on. ``kwargs`` go to ``PeftModel.from_pretrained``. A load that
     raises leaves ``model`` as it was given. ``is_trainable=False`` sets up no method: training it is refused.
     """
-    model_id = os.fspath(model_id)
     if not os.path.exists(model_id) and os.path.isdir(sibling(model_id, "new")):
         recover(model_id)  # a save was killed between its two renames: the new folder is complete
     hub_kwargs = {key: kwargs[key] for key in ("subfolder", "revision", "cache_dir", "token") if key in kwargs}
@@ -273,7 +272,6 @@ def load_adapter(model: Any, model_id: str, adapter_name: str, is_trainable: boo
         )
     if adapter_name in model.peft_config:
         raise ValueError(f"peft_slim.load_adapter: the model already has an adapter named {adapter_name!r}.")
-    model_id = os.fspath(model_id)
     hub_kwargs = {key: kwargs[key] for key in ("subfolder", "revision", "cache_dir", "token") if key in kwargs}
     config = load_config(model_id, **hub_kwargs)
     config.inference_mode = not is_trainable
