@@ -366,8 +366,7 @@ class MethodTuner(BaseTuner):
         return self._states[self.active_adapters[0]]
 
     def _unpark(self, adapter_name: str) -> None:
-        """Put the hooks of ``adapter_name`` (the active adapter) back, in the order ``_inject`` installs them (a
-        parked adapter's state stays in ``_states`` while ``remove_hooks`` has them off the model)."""
+        """Put back the hooks ``remove_hooks`` took off ``adapter_name`` (now active), in the order of ``_inject``."""
         self._restore_method_hooks()
         self._states[adapter_name].reattach()
 
@@ -407,12 +406,12 @@ class MethodTuner(BaseTuner):
                 "merge_and_unload() for the tuned model as a plain model, or load the base model again (SlimFit "
                 "with keep_base_weights=True: unload() returns it)."
             )
-        parked = adapter_name not in self.active_adapters  # its hooks are off the model already
-        if not parked:
+        active = adapter_name in self.active_adapters  # else parked: its hooks are off the model already
+        if active:
             self.remove_hooks()
         super().delete_adapter(adapter_name)
         del self._states[adapter_name]
-        if not parked and len(self.active_adapters) == 1 and self.active_adapters[0] in self._states:
+        if active and len(self.active_adapters) == 1 and self.active_adapters[0] in self._states:
             self._unpark(self.active_adapters[0])
             self._after_set_adapter()
 
