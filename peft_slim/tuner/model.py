@@ -503,8 +503,7 @@ class MethodTuner(BaseTuner):
         # What loading checks, saved in the file beside the tensors it describes (every load reads it, Trainer's
         # resume_from_checkpoint included): which tensors the file holds, which base model the others come from.
         names = {key[len(prefix) :] for key in saved}
-        others = [name for name in base_parameter_names(tuner.model) if name not in names]
-        record = {"saved": sorted(names), "others": tuner._base_identity(others, lambda n: state_dict.get(prefix + n))}
+        record = {"saved": sorted(names), "others": tuner._base_identity(names, lambda n: state_dict.get(prefix + n))}
         saved[RECORD_KEY] = record_tensor(record)
         return saved
 
@@ -556,11 +555,13 @@ class MethodTuner(BaseTuner):
         is, which is the same for a tensor the method never changes."""
         return None
 
-    def _base_identity(self, names: list[str], tensor_of) -> dict[str, Any]:
-        """Count, dtypes and joint digest of base parameters ``names`` as they were when the model was wrapped
-        (``tensor_of(name)``: the tensor to hash when the method kept no digest; None: the model's own)."""
+    def _base_identity(self, held: set[str], tensor_of) -> dict[str, Any]:
+        """Count, dtypes and joint digest of the base parameters an adapter file does not hold (``held``: those it
+        does) as they were when the model was wrapped (``tensor_of(name)``: the tensor to hash when the method kept
+        no digest; None: the model's own)."""
+        others = [name for name in base_parameter_names(self.model) if name not in held]
         entries = []
-        for name in names:
+        for name in others:
             entry = self._kept_base_entry(name)
             if entry is None:
                 tensor = tensor_of(name)
@@ -583,9 +584,7 @@ class MethodTuner(BaseTuner):
                 stacklevel=3,
             )
             return
-        held = set(record["saved"])
-        others = [name for name in base_parameter_names(self.model) if name not in held]
-        here = self._base_identity(others, lambda name: None)
+        here = self._base_identity(set(record["saved"]), lambda name: None)
         then = record["others"]
         if here["blake2b"] == then["blake2b"] and here["count"] == then["count"]:
             return
