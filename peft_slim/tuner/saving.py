@@ -36,8 +36,7 @@ from .model import MethodTuner, unchanged_if_raises
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_FILES = ("adapter_config.json", RECORD_NAME)
-WEIGHT_FILES = (WEIGHTS_NAME, "adapter_model.bin")
-ADAPTER_FILES = (*CONFIG_FILES, *WEIGHT_FILES)
+ADAPTER_FILES = (*CONFIG_FILES, WEIGHTS_NAME, "adapter_model.bin")
 # In an adapter's safetensors metadata: the digests of its config files (see stamp_weights).
 STAMP_KEY = "peft_slim.config_blake2b"
 MODEL_FILES = re.compile(
@@ -164,9 +163,8 @@ def stamp_weights(folder: str) -> None:
 def check_stamp(where: str, files: dict[str, IO[bytes]]) -> None:
     """Raise if the open config ``files`` of an adapter are not the ones :func:`stamp_weights` recorded in its open
     weights file (an adapter without the record passes)."""
-    if WEIGHTS_NAME not in files:
-        return
-    stamp = _safetensors_header(files[WEIGHTS_NAME]).get("__metadata__", {}).get(STAMP_KEY)
+    weights = files.get(WEIGHTS_NAME)
+    stamp = None if weights is None else _safetensors_header(weights).get("__metadata__", {}).get(STAMP_KEY)
     if stamp is None:
         return
     for name, digest in json.loads(stamp).items():
@@ -192,7 +190,7 @@ def consistent_read(load: Callable) -> Callable:
             return load(model, model_id, *args, **kwargs)
         loading = False
         try:
-            with held_files(folder, (*CONFIG_FILES, *WEIGHT_FILES)) as files:
+            with held_files(folder, ADAPTER_FILES) as files:
                 check_stamp(folder, files)
                 loading = True
                 return load(model, model_id, *args, **kwargs)
