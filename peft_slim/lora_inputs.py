@@ -47,9 +47,7 @@ def _plain(layer: LoraLinear) -> bool:
 def _cast_input(layer: LoraLinear, x, dtype: torch.dtype):
     """PEFT's ``_cast_input_dtype``, except that a narrower floating input of a plain layer is passed on as it is
     (``lora_A`` upcasts it)."""
-    if x is None:
-        return None
-    if not getattr(layer, "cast_input_dtype_enabled", True) or x.dtype == dtype:
+    if x is None or not getattr(layer, "cast_input_dtype_enabled", True) or x.dtype == dtype:
         return x
     narrower = x.is_floating_point() and x.dtype.itemsize < dtype.itemsize and dtype.is_floating_point
     if narrower and _plain(layer) and not torch.is_autocast_enabled(x.device.type):

@@ -21,12 +21,14 @@ def card_section(peft_model: Any) -> str:
     tuner = peft_model.base_model
     config = tuner._config
     base_cls = type(peft_model.get_base_model())
+    # `transformers` for a class it exports (the usual case), else the module that defines it
+    module = "transformers" if getattr(transformers, base_cls.__name__, None) is base_cls else base_cls.__module__
     base_ref = config.base_model_name_or_path or "<the base model it was trained from>"
     adapter_ref = "<the folder or Hub id of this adapter>"
     code = [
         "```python",
         "from peft import PeftModel",
-        f"from {_public_module(base_cls)} import {base_cls.__name__}",
+        f"from {module} import {base_cls.__name__}",
         "",
         f'base = {base_cls.__name__}.from_pretrained("{base_ref}")',
         f'model = PeftModel.from_pretrained(base, "{adapter_ref}")',
@@ -54,11 +56,6 @@ def card_section(peft_model: Any) -> str:
             "`model.merge_and_unload()` gives the tuned model as a plain transformers model.",
         ]
     return "\n".join([CARD_START, "## Loading this adapter (peft_slim)", "", *lines, CARD_END])
-
-
-def _public_module(cls: type) -> str:
-    """``transformers`` for a class it exports (the usual case), else the module that defines ``cls``."""
-    return "transformers" if getattr(transformers, cls.__name__, None) is cls else cls.__module__
 
 
 def add_card_section(path: str, peft_model: Any) -> None:

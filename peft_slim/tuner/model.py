@@ -227,8 +227,8 @@ class MethodTuner(BaseTuner):
     state_cls: type[AdapterState] = AdapterState  # a method's own, with the fields its ``_setup`` fills in
 
     def _pre_injection_hook(self, model: nn.Module, config: MethodConfig, adapter_name: str) -> None:
-        self._states: dict[str, AdapterState] = {}  # every adapter's method state, by adapter name
-        self._parked: set[str] = set()  # the adapters whose hooks are off the model: all but the active one
+        # Every adapter's method state, by adapter name; the hooks of all but the active one are off the model.
+        self._states: dict[str, AdapterState] = {}
         # What taking the tuner off again restores (a get_peft_model or load that raised: `_take_off`).
         self._given_requires_grad = {name: param.requires_grad for name, param in model.named_parameters()}
         watched = _NEW_TUNERS.get()
@@ -293,28 +293,25 @@ class MethodTuner(BaseTuner):
                 "set_adapter(name) with one name."
             )
         live = self.active_adapters[0]
-        kept = [(param, param.requires_grad) for param in model.parameters()]
-        self._park(live)
+        kept = {param: param.requires_grad for param in model.parameters()}  # by identity, as tensors hash
+        self.remove_hooks()  # the live adapter's, until it is active again below
         try:
             self.active_adapter = adapter_name
             self._inject(model, adapter_name, low_cpu_mem_usage, state_dict)
         except BaseException:
-            if adapter_name in self._states:
-                self._park(adapter_name)  # off the model: whatever hooks the failed set-up installed
-                del self._states[adapter_name]
-                self._parked.discard(adapter_name)
+            self.remove_hooks()  # off the model: whatever hooks the failed set-up installed
+            self._states.pop(adapter_name, None)
             BaseTuner.set_adapter(self, live)  # then its LoRA out again (not active: deleted without a warning)
             delete_adapter(model, adapter_name, prefix="lora_", layer_cls=self.tuner_layer_cls)
             raise
         else:
-            self._park(adapter_name)
+            self.remove_hooks()  # the new adapter's hooks wait off the model for set_adapter
         finally:
             BaseTuner.set_adapter(self, live)
-            existing = {id(param) for param, _ in kept}
-            for param, requires_grad in kept:
-                param.requires_grad = requires_grad
             for name, param in model.named_parameters():
-                if id(param) not in existing and _names_adapter(name, adapter_name):
+                if param in kept:
+                    param.requires_grad = kept[param]
+                elif _names_adapter(name, adapter_name):
                     param.requires_grad = False
             self._unpark(live)
             model.peft_config = self.peft_config  # the LoraModel that injected the new LoRA put its own there
@@ -368,15 +365,8 @@ class MethodTuner(BaseTuner):
         """The active adapter's method state."""
         return self._states[self.active_adapters[0]]
 
-    def _park(self, adapter_name: str) -> None:
-        """Take the hooks of ``adapter_name`` (the active adapter) off the model; its state stays in ``_states``."""
-        self._states[adapter_name].detach()
-        self._remove_method_hooks()
-        self._parked.add(adapter_name)
-
     def _unpark(self, adapter_name: str) -> None:
-        """Put the hooks of ``adapter_name`` (the active adapter) back, in the order ``_inject`` installs them."""
-        self._parked.discard(adapter_name)
+        """Put back the hooks ``remove_hooks`` took off ``adapter_name`` (now active), in the order of ``_inject``."""
         self._restore_method_hooks()
         self._states[adapter_name].reattach()
 
@@ -393,9 +383,9 @@ class MethodTuner(BaseTuner):
                 f"{self.method_name}: set_adapter: no adapter {name!r}; this model has {sorted(self.peft_config)}."
             )
         live = self.active_adapters[0] if len(self.active_adapters) == 1 else None
-        switching = live != name and name in self._parked
+        switching = live != name and name in self._states  # its hooks are off the model: put them on
         if switching and live is not None:
-            self._park(live)
+            self.remove_hooks()
         super().set_adapter(name, inference_mode=inference_mode)
         if switching:
             self._unpark(name)
@@ -416,13 +406,12 @@ class MethodTuner(BaseTuner):
                 "merge_and_unload() for the tuned model as a plain model, or load the base model again (SlimFit "
                 "with keep_base_weights=True: unload() returns it)."
             )
-        parked = adapter_name in self._parked  # its hooks are off the model already
-        if not parked:
+        active = adapter_name in self.active_adapters  # else parked: its hooks are off the model already
+        if active:
             self.remove_hooks()
         super().delete_adapter(adapter_name)
         del self._states[adapter_name]
-        self._parked.discard(adapter_name)
-        if not parked and len(self.active_adapters) == 1 and self.active_adapters[0] in self._parked:
+        if active and len(self.active_adapters) == 1 and self.active_adapters[0] in self._states:
             self._unpark(self.active_adapters[0])
             self._after_set_adapter()
 
@@ -472,7 +461,7 @@ class MethodTuner(BaseTuner):
     # ------------------------------------------------------------------ unloading and saving
 
     def remove_hooks(self) -> None:
-        """Detach the method from the model (done by unload / merge_and_unload)."""
+        """Detach the active adapter's method from the model (done by unload / merge_and_unload, and to park it)."""
         state = self._active_state()
         if state is not None:
             state.detach()
@@ -514,8 +503,7 @@ class MethodTuner(BaseTuner):
         # What loading checks, saved in the file beside the tensors it describes (every load reads it, Trainer's
         # resume_from_checkpoint included): which tensors the file holds, which base model the others come from.
         names = {key[len(prefix) :] for key in saved}
-        others = [name for name in base_parameter_names(tuner.model) if name not in names]
-        record = {"saved": sorted(names), "others": tuner._base_identity(others, lambda n: state_dict.get(prefix + n))}
+        record = {"saved": sorted(names), "others": tuner._base_identity(names, lambda n: state_dict.get(prefix + n))}
         saved[RECORD_KEY] = record_tensor(record)
         return saved
 
@@ -540,27 +528,8 @@ class MethodTuner(BaseTuner):
             if stored is not None or loaded_from is not None:
                 ignore = getattr(config, "_ignore_base_mismatch", False)
                 tuner._check_base_model(record, config.base_model_name_or_path, loaded_from, ignore)
-        tuner._check_shapes(model, config, remapped)
-        tuner._report_keys(model, config, adapter_name, set(remapped), record)
+        tuner._check_loaded(model, config, adapter_name, remapped, record)
         return remapped
-
-    def _check_shapes(self, peft_model: nn.Module, config: MethodConfig, loaded: dict[str, torch.Tensor]) -> None:
-        """Refuse an adapter file with tensors of other shapes than this model's, before any is loaded (torch would
-        load the others first, base tensors of a standalone adapter or LoRA's biases among them)."""
-        state_dict = peft_model.state_dict()
-        wrong = [key for key, value in loaded.items() if key in state_dict and value.shape != state_dict[key].shape]
-        if not wrong:
-            return
-        where = getattr(config, "_loaded_from", None)
-        listed = ", ".join(
-            f"{key}: {list(loaded[key].shape)} in the file, {list(state_dict[key].shape)} here" for key in wrong[:3]
-        )
-        raise ValueError(
-            f"{self.method_name} adapter{f' {where!r}' if where else ''}: {len(wrong)} tensor(s) of the adapter file "
-            f"do not fit this model ({listed}{', ...' if len(wrong) > 3 else ''}). It was saved from a model of other "
-            f"shapes ({config.base_model_name_or_path or 'name not recorded'}): load it onto that model. Nothing was "
-            "loaded."
-        )
 
     @classmethod
     def _convert_state_dict_for_initial_model(cls, model, peft_config, *args, **kwargs):
@@ -586,11 +555,13 @@ class MethodTuner(BaseTuner):
         is, which is the same for a tensor the method never changes."""
         return None
 
-    def _base_identity(self, names: list[str], tensor_of) -> dict[str, Any]:
-        """Count, dtypes and joint digest of base parameters ``names`` as they were when the model was wrapped
-        (``tensor_of(name)``: the tensor to hash when the method kept no digest; None: the model's own)."""
+    def _base_identity(self, held: set[str], tensor_of) -> dict[str, Any]:
+        """Count, dtypes and joint digest of the base parameters an adapter file does not hold (``held``: those it
+        does) as they were when the model was wrapped (``tensor_of(name)``: the tensor to hash when the method kept
+        no digest; None: the model's own)."""
+        others = [name for name in base_parameter_names(self.model) if name not in held]
         entries = []
-        for name in names:
+        for name in others:
             entry = self._kept_base_entry(name)
             if entry is None:
                 tensor = tensor_of(name)
@@ -613,9 +584,7 @@ class MethodTuner(BaseTuner):
                 stacklevel=3,
             )
             return
-        held = set(record["saved"])
-        others = [name for name in base_parameter_names(self.model) if name not in held]
-        here = self._base_identity(others, lambda name: None)
+        here = self._base_identity(set(record["saved"]), lambda name: None)
         then = record["others"]
         if here["blake2b"] == then["blake2b"] and here["count"] == then["count"]:
             return
@@ -636,12 +605,27 @@ class MethodTuner(BaseTuner):
             )
         warnings.warn(f"{message}. Loaded anyway ({MISMATCH_FLAG}=True).", stacklevel=3)
 
-    def _report_keys(
-        self, peft_model: nn.Module, config: MethodConfig, adapter_name: str, loaded: set, record: dict | None
+    def _check_loaded(
+        self, peft_model: nn.Module, config: MethodConfig, adapter_name: str, loaded: dict, record: dict | None
     ) -> None:
-        """Warn about the keys an adapter file should have set but did not (PEFT's own report keeps only keys with
-        the tuner's prefix, which none of ours have), and about tensors it holds that this model has no place for."""
+        """Refuse an adapter file with tensors of other shapes than this model's, before any is loaded (torch would
+        load the others first, base tensors of a standalone adapter or LoRA's biases among them). Then warn about the
+        keys it should have set but did not (PEFT's own report keeps only keys with the tuner's prefix, which none of
+        ours have), and about tensors it holds that this model has no place for."""
         state_dict = peft_model.state_dict()
+        wrong = [key for key, value in loaded.items() if key in state_dict and value.shape != state_dict[key].shape]
+        if wrong:
+            where = getattr(config, "_loaded_from", None)
+            listed = ", ".join(
+                f"{key}: {list(loaded[key].shape)} in the file, {list(state_dict[key].shape)} here"
+                for key in wrong[:3]
+            )
+            raise ValueError(
+                f"{self.method_name} adapter{f' {where!r}' if where else ''}: {len(wrong)} tensor(s) of the adapter "
+                f"file do not fit this model ({listed}{', ...' if len(wrong) > 3 else ''}). It was saved from a model "
+                f"of other shapes ({config.base_model_name_or_path or 'name not recorded'}): load it onto that model. "
+                "Nothing was loaded."
+            )
         if config.lora is not None:
             # PEFT's rule for LoRA (tuner prefix and adapter name in the key), plus the biases `lora.bias` saves.
             expected = {key for key in state_dict if "lora_" in key and _names_adapter(key, adapter_name)}
@@ -652,13 +636,13 @@ class MethodTuner(BaseTuner):
             expected = {prefix + name for name in record["saved"]}
         else:
             expected = set()
-        missing = sorted(expected - loaded)
+        missing = sorted(expected - loaded.keys())
         if missing:  # PEFT's wording
             warnings.warn(f"Found missing adapter keys while loading the checkpoint: {missing}.", stacklevel=2)
         # Not warned about: the copies PEFT itself saves of a modules_to_save head's bias with bias="all" (loaded
         # through the head's own key).
         wrapped = peft_wrapped_names(peft_model)
-        unexpected = sorted(key for key in loaded - set(state_dict) if not is_under(key, wrapped))
+        unexpected = sorted(key for key in loaded.keys() - state_dict.keys() if not is_under(key, wrapped))
         if unexpected:
             warnings.warn(
                 f"{self.method_name} adapter: found unexpected keys (tensors this model has no place for; they were "

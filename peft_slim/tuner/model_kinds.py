@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
 
 from ..compat import is_deepspeed_zero3_enabled
 
@@ -26,16 +27,11 @@ def check_model_kind(model: nn.Module, method: str, selects_tokens: bool) -> Non
             "before the adapter is injected. Instead use FSDP2 (fully_shard; peft_slim's tested sharded path), DDP, "
             "or DeepSpeed ZeRO-1/2, which keep whole parameters on each rank."
         )
-    if selects_tokens and not _is_transformers_model(model):
+    config = getattr(model, "config", None)
+    if selects_tokens and not (isinstance(model, PreTrainedModel) and isinstance(config, PretrainedConfig)):
         raise ValueError(
             f"{method}'s token selection needs a transformers model (a PreTrainedModel with a `config` and decoder "
             f"or encoder blocks, e.g. AutoModelForCausalLM), got {type(model).__name__}"
             f"{'' if hasattr(model, 'config') else ' (no `config` attribute)'}. For another nn.Module use SlimFit "
             "without `tokentune`, or LoRA with `compress_activations`."
         )
-
-
-def _is_transformers_model(model: nn.Module) -> bool:
-    from transformers import PretrainedConfig, PreTrainedModel
-
-    return isinstance(model, PreTrainedModel) and isinstance(getattr(model, "config", None), PretrainedConfig)

@@ -29,28 +29,26 @@ def record_from_tensor(tensor: torch.Tensor, where: str) -> dict:
         value = json.loads(bytes(tensor.cpu().numpy().tobytes()).decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{where}: the adapter file's {RECORD_KEY!r} is not a peft_slim record ({error}).") from None
-    saved, others = (value.get("saved"), value.get("others")) if isinstance(value, dict) else (None, None)
-    count, dtypes, digest = (
-        (others.get(key) for key in ("count", "dtypes", "blake2b")) if isinstance(others, dict) else [None] * 3
-    )
-    if not (
+    others = value.get("others") if isinstance(value, dict) else None
+    if not (  # each test reads only what the ones before it guarantee
         isinstance(value, dict)
         and set(value) == {"saved", "others"}
-        and isinstance(saved, (list, tuple))
-        and all(isinstance(name, str) and name for name in saved)
+        and isinstance(value["saved"], (list, tuple))
+        and all(isinstance(name, str) and name for name in value["saved"])
         and isinstance(others, dict)
         and set(others) == {"count", "dtypes", "blake2b"}
-        and isinstance(count, int)
-        and not isinstance(count, bool)
-        and count >= 0
-        and isinstance(digest, str)
-        and isinstance(dtypes, (list, tuple))
-        and all(isinstance(dtype, str) for dtype in dtypes)
+        and isinstance(others["count"], int)
+        and not isinstance(others["count"], bool)
+        and others["count"] >= 0
+        and isinstance(others["blake2b"], str)
+        and isinstance(others["dtypes"], (list, tuple))
+        and all(isinstance(dtype, str) for dtype in others["dtypes"])
     ):
         raise ValueError(
             f"{where}: {RECORD_KEY} must be the record save_pretrained writes: {{'saved': [parameter names], "
             f"'others': {{'count': int, 'dtypes': [str], 'blake2b': str}}}}, got {value!r}."
         )
+    saved, count, dtypes, digest = value["saved"], others["count"], others["dtypes"], others["blake2b"]
     return {"saved": sorted(saved), "others": {"count": count, "dtypes": sorted(dtypes), "blake2b": digest}}
 
 

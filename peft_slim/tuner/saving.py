@@ -36,8 +36,7 @@ from .model import MethodTuner, unchanged_if_raises
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_FILES = ("adapter_config.json", RECORD_NAME)
-WEIGHT_FILES = (WEIGHTS_NAME, "adapter_model.bin")
-ADAPTER_FILES = (*CONFIG_FILES, *WEIGHT_FILES)
+ADAPTER_FILES = (*CONFIG_FILES, WEIGHTS_NAME, "adapter_model.bin")
 # In an adapter's safetensors metadata: the digests of its config files (see stamp_weights).
 STAMP_KEY = "peft_slim.config_blake2b"
 MODEL_FILES = re.compile(
@@ -164,9 +163,8 @@ def stamp_weights(folder: str) -> None:
 def check_stamp(where: str, files: dict[str, IO[bytes]]) -> None:
     """Raise if the open config ``files`` of an adapter are not the ones :func:`stamp_weights` recorded in its open
     weights file (an adapter without the record passes)."""
-    if WEIGHTS_NAME not in files:
-        return
-    stamp = _safetensors_header(files[WEIGHTS_NAME]).get("__metadata__", {}).get(STAMP_KEY)
+    weights = files.get(WEIGHTS_NAME)
+    stamp = None if weights is None else _safetensors_header(weights).get("__metadata__", {}).get(STAMP_KEY)
     if stamp is None:
         return
     for name, digest in json.loads(stamp).items():
@@ -186,13 +184,13 @@ def consistent_read(load: Callable) -> Callable:
 
     @functools.wraps(load)
     def load_one_save(model: Any, model_id: str, *args, **kwargs) -> Any:
-        folder = os.fspath(model_id)
-        folder = os.path.join(folder, kwargs["subfolder"]) if kwargs.get("subfolder") else folder
+        model_id = os.fspath(model_id)  # `load` is given a str
+        folder = os.path.join(model_id, kwargs["subfolder"]) if kwargs.get("subfolder") else model_id
         if not os.path.isdir(folder):  # a Hub repository: one revision is one commit
             return load(model, model_id, *args, **kwargs)
         loading = False
         try:
-            with held_files(folder, (*CONFIG_FILES, *WEIGHT_FILES)) as files:
+            with held_files(folder, ADAPTER_FILES) as files:
                 check_stamp(folder, files)
                 loading = True
                 return load(model, model_id, *args, **kwargs)
@@ -245,7 +243,6 @@ def from_pretrained(
     base model other than the one it was trained on. ``kwargs`` go to ``PeftModel.from_pretrained``. A load that
     raises leaves ``model`` as it was given. ``is_trainable=False`` sets up no method: training it is refused.
     """
-    model_id = os.fspath(model_id)
     if not os.path.exists(model_id) and os.path.isdir(sibling(model_id, "new")):
         recover(model_id)  # a save was killed between its two renames: the new folder is complete
     hub_kwargs = {key: kwargs[key] for key in ("subfolder", "revision", "cache_dir", "token") if key in kwargs}
@@ -273,7 +270,6 @@ def load_adapter(model: Any, model_id: str, adapter_name: str, is_trainable: boo
         )
     if adapter_name in model.peft_config:
         raise ValueError(f"peft_slim.load_adapter: the model already has an adapter named {adapter_name!r}.")
-    model_id = os.fspath(model_id)
     hub_kwargs = {key: kwargs[key] for key in ("subfolder", "revision", "cache_dir", "token") if key in kwargs}
     config = load_config(model_id, **hub_kwargs)
     config.inference_mode = not is_trainable
