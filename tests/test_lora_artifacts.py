@@ -287,9 +287,13 @@ def test_a_save_killed_at_each_stage_leaves_the_old_or_the_new_adapter(versions,
         assert seen and _tokenizer_files(target) == versions["files"][seen[0]], stage  # adapter and tokenizer agree
     else:  # only between the two renames of the fallback path
         assert (stage, no_exchange) == ("aside", True)
-    # peft_slim's loader recovers first; the old folder before the swap, the new one from it on.
-    loaded = peft_slim.from_pretrained(build("llama"), target)
+    # peft_slim's loaders recover first; the old folder before the swap, the new one from it on.
     expected = "v1" if stage in ("staged", "complete") else "v2"
+    beside = peft_slim.from_pretrained(build("llama"), versions["root"] / "v1")
+    peft_slim.load_adapter(beside, target, "reloaded")
+    beside.set_adapter("reloaded")
+    assert torch.equal(eval_logits(beside), versions[expected]), stage
+    loaded = peft_slim.from_pretrained(build("llama"), target)
     assert torch.equal(eval_logits(loaded), versions[expected]), stage
     assert _tokenizer_files(target) == versions["files"][expected], stage
     assert (target / "notes.txt").read_text() == "kept"

@@ -178,13 +178,16 @@ def check_stamp(where: str, files: dict[str, IO[bytes]]) -> None:
 
 
 def consistent_read(load: Callable) -> Callable:
-    """Decorate ``load(model, model_id, ...)`` so that it reads one save of a local folder ``model_id``: the adapter's
-    files are held open as one version of the folder (``atomic_folder.held_files``) and their stamp checked before
-    ``load`` runs; if a save replaces the folder meanwhile, ``atomic_folder.FolderReplaced`` is raised after it."""
+    """Decorate ``load(model, model_id, ...)`` so that it reads one save of a local folder ``model_id`` (recovered
+    first if a save was killed between its two renames): the adapter's files are held open as one version of the
+    folder (``atomic_folder.held_files``) and their stamp checked before ``load`` runs; if a save replaces the folder
+    meanwhile, ``atomic_folder.FolderReplaced`` is raised after it."""
 
     @functools.wraps(load)
     def load_one_save(model: Any, model_id: str, *args, **kwargs) -> Any:
         model_id = os.fspath(model_id)  # `load` is given a str
+        if not os.path.exists(model_id) and os.path.isdir(sibling(model_id, "new")):
+            recover(model_id)  # a save was killed between its two renames: the new folder is complete
         folder = os.path.join(model_id, kwargs["subfolder"]) if kwargs.get("subfolder") else model_id
         if not os.path.isdir(folder):  # a Hub repository: one revision is one commit
             return load(model, model_id, *args, **kwargs)
@@ -243,8 +246,6 @@ def from_pretrained(
     base model other than the one it was trained on. ``kwargs`` go to ``PeftModel.from_pretrained``. A load that
     raises leaves ``model`` as it was given. ``is_trainable=False`` sets up no method: training it is refused.
     """
-    if not os.path.exists(model_id) and os.path.isdir(sibling(model_id, "new")):
-        recover(model_id)  # a save was killed between its two renames: the new folder is complete
     hub_kwargs = {key: kwargs[key] for key in ("subfolder", "revision", "cache_dir", "token") if key in kwargs}
     config = load_config(model_id, **hub_kwargs)
     config._ignore_base_mismatch = ignore_base_mismatch  # read by the tuner at injection
