@@ -272,13 +272,12 @@ class TokenSelector:
         if labels is not None and self._head.kind in ("causal_lm", "per_position"):
             check_label_shape(labels, (batch, length), "the hidden states")
         reads = self._head.read_positions(self.model.config, state.input_ids, batch, length, device)
-        forced = torch.zeros_like(real)
-        if reads is not None:  # a classifier: the positions it reads, and the first real token
-            forced = forced_positions(real, keep_first=True, keep_last=False) | reads
-        elif self._head.kind != "causal_lm" or self._decoder:
-            forced = forced_positions(real, keep_first=True, keep_last=self._decoder)
         if state.token_mask is not None:
             return check_token_mask(state.token_mask, real, reads)
+        keep_first = self._head.kind != "causal_lm" or self._decoder
+        forced = forced_positions(real, keep_first=keep_first, keep_last=self._decoder and reads is None)
+        if reads is not None:  # a classifier: the positions it reads too (and the first real token, never the last)
+            forced |= reads
         labelled = None
         if labels is not None and labels.dim() == 2 and tuple(labels.shape) == (batch, length):
             labelled = labelled_positions(labels.to(device), causal=self._head.kind == "causal_lm")
