@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.modeling_layers import GenericForSequenceClassification
 
 # Heads that read every position on its own (scored on selected positions only), by class-name suffix.
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # selected position i scored on token i+1
@@ -151,8 +150,7 @@ def head_of(model: nn.Module) -> Head:
             f"Supported heads: *{', *'.join(CAUSAL_LM_SUFFIXES + PER_POSITION_SUFFIXES)}, bare *Model classes, "
             "and the classification heads listed in the README ('Supported and refused')."
         )
-    generic = GenericForSequenceClassification
-    if issubclass(cls, generic) and cls.forward is generic.forward or _defining_head(cls, LAST_NON_PAD_HEADS[1:]):
+    if _defining_head(cls, LAST_NON_PAD_HEADS):
         return Head("classification", LAST_NON_PAD)
     klass = _defining_head(cls, FIRST_POSITION_HEADS)
     if klass is not None:
