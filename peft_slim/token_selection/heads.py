@@ -102,17 +102,16 @@ class Head:
         # transformers' rule (GenericForSequenceClassification.forward and the classes that copy it).
         pad_token_id = _pad_token_id(config)
         if pad_token_id is None or not isinstance(input_ids, torch.Tensor):
-            position = torch.full((batch,), length - 1, device=device)
-        else:
-            if tuple(input_ids.shape) != (batch, length):
-                raise ValueError(
-                    f"TokenTune: input_ids has shape {tuple(input_ids.shape)}, the sequence [batch, seq] = "
-                    f"{(batch, length)}; the position the classification head reads cannot be found."
-                )
-            non_pad = (input_ids.to(device) != pad_token_id).to(torch.int32)
-            indices = torch.arange(length, device=device, dtype=torch.int32)
-            position = (indices * non_pad).argmax(-1)
-        reads[torch.arange(batch, device=device), position.long()] = True
+            reads[:, -1] = True
+            return reads
+        if tuple(input_ids.shape) != (batch, length):
+            raise ValueError(
+                f"TokenTune: input_ids has shape {tuple(input_ids.shape)}, the sequence [batch, seq] = "
+                f"{(batch, length)}; the position the classification head reads cannot be found."
+            )
+        non_pad = (input_ids.to(device) != pad_token_id).to(torch.int32)
+        indices = torch.arange(length, device=device, dtype=torch.int32)
+        reads[torch.arange(batch, device=device), (indices * non_pad).argmax(-1)] = True
         return reads
 
 

@@ -75,9 +75,7 @@ class TokenSelection:
         index = _expand_index(self.index, full, dim)
         source = part.to(full.dtype)
         if not self.all_valid:
-            valid = self.valid.view(self.valid.shape + (1,) * (part.dim() - 2))
-            if dim != 1:
-                valid = valid.movedim(1, dim)
+            valid = self.valid.view(self.valid.shape + (1,) * (part.dim() - 2)).movedim(1, dim)
             source = torch.where(valid, source, full.gather(dim, index))
         return full.scatter(dim, index, source)
 
