@@ -63,7 +63,6 @@ class TokenSelection:
         the flattened (batch, ``dim``) axes, whose backward keeps only the index (``torch.gather`` keeps its input)."""
         if not tensor.requires_grad:
             return tensor.gather(dim, _expand_index(self.index, tensor, dim))
-        dim = dim % tensor.dim()
         moved = tensor.movedim(dim, 1)
         batch, length = moved.shape[:2]
         rows = (self.index + torch.arange(batch, device=self.index.device)[:, None] * length).flatten()
