@@ -179,7 +179,6 @@ class TokenSelector:
         self._head = head_of(model)
         # Name every argument, so that a positional attention mask or labels are found (and labels removed).
         kwargs = named_arguments(model, self._forward_signature, args, kwargs)
-        args = ()
         check_output_flags(model.config, kwargs)
         # TRL's fused LM head would score every position; the model's own forward runs instead, the head on the
         # selected positions, and the end of the forward answers in the fused head's format (fused_head.py).
@@ -207,7 +206,7 @@ class TokenSelector:
             fused=fused,
         )
         set_attn_implementation(model.config, REGISTERED_NAMES[implementation])
-        return args, kwargs
+        return (), kwargs
 
     def _without_cache(self, model: nn.Module, kwargs: dict) -> None:
         """No KV cache in training, as transformers does under gradient checkpointing (with a warning, once): each
