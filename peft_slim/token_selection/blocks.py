@@ -38,16 +38,13 @@ _PER_POSITION_ARGS = {"attention_mask": -2, "position_embeddings": 1, "position_
 
 def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The model's stack of transformer blocks: the largest ModuleList of identical layers."""
-    best, best_size = None, 0
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
-        if len({type(child) for child in module}) != 1:
-            continue
-        size = sum(p.numel() for p in module.parameters())
-        if size > best_size:
-            best, best_size = (name, module), size
-    if best is None:
+    sizes = {
+        (name, module): sum(p.numel() for p in module.parameters())
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len({type(child) for child in module}) == 1
+    }
+    best = max(sizes, key=sizes.get, default=None)  # the first of equal sizes
+    if best is None or sizes[best] == 0:
         raise ValueError(
             f"TokenTune could not find the transformer blocks of {type(model).__name__}: it looks for an "
             "nn.ModuleList of identical layers (e.g. `model.layers`, `encoder.layer`)."

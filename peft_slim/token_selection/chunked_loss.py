@@ -72,9 +72,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     def backward(ctx, grad_total):
         hidden, targets, *parameters = ctx.saved_tensors
         wants_hidden = ctx.needs_input_grad[2]
-        trained = [i for i, p in enumerate(parameters) if ctx.needs_input_grad[4 + i]]
         grad_hidden = torch.empty_like(hidden) if wants_hidden else None
-        sums = [torch.zeros(parameters[i].shape, dtype=torch.float32, device=parameters[i].device) for i in trained]
+        trained = [i for i, p in enumerate(parameters) if ctx.needs_input_grad[4 + i]]
+        sums = {i: torch.zeros(parameters[i].shape, dtype=torch.float32, device=parameters[i].device) for i in trained}
         enabled, dtype = ctx.autocast
         cuda = ctx.device.type == "cuda"
         with torch.random.fork_rng(devices=[ctx.device] if cuda else []), torch.enable_grad():
@@ -89,11 +89,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 grads = torch.autograd.grad(loss, inputs, grad_total, allow_unused=True)
                 if wants_hidden:
                     grad_hidden[start : start + ctx.rows] = grads[0] if grads[0] is not None else 0
-                    grads = grads[1:]
-                for total, grad in zip(sums, grads):
+                for i, grad in zip(trained, grads[wants_hidden:]):
                     if grad is not None:
-                        total += grad
-        grad_parameters = [None] * len(parameters)
-        for i, total in zip(trained, sums):
-            grad_parameters[i] = total.to(parameters[i].dtype)
+                        sums[i] += grad
+        grad_parameters = [sums[i].to(p.dtype) if i in sums else None for i, p in enumerate(parameters)]
         return (None, None, grad_hidden, None, *grad_parameters)

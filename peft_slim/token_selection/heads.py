@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.modeling_layers import GenericForSequenceClassification
 
 # Heads that read every position on its own (scored on selected positions only), by class-name suffix.
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # selected position i scored on token i+1
@@ -103,17 +102,16 @@ class Head:
         # transformers' rule (GenericForSequenceClassification.forward and the classes that copy it).
         pad_token_id = _pad_token_id(config)
         if pad_token_id is None or not isinstance(input_ids, torch.Tensor):
-            position = torch.full((batch,), length - 1, device=device)
-        else:
-            if tuple(input_ids.shape) != (batch, length):
-                raise ValueError(
-                    f"TokenTune: input_ids has shape {tuple(input_ids.shape)}, the sequence [batch, seq] = "
-                    f"{(batch, length)}; the position the classification head reads cannot be found."
-                )
-            non_pad = (input_ids.to(device) != pad_token_id).to(torch.int32)
-            indices = torch.arange(length, device=device, dtype=torch.int32)
-            position = (indices * non_pad).argmax(-1)
-        reads[torch.arange(batch, device=device), position.long()] = True
+            reads[:, -1] = True
+            return reads
+        if tuple(input_ids.shape) != (batch, length):
+            raise ValueError(
+                f"TokenTune: input_ids has shape {tuple(input_ids.shape)}, the sequence [batch, seq] = "
+                f"{(batch, length)}; the position the classification head reads cannot be found."
+            )
+        non_pad = (input_ids.to(device) != pad_token_id).to(torch.int32)
+        indices = torch.arange(length, device=device, dtype=torch.int32)
+        reads[torch.arange(batch, device=device), (indices * non_pad).argmax(-1)] = True
         return reads
 
 
@@ -151,8 +149,7 @@ def head_of(model: nn.Module) -> Head:
             f"Supported heads: *{', *'.join(CAUSAL_LM_SUFFIXES + PER_POSITION_SUFFIXES)}, bare *Model classes, "
             "and the classification heads listed in the README ('Supported and refused')."
         )
-    generic = GenericForSequenceClassification
-    if issubclass(cls, generic) and cls.forward is generic.forward or _defining_head(cls, LAST_NON_PAD_HEADS[1:]):
+    if _defining_head(cls, LAST_NON_PAD_HEADS):
         return Head("classification", LAST_NON_PAD)
     klass = _defining_head(cls, FIRST_POSITION_HEADS)
     if klass is not None:

@@ -78,20 +78,17 @@ class SelectedPass(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run: Callable, output: torch.Tensor, num_inputs: int, *inputs_and_parameters: torch.Tensor):
         ctx.run = run
-        ctx.input_needs_grad = [t.requires_grad for t in inputs_and_parameters[:num_inputs]]
         ctx.parameters = inputs_and_parameters[num_inputs:]
         ctx.save_for_backward(*inputs_and_parameters[:num_inputs])
         return output
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        inputs = [
-            t.detach().requires_grad_(needs) for t, needs in zip(ctx.saved_tensors, ctx.input_needs_grad, strict=True)
-        ]
+        inputs = [t.detach().requires_grad_(needs) for t, needs in zip(ctx.saved_tensors, ctx.needs_input_grad[3:])]
         with torch.enable_grad():
             output = ctx.run(*inputs)
-        wanted = [t for t in inputs if t.requires_grad] + list(ctx.parameters)
-        grads = iter(torch.autograd.grad(output, wanted, grad_output, allow_unused=True)) if wanted else iter(())
+        wanted = [t for t in inputs if t.requires_grad] + list(ctx.parameters)  # backward runs: one needs grad
+        grads = iter(torch.autograd.grad(output, wanted, grad_output, allow_unused=True))
         input_grads = [next(grads) if t.requires_grad else None for t in inputs]
         return (None, None, None, *input_grads, *grads)
 

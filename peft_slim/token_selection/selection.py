@@ -63,7 +63,6 @@ class TokenSelection:
         the flattened (batch, ``dim``) axes, whose backward keeps only the index (``torch.gather`` keeps its input)."""
         if not tensor.requires_grad:
             return tensor.gather(dim, _expand_index(self.index, tensor, dim))
-        dim = dim % tensor.dim()
         moved = tensor.movedim(dim, 1)
         batch, length = moved.shape[:2]
         rows = (self.index + torch.arange(batch, device=self.index.device)[:, None] * length).flatten()
@@ -75,9 +74,7 @@ class TokenSelection:
         index = _expand_index(self.index, full, dim)
         source = part.to(full.dtype)
         if not self.all_valid:
-            valid = self.valid.view(self.valid.shape + (1,) * (part.dim() - 2))
-            if dim != 1:
-                valid = valid.movedim(1, dim)
+            valid = self.valid.view(self.valid.shape + (1,) * (part.dim() - 2)).movedim(1, dim)
             source = torch.where(valid, source, full.gather(dim, index))
         return full.scatter(dim, index, source)
 
@@ -118,15 +115,11 @@ def selection_generator(seed: int | None) -> torch.Generator:
 def forced_positions(real: torch.Tensor, keep_first: bool, keep_last: bool) -> torch.Tensor:
     """Mask of positions that are always selected: the first and/or last real token of each row."""
     forced = torch.zeros_like(real)
-    has_real = real.any(dim=1)
-    rows = torch.arange(real.shape[0], device=real.device)[has_real]
-    positions = torch.arange(real.shape[1], device=real.device)
-    if keep_first:
-        first = torch.where(real, positions, real.shape[1]).min(dim=1).values
-        forced[rows, first[has_real]] = True
+    has_real = real.any(dim=1, keepdim=True)  # written at each row's position: False (a no-op) in a row without any
+    if keep_first:  # argmax returns the first of equal maxima
+        forced.scatter_(1, real.int().argmax(dim=1, keepdim=True), has_real)
     if keep_last:
-        last = torch.where(real, positions, -1).max(dim=1).values
-        forced[rows, last[has_real]] = True
+        forced.scatter_(1, real.shape[1] - 1 - real.flip(1).int().argmax(dim=1, keepdim=True), has_real)
     return forced
 
 

@@ -44,12 +44,12 @@ from .selection import (
 class _TrainingForward:
     """What one training forward carries from the model's pre-hook to its blocks and its end."""
 
-    padding_mask: torch.Tensor | None
+    padding_mask: Any  # the forward's attention_mask, used when a [batch, seq] tensor
     labels: torch.Tensor | None
     token_mask: torch.Tensor | None
     num_items_in_batch: Any
     attn_implementation: str
-    input_ids: torch.Tensor | None = None  # where a classification head reads depends on them
+    input_ids: Any = None  # where a classification head reads depends on them
     selection: TokenSelection | None = None
     head_input: torch.Tensor | None = None  # the selected hidden states, when the chunked loss takes the head's place
     head_output: Any = None  # what the head returned then (its logits over no position)
@@ -179,7 +179,6 @@ class TokenSelector:
         self._head = head_of(model)
         # Name every argument, so that a positional attention mask or labels are found (and labels removed).
         kwargs = named_arguments(model, self._forward_signature, args, kwargs)
-        args = ()
         check_output_flags(model.config, kwargs)
         # TRL's fused LM head would score every position; the model's own forward runs instead, the head on the
         # selected positions, and the end of the forward answers in the fused head's format (fused_head.py).
@@ -189,27 +188,25 @@ class TokenSelector:
             if not self._warned_fused:
                 self._warned_fused = True
                 warnings.warn(FUSED_METRICS_NOTE, UserWarning, stacklevel=2)
-        padding_mask = kwargs.get("attention_mask")
         labels = kwargs.get("labels")
-        input_ids = kwargs.get("input_ids")
         num_items = None
         if self._head.kind in ("causal_lm", "per_position") and labels is not None:
-            source = "input_ids" if input_ids is not None else "inputs_embeds"
+            source = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
             check_label_shape(labels, _sequence_shape(kwargs), source)
             kwargs.pop("labels")
             num_items = kwargs.pop("num_items_in_batch", None)
         self._without_cache(model, kwargs)
         self._state = _TrainingForward(
-            padding_mask=padding_mask if isinstance(padding_mask, torch.Tensor) and padding_mask.dim() == 2 else None,
+            padding_mask=kwargs.get("attention_mask"),
             labels=labels,
             token_mask=token_mask,
             num_items_in_batch=num_items,
             attn_implementation=implementation,
-            input_ids=input_ids if isinstance(input_ids, torch.Tensor) else None,
+            input_ids=kwargs.get("input_ids"),
             fused=fused,
         )
         set_attn_implementation(model.config, REGISTERED_NAMES[implementation])
-        return args, kwargs
+        return (), kwargs
 
     def _without_cache(self, model: nn.Module, kwargs: dict) -> None:
         """No KV cache in training, as transformers does under gradient checkpointing (with a warning, once): each
@@ -266,19 +263,18 @@ class TokenSelector:
         batch, length = hidden.shape[:2]
         device = hidden.device
         real = torch.ones(batch, length, dtype=torch.bool, device=device)
-        if state.padding_mask is not None and tuple(state.padding_mask.shape) == (batch, length):
+        if isinstance(state.padding_mask, torch.Tensor) and tuple(state.padding_mask.shape) == (batch, length):
             real = state.padding_mask.to(device=device).bool()
         labels = state.labels
         if labels is not None and self._head.kind in ("causal_lm", "per_position"):
             check_label_shape(labels, (batch, length), "the hidden states")
         reads = self._head.read_positions(self.model.config, state.input_ids, batch, length, device)
-        forced = torch.zeros_like(real)
-        if reads is not None:  # a classifier: the positions it reads, and the first real token
-            forced = forced_positions(real, keep_first=True, keep_last=False) | reads
-        elif self._head.kind != "causal_lm" or self._decoder:
-            forced = forced_positions(real, keep_first=True, keep_last=self._decoder)
         if state.token_mask is not None:
             return check_token_mask(state.token_mask, real, reads)
+        keep_first = self._head.kind != "causal_lm" or self._decoder
+        forced = forced_positions(real, keep_first=keep_first, keep_last=self._decoder and reads is None)
+        if reads is not None:  # a classifier: the positions it reads too (and the first real token, never the last)
+            forced |= reads
         labelled = None
         if labels is not None and labels.dim() == 2 and tuple(labels.shape) == (batch, length):
             labelled = labelled_positions(labels.to(device), causal=self._head.kind == "causal_lm")
@@ -384,12 +380,9 @@ CACHE_ARGUMENTS = ("cache", "past_key_values")  # transformers 5's name, and the
 
 def cached_positions(cache: Any) -> int | None:
     """How many positions ``cache`` already holds; None when that cannot be told."""
-    length = getattr(cache, "get_seq_length", None)
-    if length is None:
-        return None
     try:
-        return int(length())
-    except Exception:  # e.g. a cache of linear-attention layers only
+        return int(cache.get_seq_length())
+    except Exception:  # no get_seq_length, or e.g. a cache of linear-attention layers only
         return None
 
 
