@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -253,8 +254,6 @@ def check_lora_targets(config, args: argparse.Namespace) -> None:
 
 def wrap(model, args: argparse.Namespace):
     """The model ready to train, and the context every training forward runs in (compression for lora/full)."""
-    from contextlib import nullcontext
-
     from .. import compress_activations
 
     recipe = Recipe.from_train_args(args)
@@ -342,8 +341,6 @@ def labelled_positions_loss(model, batch: dict):
 def baseline_step_peak(model, args: argparse.Namespace, batch: dict) -> int:
     """``step_peak`` of the baseline a TRL SFT user has, on ``batch``: LoRA (this run's rank and targets) with
     gradient checkpointing, the LM head only at labelled positions. The model is given back unchanged."""
-    from contextlib import nullcontext
-
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     plain = _get_peft_model(model, Recipe.from_train_args(args).lora_config())
     try:
