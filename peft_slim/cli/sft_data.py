@@ -182,9 +182,8 @@ def read_rows(dataset: str | None, split: str) -> Rows:
     """The rows of the embedded default (``dataset=None``), of a local file or folder, or of a hub dataset."""
     if dataset is None:
         path = default_dataset_path()
-        with path.open(encoding="utf-8") as handle:
-            numbered = [(number, line) for number, line in enumerate(handle, 1) if line.strip()]
-        return Rows([json.loads(line) for _, line in numbered], str(path), [number for number, _ in numbered])
+        numbered = list(_json_values(path.read_text(encoding="utf-8")))
+        return Rows([row for _, row in numbered], str(path), [number for number, _ in numbered])
     path = Path(dataset)
     try:
         import datasets
