@@ -111,18 +111,11 @@ def plan(
         from tqdm.auto import tqdm
 
         steps = tqdm(steps, desc="estimating", unit="setting")
+    workload = {"batch_size": batch_size, "seq_len": seq_len, "optimizer": optimizer, "dtype": dtype, "task": task}
     results, plain = [], {}
-    for candidate in steps:
-        estimate = estimate_memory(
-            source,
-            candidate.peft_config(task_type, target_modules),
-            batch_size,
-            seq_len,
-            optimizer,
-            dtype=dtype,
-            gradient_checkpointing=candidate.gradient_checkpointing,
-            task=task,
-        )
+    for candidate in steps:  # the same workload; only the setting's config and checkpointing change
+        config = candidate.peft_config(task_type, target_modules)
+        estimate = estimate_memory(source, config, **workload, gradient_checkpointing=candidate.gradient_checkpointing)
         if candidate.gradient_checkpointing:
             if estimate.peak >= plain[replace(candidate, gradient_checkpointing=False)]:
                 continue  # checkpointing costs time and saves nothing here
