@@ -207,17 +207,13 @@ class Recipe:
     @classmethod
     def from_train_args(cls, args) -> Recipe:
         """The recipe of parsed ``peft-slim train`` arguments (``argparse.Namespace``)."""
-        targets = args.lora_target_modules or ALL_LINEAR
+        values = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(cls)}  # one flag per field
+        targets, bits = values["lora_target_modules"] or ALL_LINEAR, values["compression_bits"]
         if targets != ALL_LINEAR:
             targets = tuple(name.strip() for name in targets.split(",") if name.strip())
-        bits = args.compression_bits
-        same = ("method", "lora_r", "lora_alpha", "token_ratio", "selection", "freeze_ratio", "catch_up")
-        return cls(
-            **{name: getattr(args, name) for name in same},
-            lora_target_modules=targets,
-            compression_bits=bits if bits in (None, "none") else int(bits),
-            gradient_checkpointing=bool(args.gradient_checkpointing),
-        )
+        values["compression_bits"] = bits if bits in (None, "none") else int(bits)
+        values["gradient_checkpointing"] = bool(values["gradient_checkpointing"])
+        return cls(**values | {"lora_target_modules": targets})
 
     def to_flags(self) -> list[str]:
         """The ``peft-slim train`` flags that give this recipe back; a field at its default is left out."""
