@@ -270,11 +270,9 @@ def trainable_model(base: nn.Module, peft_config: PeftConfig | None, gradient_ch
             raise ValueError(f"gradient_checkpointing: {type(base).__name__} does not support it.")
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if peft_config is None:
-        base.requires_grad_(True)
-        model = base
-    else:
-        model = get_peft_model(base, copy.deepcopy(peft_config))
-        after_step(model)  # SlimFit sized at its worst step: the largest units train
+        return base.requires_grad_(True).train()
+    model = get_peft_model(base, copy.deepcopy(peft_config))
+    after_step(model)  # SlimFit sized at its worst step: the largest units train
     return model.train()
 
 
