@@ -380,7 +380,7 @@ def tokenize(
             "prompt/completion data needs --no-chat-template."
         )
     check_rows(rows, columns)
-    examples, dropped = [], 0
+    examples = []
     for index, row in enumerate(rows):
         try:
             pieces = _pieces(row, columns, tokenizer, chat_template)
@@ -388,13 +388,11 @@ def tokenize(
             raise DataError(f"{_where(rows, index)}: {error}") from None
         example = {key: ids[:max_length] for key, ids in _example(pieces, tokenizer, completion_only).items()}
         # A causal LM predicts position t from t-1: the first label is never scored (SFTTrainer keeps such an example).
-        if all(label == IGNORE_INDEX for label in example["labels"][1:]):
-            dropped += 1
-            continue
-        examples.append(example)
+        if any(label != IGNORE_INDEX for label in example["labels"][1:]):
+            examples.append(example)
     if not examples:
         raise DataError(f"--max-length {max_length}: no example keeps a labelled token; raise --max-length.")
-    return examples, dropped
+    return examples, len(rows) - len(examples)  # the rest were dropped
 
 
 def collate(examples: list[dict], pad_token_id: int) -> dict:
