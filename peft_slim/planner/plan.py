@@ -116,11 +116,10 @@ def plan(
     for candidate in steps:  # the same workload; only the setting's config and checkpointing change
         config = candidate.peft_config(task_type, target_modules)
         estimate = estimate_memory(source, config, **workload, gradient_checkpointing=candidate.gradient_checkpointing)
-        if candidate.gradient_checkpointing:
-            if estimate.peak >= plain[replace(candidate, gradient_checkpointing=False)]:
-                continue  # checkpointing costs time and saves nothing here
-        else:
+        if not candidate.gradient_checkpointing:
             plain[candidate] = estimate.peak  # candidates compare (and hash) by their setting
+        elif estimate.peak >= plain[replace(candidate, gradient_checkpointing=False)]:
+            continue  # checkpointing costs time and saves nothing here
         if budget is None or estimate.peak <= budget:
             measured = measurement_for(candidate)
             evidence = NOT_MEASURED if measured is None else measured.evidence()
