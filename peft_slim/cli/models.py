@@ -52,14 +52,12 @@ def load_model(path: str, gguf_file: str | None, dtype: str = "float32", config=
     """(causal LM, tokenizer); a GGUF checkpoint is unpacked to plain weights (Trainer refuses GGUF modules).
     ``config``: the model's config when already read (``load_config``), so that it is not read again."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **extra)
         if gguf_file:
-            from transformers import GgufConfig
-
             extra["quantization_config"] = GgufConfig(dequantize=True)
         if config is not None:
             extra["config"] = config
