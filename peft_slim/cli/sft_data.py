@@ -11,6 +11,8 @@ says why (its results differ from TRL's on some inputs, tests/test_sft_data.py p
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import re
 from dataclasses import dataclass
@@ -163,9 +165,6 @@ def _csv_options(dataset: str, text: str) -> dict:
     """The ``csv`` builder's options that read every cell as the text it is: each column a string column, no NA
     guessing (pandas would make ``42`` an int, ``True`` a bool, ``NA`` and an empty cell nothing). A header naming a
     column twice is refused: pandas would rename the second (``completion.1``) and the run train on the first."""
-    import csv
-    import io
-
     import datasets
 
     header = next(csv.reader(io.StringIO(text)), [])

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 import torch
+from tqdm.auto import tqdm
 
 from ..configuration import Boolean, Integer, ModuleNames, OneOf, Real
 from ..recipe import DEFAULT_LORA_R, MAX_LORA_R, SLIMFIT_DEFAULTS, Recipe
@@ -108,8 +109,6 @@ def plan(
     if checkpointing:
         steps += [replace(c, gradient_checkpointing=True) for c in steps]
     if progress:
-        from tqdm.auto import tqdm
-
         steps = tqdm(steps, desc="estimating", unit="setting")
     workload = {"batch_size": batch_size, "seq_len": seq_len, "optimizer": optimizer, "dtype": dtype, "task": task}
     results, plain = [], {}
