@@ -129,10 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_flags(args: argparse.Namespace) -> None:
     """Refuse every flag that the chosen method would not use, and fill in the method's defaults."""
     method = args.method
-    selects = method == "tokentune" or (method == "slimfit" and args.token_ratio is not None)
     if args.token_ratio is not None and method not in ("tokentune", "slimfit"):
         raise UsageError(f"--token-ratio applies to --method tokentune or slimfit, not {method}.")
-    if args.selection is not None and not selects:
+    if args.selection is not None and method != "tokentune" and args.token_ratio is None:  # a ratio is slimfit's here
         raise UsageError("--selection needs token selection: --method tokentune, or slimfit with --token-ratio.")
     for flag, value in (("--freeze-ratio", args.freeze_ratio), ("--catch-up", args.catch_up)):
         if value is not None and method != "slimfit":
