@@ -122,7 +122,14 @@ class Recipe:
                 value = tuple(value)
             object.__setattr__(self, spec.name, value)
         self._check()
-        for name, value in self._defaults().items():
+        defaults = {"lora_r": 0 if self.method == "full" else DEFAULT_LORA_R}  # the method's, for the fields left None
+        if self.method == "tokentune":
+            defaults["token_ratio"] = DEFAULT_TOKEN_RATIO
+        if self.selects:
+            defaults["selection"] = LABEL_FIRST
+        if self.method == "slimfit":
+            defaults |= {"freeze_ratio": SLIMFIT_DEFAULTS.freeze_ratio, "catch_up": SLIMFIT_DEFAULTS.catch_up}
+        for name, value in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
 
@@ -147,17 +154,6 @@ class Recipe:
             for name, default in (("lora_alpha", None), ("lora_target_modules", ALL_LINEAR)):
                 if getattr(self, name) != default:
                     raise ValueError(f"Recipe.{name} needs LoRA (lora_r > 0), not method {method!r} with lora_r 0.")
-
-    def _defaults(self) -> dict[str, Any]:
-        """The method's defaults for the fields left None."""
-        defaults = {"lora_r": 0 if self.method == "full" else DEFAULT_LORA_R}
-        if self.method == "tokentune":
-            defaults["token_ratio"] = DEFAULT_TOKEN_RATIO
-        if self.selects:
-            defaults["selection"] = LABEL_FIRST
-        if self.method == "slimfit":
-            defaults |= {"freeze_ratio": SLIMFIT_DEFAULTS.freeze_ratio, "catch_up": SLIMFIT_DEFAULTS.catch_up}
-        return defaults
 
     @property
     def selects(self) -> bool:
@@ -196,34 +192,28 @@ class Recipe:
             return None
         if self.method == "lora":
             return self.lora_config(task_type, **fields)
-        common = {"task_type": task_type, "lora": self.lora_config(task_type) if self.uses_lora else None}
-        compression = {"activation_compression": self.activation_compression()}
         seeded = {} if seed is None else {"seed": seed}
+        common = {"task_type": task_type, "lora": self.lora_config(task_type) if self.uses_lora else None, **seeded}
+        if self.method == "tokentune" or self.compression_bits is not None:  # None: SlimFit's own default
+            common["activation_compression"] = self.activation_compression()
+        selecting = {"token_ratio": self.token_ratio, "selection": self.selection}
         if self.method == "tokentune":
-            selecting = {"token_ratio": self.token_ratio, "selection": self.selection}
-            return TokenTuneConfig(**common, **selecting, **compression, **seeded, **fields)
-        selection = None
-        if self.token_ratio is not None:
-            selection = TokenSelectionConfig(token_ratio=self.token_ratio, selection=self.selection, **seeded)
-        compression = {} if self.compression_bits is None else compression  # None: SlimFit's own default
+            return TokenTuneConfig(**common, **selecting, **fields)
+        selection = TokenSelectionConfig(**selecting, **seeded) if self.token_ratio is not None else None
         freezing = {"freeze_ratio": self.freeze_ratio, "catch_up": self.catch_up}
-        return SlimFitConfig(**common, **freezing, tokentune=selection, **seeded, **compression, **fields)
+        return SlimFitConfig(**common, **freezing, tokentune=selection, **fields)
 
     # ------------------------------------------------------------------------------------------- command line
     @classmethod
     def from_train_args(cls, args) -> Recipe:
         """The recipe of parsed ``peft-slim train`` arguments (``argparse.Namespace``)."""
-        targets = args.lora_target_modules or ALL_LINEAR
+        values = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(cls)}  # one flag per field
+        targets, bits = values["lora_target_modules"] or ALL_LINEAR, values["compression_bits"]
         if targets != ALL_LINEAR:
             targets = tuple(name.strip() for name in targets.split(",") if name.strip())
-        bits = args.compression_bits
-        same = ("method", "lora_r", "lora_alpha", "token_ratio", "selection", "freeze_ratio", "catch_up")
-        return cls(
-            **{name: getattr(args, name) for name in same},
-            lora_target_modules=targets,
-            compression_bits=bits if bits in (None, "none") else int(bits),
-            gradient_checkpointing=bool(args.gradient_checkpointing),
-        )
+        values["compression_bits"] = bits if bits in (None, "none") else int(bits)
+        values["gradient_checkpointing"] = bool(values["gradient_checkpointing"])
+        return cls(**values | {"lora_target_modules": targets})
 
     def to_flags(self) -> list[str]:
         """The ``peft-slim train`` flags that give this recipe back; a field at its default is left out."""
@@ -253,18 +243,11 @@ class Recipe:
     @property
     def key(self) -> dict[str, Any]:
         """What decides how the recipe trains, not the LoRA's size: the key of ``planner/measured.json``."""
-        slimfit, bits = self.method == "slimfit", self.compression_bits
-        compression = {None: "slimfit default" if slimfit else None, "none": None}.get(bits, bits)
-        return {
-            "method": self.method,
-            "token_ratio": self.token_ratio,
-            "selection": self.selection,
-            "compression_bits": compression,
-            "freeze_ratio": self.freeze_ratio if slimfit else None,
-            "catch_up": self.catch_up if slimfit else None,
-            "gradient_checkpointing": self.gradient_checkpointing,
-            "trains_lora": self.uses_lora,
-        }
+        names = ("method", "token_ratio", "selection", "compression_bits", "freeze_ratio", "catch_up")
+        key = {name: getattr(self, name) for name in names}  # freeze_ratio, catch_up: None but with slimfit
+        bits, own = self.compression_bits, "slimfit default" if self.method == "slimfit" else None
+        key["compression_bits"] = {None: own, "none": None}.get(bits, bits)
+        return key | {"gradient_checkpointing": self.gradient_checkpointing, "trains_lora": self.uses_lora}
 
 
 def _number(value: float) -> str:

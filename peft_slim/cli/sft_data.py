@@ -11,6 +11,8 @@ says why (its results differ from TRL's on some inputs, tests/test_sft_data.py p
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import re
 from dataclasses import dataclass
@@ -163,9 +165,6 @@ def _csv_options(dataset: str, text: str) -> dict:
     """The ``csv`` builder's options that read every cell as the text it is: each column a string column, no NA
     guessing (pandas would make ``42`` an int, ``True`` a bool, ``NA`` and an empty cell nothing). A header naming a
     column twice is refused: pandas would rename the second (``completion.1``) and the run train on the first."""
-    import csv
-    import io
-
     import datasets
 
     header = next(csv.reader(io.StringIO(text)), [])
@@ -182,9 +181,8 @@ def read_rows(dataset: str | None, split: str) -> Rows:
     """The rows of the embedded default (``dataset=None``), of a local file or folder, or of a hub dataset."""
     if dataset is None:
         path = default_dataset_path()
-        with path.open(encoding="utf-8") as handle:
-            numbered = [(number, line) for number, line in enumerate(handle, 1) if line.strip()]
-        return Rows([json.loads(line) for _, line in numbered], str(path), [number for number, _ in numbered])
+        numbered = list(_json_values(path.read_text(encoding="utf-8")))
+        return Rows([row for _, row in numbered], str(path), [number for number, _ in numbered])
     path = Path(dataset)
     try:
         import datasets
@@ -381,7 +379,7 @@ def tokenize(
             "prompt/completion data needs --no-chat-template."
         )
     check_rows(rows, columns)
-    examples, dropped = [], 0
+    examples = []
     for index, row in enumerate(rows):
         try:
             pieces = _pieces(row, columns, tokenizer, chat_template)
@@ -389,13 +387,11 @@ def tokenize(
             raise DataError(f"{_where(rows, index)}: {error}") from None
         example = {key: ids[:max_length] for key, ids in _example(pieces, tokenizer, completion_only).items()}
         # A causal LM predicts position t from t-1: the first label is never scored (SFTTrainer keeps such an example).
-        if all(label == IGNORE_INDEX for label in example["labels"][1:]):
-            dropped += 1
-            continue
-        examples.append(example)
+        if any(label != IGNORE_INDEX for label in example["labels"][1:]):
+            examples.append(example)
     if not examples:
         raise DataError(f"--max-length {max_length}: no example keeps a labelled token; raise --max-length.")
-    return examples, dropped
+    return examples, len(rows) - len(examples)  # the rest were dropped
 
 
 def collate(examples: list[dict], pad_token_id: int) -> dict:

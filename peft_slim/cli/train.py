@@ -14,14 +14,24 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+from peft import get_peft_model, inject_adapter_in_model
+from peft.tuners.tuners_utils import check_target_module_exists
+from transformers import AutoModelForCausalLM, set_seed
+
+from .. import SlimFitCallback, TokenTuneCallback, compress_activations
 from ..configuration import Boolean, Integer, OneOf, Real, setting
+from ..memory import peak_memory_bytes, timeline_peak_bytes
 from ..planner.setup import MAX_BATCH_SIZE, MAX_SEQ_LEN, MAX_TOKENS, max_positions
+from ..quiet import warning_silenced
 from ..recipe import DEFAULT_LORA_R, Recipe
 from ..token_selection.chunked_loss import chunk_rows, chunked_head_loss
 from ..token_selection.selection import labelled_positions, ratio_keeping_labels
+from ..tuner.saving import save_pretrained
 from . import models, sft_data
 from .flags import MAX_EPOCHS, MAX_SEED, MAX_STEPS, add_fields
 
@@ -119,10 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_flags(args: argparse.Namespace) -> None:
     """Refuse every flag that the chosen method would not use, and fill in the method's defaults."""
     method = args.method
-    selects = method == "tokentune" or (method == "slimfit" and args.token_ratio is not None)
     if args.token_ratio is not None and method not in ("tokentune", "slimfit"):
         raise UsageError(f"--token-ratio applies to --method tokentune or slimfit, not {method}.")
-    if args.selection is not None and not selects:
+    if args.selection is not None and method != "tokentune" and args.token_ratio is None:  # a ratio is slimfit's here
         raise UsageError("--selection needs token selection: --method tokentune, or slimfit with --token-ratio.")
     for flag, value in (("--freeze-ratio", args.freeze_ratio), ("--catch-up", args.catch_up)):
         if value is not None and method != "slimfit":
@@ -181,10 +190,6 @@ def describe(args: argparse.Namespace) -> str:
 def _get_peft_model(model, config):
     """``peft.get_peft_model`` without the FutureWarning of PEFT's own call to transformers' deprecated
     ``is_gradient_checkpointing`` (PEFT's code, not the user's; fixed when PEFT moves to the new name)."""
-    from peft import get_peft_model
-
-    from ..quiet import warning_silenced
-
     with warning_silenced(FutureWarning, "`is_gradient_checkpointing` is deprecated"):
         return get_peft_model(model, config)
 
@@ -220,10 +225,6 @@ def check_lora_targets(config, args: argparse.Namespace) -> None:
     refuses only after the model has loaded, naming no flag, and skips a name silently when another one matches."""
     if args.lora_target_modules in (None, "all-linear"):
         return
-    import torch
-    from peft import inject_adapter_in_model
-    from peft.tuners.tuners_utils import check_target_module_exists
-    from transformers import AutoModelForCausalLM
 
     def meta_model():  # the architecture without weights: nothing read, no memory
         try:
@@ -253,10 +254,6 @@ def check_lora_targets(config, args: argparse.Namespace) -> None:
 
 def wrap(model, args: argparse.Namespace):
     """The model ready to train, and the context every training forward runs in (compression for lora/full)."""
-    from contextlib import nullcontext
-
-    from .. import compress_activations
-
     recipe = Recipe.from_train_args(args)
     if args.method == "full":
         model.requires_grad_(True)
@@ -270,10 +267,6 @@ def step_peak(model, batch: dict, context, bf16: bool = False, loss_of=None) -> 
     """Peak memory of one training step (forward + backward) on ``batch``, above what was held before it (CUDA: the
     allocator's peak; CPU: the profiler's memory timeline). ``loss_of(model, batch)``: the loss (default: the
     model's own). The gradients the step leaves are dropped."""
-    import torch
-
-    from ..memory import peak_memory_bytes, timeline_peak_bytes
-
     device = next(model.parameters()).device
     measure = peak_memory_bytes if device.type == "cuda" else timeline_peak_bytes
     batch = {key: value.to(device) for key, value in batch.items()}
@@ -342,8 +335,6 @@ def labelled_positions_loss(model, batch: dict):
 def baseline_step_peak(model, args: argparse.Namespace, batch: dict) -> int:
     """``step_peak`` of the baseline a TRL SFT user has, on ``batch``: LoRA (this run's rank and targets) with
     gradient checkpointing, the LM head only at labelled positions. The model is given back unchanged."""
-    from contextlib import nullcontext
-
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     plain = _get_peft_model(model, Recipe.from_train_args(args).lora_config())
     try:
@@ -357,9 +348,6 @@ def save(model, tokenizer, output: Path) -> None:
     """Save the adapter (or the full model) and the tokenizer into ``output`` in one atomic swap, replacing every
     model file an earlier save left there, whatever method wrote it (else a full model saved over an adapter would
     load with the old adapter applied); other files and folders stay."""
-    from ..quiet import warning_silenced
-    from ..tuner.saving import save_pretrained
-
     # PEFT warns that a base model folder without config.json (the GGUF default) cannot tell whether the vocabulary
     # changed; the command never resizes embeddings, so the answer ("not modified") is right.
     with warning_silenced(UserWarning, "Could not find a config file in"):
@@ -368,10 +356,7 @@ def save(model, tokenizer, output: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------------- training
 def make_trainer(model, tokenizer, examples, args, context):
-    import torch
-    from transformers import Trainer, TrainingArguments
-
-    from .. import SlimFitCallback, TokenTuneCallback
+    from transformers import Trainer, TrainingArguments  # its own import is heavy: loaded when training starts
 
     class ContextTrainer(Trainer):
         """Trainer whose training forwards run in ``context`` (the method's activation compression, if any)."""
@@ -422,9 +407,6 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     check_flags(args)
     check_output(args.output)
-    import torch
-    from transformers import set_seed
-
     rows = sft_data.read_rows(args.dataset, args.dataset_split)
     columns = sft_data.find_columns(
         rows, args.text_column, args.prompt_column, args.completion_column, args.messages_column

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 from peft import PeftConfig
 
+from ..quiet import warning_silenced
 from .fake import fake_tensor_mode, one_sequence_per_row
 from .setup import gradient_bytes, make_optimizer, optimizer_state_bytes, training_step, weight_bytes
 from .trace import LiveBytes
@@ -67,8 +68,7 @@ def estimate_memory(
         held = weight_bytes(trained)
         _create_optimizer_state(trained, optimizer)
         live = LiveBytes()
-        with live, one_sequence_per_row(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="SlimFit: an optimizer stepped twice")
+        with live, one_sequence_per_row(), warning_silenced(Warning, "SlimFit: an optimizer stepped twice"):
             loss = trained(**inputs).loss
             activations = live.total
             loss.backward()

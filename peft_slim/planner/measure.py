@@ -3,11 +3,10 @@ by the allocator (``peft_slim.memory``). What the planner's estimates are checke
 
 from __future__ import annotations
 
-import warnings
-
 from peft import PeftConfig
 
 from ..memory import held_memory_bytes, timeline_peak_bytes
+from ..quiet import warning_silenced
 from .estimate import MemoryEstimate
 from .setup import after_step, gradient_bytes, make_optimizer, optimizer_state_bytes, training_step, weight_bytes
 
@@ -40,8 +39,7 @@ def measure_memory(
         opt.zero_grad(set_to_none=True)
         after_step(trained)
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="SlimFit: an optimizer stepped twice")
+    with warning_silenced(Warning, "SlimFit: an optimizer stepped twice"):
         rest(forward())  # step 1: creates the optimizer state
         activations, loss = held_memory_bytes(forward)
         loss.backward()

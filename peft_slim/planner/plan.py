@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 import torch
+from tqdm.auto import tqdm
 
 from ..configuration import Boolean, Integer, ModuleNames, OneOf, Real
 from ..recipe import DEFAULT_LORA_R, MAX_LORA_R, SLIMFIT_DEFAULTS, Recipe
@@ -108,26 +109,16 @@ def plan(
     if checkpointing:
         steps += [replace(c, gradient_checkpointing=True) for c in steps]
     if progress:
-        from tqdm.auto import tqdm
-
         steps = tqdm(steps, desc="estimating", unit="setting")
+    workload = {"batch_size": batch_size, "seq_len": seq_len, "optimizer": optimizer, "dtype": dtype, "task": task}
     results, plain = [], {}
-    for candidate in steps:
-        estimate = estimate_memory(
-            source,
-            candidate.peft_config(task_type, target_modules),
-            batch_size,
-            seq_len,
-            optimizer,
-            dtype=dtype,
-            gradient_checkpointing=candidate.gradient_checkpointing,
-            task=task,
-        )
-        if candidate.gradient_checkpointing:
-            if estimate.peak >= plain[replace(candidate, gradient_checkpointing=False)]:
-                continue  # checkpointing costs time and saves nothing here
-        else:
+    for candidate in steps:  # the same workload; only the setting's config and checkpointing change
+        config = candidate.peft_config(task_type, target_modules)
+        estimate = estimate_memory(source, config, **workload, gradient_checkpointing=candidate.gradient_checkpointing)
+        if not candidate.gradient_checkpointing:
             plain[candidate] = estimate.peak  # candidates compare (and hash) by their setting
+        elif estimate.peak >= plain[replace(candidate, gradient_checkpointing=False)]:
+            continue  # checkpointing costs time and saves nothing here
         if budget is None or estimate.peak <= budget:
             measured = measurement_for(candidate)
             evidence = NOT_MEASURED if measured is None else measured.evidence()

@@ -80,15 +80,12 @@ class Workload:
 def resolve_workload(model, peft_config, batch_size, seq_len, optimizer, dtype, task) -> Workload:
     """Check every input of ``estimate_memory`` / ``measure_memory`` before anything is built."""
     module = model if isinstance(model, nn.Module) else None
-    if module is not None:
-        config = getattr(module, "config", None)
-        if not isinstance(config, transformers.PretrainedConfig):
-            raise ValueError(
-                f"model: {type(module).__name__} has no transformers config (`.config`), which the planner reads to "
-                "make its inputs; pass a transformers model, or its config."
-            )
-    else:
-        config = load_config(model)
+    config = load_config(model) if module is None else getattr(module, "config", None)
+    if not isinstance(config, transformers.PretrainedConfig):  # load_config's always is
+        raise ValueError(
+            f"model: {type(module).__name__} has no transformers config (`.config`), which the planner reads to "
+            "make its inputs; pass a transformers model, or its config."
+        )
     if peft_config is not None and not isinstance(peft_config, PeftConfig):
         raise TypeError(
             f"peft_config: expected a peft.PeftConfig (e.g. peft.LoraConfig, peft_slim.TokenTuneConfig) or None "
@@ -270,11 +267,9 @@ def trainable_model(base: nn.Module, peft_config: PeftConfig | None, gradient_ch
             raise ValueError(f"gradient_checkpointing: {type(base).__name__} does not support it.")
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if peft_config is None:
-        base.requires_grad_(True)
-        model = base
-    else:
-        model = get_peft_model(base, copy.deepcopy(peft_config))
-        after_step(model)  # SlimFit sized at its worst step: the largest units train
+        return base.requires_grad_(True).train()
+    model = get_peft_model(base, copy.deepcopy(peft_config))
+    after_step(model)  # SlimFit sized at its worst step: the largest units train
     return model.train()
 
 
