@@ -266,3 +266,26 @@ def test_disable_adapter_and_unload_with_lora_are_peft_s():
         assert torch.equal(model(**batch).logits, base(**batch).logits)
     unloaded = model.unload()
     assert all(torch.equal(p, q) for p, q in zip(unloaded.parameters(), base.parameters()))
+
+
+@pytest.mark.parametrize("given", ["tensor", "list", "dict"])
+def test_a_block_argument_holding_tensors_that_cannot_be_cut_is_refused(given):
+    """A block argument TokenTune cannot restrict to the selected tokens, holding tensors directly or in a list or a
+    dict: refused naming it, since the selected pass would otherwise get it whole (rows of unselected tokens too)."""
+    torch.manual_seed(0)
+    base = build("llama")
+    layer_class = type(base.model.layers[0])
+
+    class LayerWithMemory(layer_class):
+        def forward(self, hidden_states, memory=None, **kwargs):
+            return super().forward(hidden_states, **kwargs)
+
+    memory = torch.randn(2, 8, 4)
+    value = {"tensor": memory, "list": [memory], "dict": {"keys": memory}}[given]
+    for layer in base.model.layers:
+        layer.__class__ = LayerWithMemory
+        layer.register_forward_pre_hook(lambda m, a, k: (a, {**k, "memory": value}), with_kwargs=True, prepend=True)
+    model = get_peft_model(base, tokentune_config("llama"))
+    model.train()
+    with pytest.raises(ValueError, match="restrict argument `memory` of LayerWithMemory"):
+        model(**make_batch("llama", 2, 8))

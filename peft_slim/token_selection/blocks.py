@@ -293,6 +293,8 @@ def _run_under_attention(name: str, config: Any, function: Callable, *args, **kw
 def _has_tensor(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return True
+    if isinstance(value, dict):
+        value = list(value.values())
     if isinstance(value, (tuple, list)):
         return any(_has_tensor(v) for v in value)
     return False
