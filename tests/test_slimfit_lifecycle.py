@@ -461,3 +461,27 @@ def test_loading_a_lean_adapter_into_a_trained_model(tmp_path, keep):
     with pytest.raises(ValueError, match=r"would mix.*keep_base_weights=True"):
         model.load_adapter(str(tmp_path), "default")
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("after_pause", [False, True])
+def test_training_in_eval_mode_freezes_from_the_first_step(after_pause):
+    """A loop training with model.eval() (no dropout): its forwards do not apply the schedule, so the first step
+    (and the first after slimfit_resume()) had every unit's gradient; the frozen units still stay bit-identical."""
+    model = slimfit_model("bert", freeze_ratio=0.8)
+    tuner = model.base_model
+    optimizer = _adamw(model.parameters())
+    if after_pause:
+        train(model, "bert", steps=2, optimizer=optimizer)
+        model.slimfit_pause()
+        model.slimfit_resume()
+    model.eval()
+    for step in range(3):
+        loss_of(model, make_batch("bert", seed=step)).backward()
+        before = [[p.detach().clone() for p in unit.params] for unit in tuner._state.units]
+        trained = list(tuner.scheduler.trained)
+        optimizer.step()
+        optimizer.zero_grad()
+        model.slimfit_step()
+        for unit, old, trains in zip(tuner._state.units, before, trained):
+            changed = any(not torch.equal(o, p) for o, p in zip(old, unit.params))
+            assert changed == trains, (step, unit.name)

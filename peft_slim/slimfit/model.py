@@ -314,6 +314,11 @@ class SlimFitModel(MethodTuner):
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._refuse_while_disabled("optimizer.step()")
+        if not self._state.applied:
+            # Only training-mode forwards apply the schedule: a loop that trains in eval mode (no dropout) reaches
+            # its first step (or its first after slimfit_resume() or a Trainer run) with every unit's gradient. The
+            # units the schedule freezes drop theirs here, so they stay bit-identical, as at every other step.
+            self._apply_schedule()
         # Releasing state is ``optimizer.state.pop(param)``: torch's and bitsandbytes' optimizers rebuild it as a
         # fresh optimizer does, but bitsandbytes' *paged* ones keep each large buffer in a process-wide page manager:
         # nothing would be freed, and each restart would allocate more. (``.optimizer``: accelerate's wrapper.)
