@@ -262,6 +262,22 @@ def test_a_trained_unit_in_no_optimizer_warns():
         model.slimfit_step()
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_an_optimizer_built_before_get_peft_model_warns(lora):
+    """It holds the original classifier, not the modules_to_save copy that trains: the head would never change."""
+    model = slimfit_model("bert", lora=lora, freeze_ratio=0.0)
+    base = model.base_model.model
+    classifier = base.classifier.original_module
+    optimizer = _adamw([p for name, p in base.named_parameters() if "classifier" not in name and p.requires_grad])
+    optimizer.add_param_group({"params": list(classifier.parameters())})
+    model.train()
+    loss_of(model, make_batch("bert")).backward()
+    optimizer.step()
+    copy = r"\['classifier\.modules_to_save\.default\.weight', 'classifier\.modules_to_save\.default\.bias'\]"
+    with pytest.warns(UserWarning, match=rf"train at every step .* in no optimizer that stepped \(e\.g\. {copy}"):
+        model.slimfit_step()
+
+
 # ---------------------------------------------------------------------------------------------- call order
 
 

@@ -101,6 +101,7 @@ class SlimFitModel(MethodTuner):
             resolve=self._resolve_params,
             guard=self._before_optimizer_step,
             catch_up=None if config.catch_up == "none" else self._catch_up_factor,
+            always=self._always_trained,
         )
         state.handles.append(model.register_forward_pre_hook(self._before_forward))
 
@@ -222,6 +223,11 @@ class SlimFitModel(MethodTuner):
             for param in unit.params:
                 param.requires_grad_(True)
         self._state.applied = False
+
+    def _always_trained(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters outside the units that require grad: those that train at every step."""
+        scheduled = {id(p) for unit in self._state.units for p in unit.params}
+        return [(name, p) for name, p in self.model.named_parameters() if p.requires_grad and id(p) not in scheduled]
 
     def _resolve_params(self) -> None:
         """Point every unit at the parameters the model holds now, found by name: FSDP2's ``fully_shard`` replaces

@@ -108,8 +108,10 @@ class StepObserver:
         resolve: Callable[[], None],
         guard: Callable[[torch.optim.Optimizer], None],
         catch_up: Callable[[int], float] | None = None,
+        always: Callable[[], list[tuple[str, torch.Tensor]]] | None = None,
     ):
         self.units = units
+        self.always = always  # () -> the named parameters outside the units that train at every step
         self.catch_up = catch_up  # unit index -> factor of its update (SlimFitConfig.catch_up), None: 1
         self.resolve = resolve  # re-points units at the model's current parameters (FSDP2 replaces them)
         self.guard = guard  # called with an optimizer before it steps over the units; raises if it must not
@@ -128,6 +130,7 @@ class StepObserver:
         self._closed = False  # slimfit_step() ran and no training forward since
         self._warned_twice = False
         self._warned_missing = False
+        self._check_always = True  # whether the next closed step checks the stepping optimizers hold `always`
         self._register()
 
     def _register(self) -> None:
@@ -161,6 +164,7 @@ class StepObserver:
             optimizer.register_step_post_hook(partial(_call, ref, "_after_step")),
         ]
         self._attached.add(optimizer)
+        self._check_always = True
 
     def _find_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """The process-wide pre-hook: attach an optimizer about to step over the units unattached (torch calls its own
@@ -316,7 +320,11 @@ class StepObserver:
 
     def _warn_if_missing(self, stacklevel: int) -> None:
         """Units that trained in this step but that no optimizer which stepped holds: their gradient is lost."""
-        if self._warned_missing or not self._stepped:  # no step at all: skipped (inf gradients under AMP)
+        if not self._stepped:  # no step at all: skipped (inf gradients under AMP)
+            return
+        if self._check_always and self.always is not None:
+            self._warn_if_always_missing(stacklevel + 1)
+        if self._warned_missing:
             return
         trained = [unit for unit, trains in zip(self.units, self.scheduler.trained) if trains]
         missing = [unit.name for unit in trained if any(id(p) not in self._stepped for p in unit.params)]
@@ -327,6 +335,23 @@ class StepObserver:
                 f"(e.g. {missing[:3]}); they will never change. Build the optimizer(s) before the first training "
                 "forward, from every parameter that requires grad at that point (SlimFit freezes units only once "
                 "training starts; after a Trainer run or slimfit_pause() every unit requires grad again).",
+                stacklevel=stacklevel + 1,
+            )
+
+    def _warn_if_always_missing(self, stacklevel: int) -> None:
+        """Once per newly attached optimizer: parameters that train at every step but that no optimizer which stepped
+        holds (an optimizer built before get_peft_model holds the originals of PEFT's modules_to_save, not the
+        copies that train)."""
+        self._check_always = False
+        stepped = [opt for opt in (ref() for ref in self._optimizers) if opt is not None]
+        held = {id(p) for opt in stepped for group in opt.param_groups for p in group["params"]}
+        missing = [name for name, param in self.always() if id(param) not in held]
+        if missing:
+            warnings.warn(
+                f"SlimFit: {len(missing)} parameter(s) that train at every step (biases, norms, `always_trainable`, "
+                f"`modules_to_save`, new weights) are in no optimizer that stepped (e.g. {missing[:3]}); they will "
+                "never change. Build the optimizer(s) after get_peft_model(), from every parameter that requires "
+                "grad (PEFT trains copies of the modules_to_save, which an optimizer built before does not hold).",
                 stacklevel=stacklevel + 1,
             )
 
