@@ -293,6 +293,29 @@ def test_slimfit_step_before_the_optimizer_step_is_refused():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+@pytest.mark.parametrize("optimizer_cls", [torch.optim.LBFGS, torch.optim.AdamW])
+def test_a_step_with_a_closure_is_refused(optimizer_cls):
+    """A closure runs the forward inside the step, after the pre-hook's snapshot: the step went unscored."""
+    model = slimfit_model("bert")
+    optimizer = optimizer_cls([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+
+    def closure():
+        optimizer.zero_grad()
+        loss = loss_of(model, make_batch("bert"))
+        loss.backward()
+        return loss
+
+    with pytest.raises(ValueError, match=r"optimizer\.step\(closure\) runs the model inside the optimizer step"):
+        optimizer.step(closure)
+    with pytest.raises(ValueError, match="closure"):
+        optimizer.step(closure=closure)
+    loss_of(model, make_batch("bert")).backward()  # without one, as documented
+    if optimizer_cls is torch.optim.AdamW:
+        optimizer.step()
+        model.slimfit_step()
+
+
 def test_slimfit_step_twice_in_one_step_is_refused():
     model = slimfit_model("llama", freeze_ratio=0.5)
     train(model, "llama", steps=1)

@@ -166,7 +166,7 @@ class StepObserver:
         self._attached.add(optimizer)
         self._check_always = True
 
-    def _find_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def _find_optimizer(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """The process-wide pre-hook: attach an optimizer about to step over the units unattached (torch calls its own
         pre-hooks after the process-wide ones, so they watch this step too)."""
         if not self.active or optimizer in self._attached:
@@ -249,9 +249,9 @@ class StepObserver:
                 total[1] += parts[1]
         return {index: finish_score(self.metric, parts, self.epsilon) for index, parts in totals.items()}
 
-    def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """An attached optimizer's step pre-hook: snapshot the training units it holds (the 'gradient' metric reads
-        their gradients now)."""
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """An attached optimizer's step pre-hook (``args`` and ``kwargs``: the step's): snapshot the training units it
+        holds (the 'gradient' metric reads their gradients now)."""
         if not self.active:
             return
         if self._depth:  # a wrapper optimizer's step around its wrapped one's, both attached: one snapshot
@@ -261,6 +261,14 @@ class StepObserver:
         if not mine:
             return  # another model's optimizer
         self.guard(optimizer)
+        args = args[1:] if args and args[0] is optimizer else args  # torch passes step's self among them
+        if (args[0] if args else kwargs.get("closure")) is not None:
+            raise ValueError(
+                "SlimFit: optimizer.step(closure) runs the model inside the optimizer step (LBFGS, PyTorch "
+                "Lightning's automatic optimization), where SlimFit cannot score the step's update: the schedule "
+                "would not follow training. Call the model, loss.backward() and optimizer.step() without a closure: "
+                f"{ORDER} (Lightning: automatic_optimization=False)."
+            )
         if self._closed:
             raise RuntimeError(
                 "SlimFit: optimizer.step() was called after model.slimfit_step() with no training forward in "
@@ -288,7 +296,7 @@ class StepObserver:
             before = None if gradients is not None and self.catch_up is None else snapshot(params)
         self._snapshot = (indices, params, before, gradients)
 
-    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """An attached optimizer's step post-hook: score its update of the units and apply the catch-up, in one pass
         over the tensors (``step_parts``; ``scale_updates`` for the 'gradient' metric)."""
         if not self._depth:
@@ -359,7 +367,7 @@ class StepObserver:
 def _call(ref: weakref.ref, method: str, optimizer: torch.optim.Optimizer, args=None, kwargs=None) -> None:
     observer = ref()
     if observer is not None:
-        getattr(observer, method)(optimizer)
+        getattr(observer, method)(optimizer, args or (), kwargs or {})
 
 
 def _remove_handles(handles: list) -> None:
