@@ -278,6 +278,23 @@ def test_an_optimizer_built_before_get_peft_model_warns(lora):
         model.slimfit_step()
 
 
+def test_an_optimizer_of_only_what_trains_at_every_step_counts():
+    """The units in one optimizer, biases, norms and the head in another, which holds no unit: no warning."""
+    model = slimfit_model("bert", freeze_ratio=0.5)
+    units = {id(p) for unit in model.base_model._state.units for p in unit.params}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizers = [_adamw(p for p in trainable if id(p) in units), _adamw(p for p in trainable if id(p) not in units)]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SlimFit")
+        for step in range(2):
+            model.train()
+            loss_of(model, make_batch("bert", seed=step)).backward()
+            for optimizer in reversed(optimizers) if step else optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+            model.slimfit_step()
+
+
 # ---------------------------------------------------------------------------------------------- call order
 
 

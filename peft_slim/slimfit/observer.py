@@ -131,6 +131,7 @@ class StepObserver:
         self._warned_twice = False
         self._warned_missing = False
         self._check_always = True  # whether the next closed step checks the stepping optimizers hold `always`
+        self._held: set[int] = set()  # while _check_always: ids of the parameters of every optimizer that stepped
         self._register()
 
     def _register(self) -> None:
@@ -169,7 +170,11 @@ class StepObserver:
     def _find_optimizer(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """The process-wide pre-hook: attach an optimizer about to step over the units unattached (torch calls its own
         pre-hooks after the process-wide ones, so they watch this step too)."""
-        if not self.active or optimizer in self._attached:
+        if not self.active:
+            return
+        if self._check_always:  # any optimizer, also one holding only parameters that train at every step
+            self._held.update(id(p) for group in optimizer.param_groups for p in group["params"])
+        if optimizer in self._attached:
             return
         mine = self._unit_params(resolve=not self._depth)  # as _before_step: the parameters the model holds now
         if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
@@ -187,7 +192,7 @@ class StepObserver:
         original's, not the copy's; parameter ids become (unit, position) pairs."""
         private = {"_finalizer", "_hook_handles", "_attached"}
         state = {key: value for key, value in self.__dict__.items() if key not in private}
-        state["_optimizers"], state["_last_optimizers"] = [], []
+        state["_optimizers"], state["_last_optimizers"], state["_held"] = [], [], set()
         positions = {id(p): (i, j) for i, unit in enumerate(self.units) for j, p in enumerate(unit.params)}
         state["_stepped"] = sorted(positions[key] for key in self._stepped if key in positions)
         state["_watching"] = self._finalizer.alive
@@ -351,9 +356,8 @@ class StepObserver:
         holds (an optimizer built before get_peft_model holds the originals of PEFT's modules_to_save, not the
         copies that train)."""
         self._check_always = False
-        stepped = [opt for opt in (ref() for ref in self._optimizers) if opt is not None]
-        held = {id(p) for opt in stepped for group in opt.param_groups for p in group["params"]}
-        missing = [name for name, param in self.always() if id(param) not in held]
+        missing = [name for name, param in self.always() if id(param) not in self._held]
+        self._held = set()
         if missing:
             warnings.warn(
                 f"SlimFit: {len(missing)} parameter(s) that train at every step (biases, norms, `always_trainable`, "
