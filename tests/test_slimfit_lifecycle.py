@@ -262,6 +262,39 @@ def test_a_trained_unit_in_no_optimizer_warns():
         model.slimfit_step()
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_an_optimizer_built_before_get_peft_model_warns(lora):
+    """It holds the original classifier, not the modules_to_save copy that trains: the head would never change."""
+    model = slimfit_model("bert", lora=lora, freeze_ratio=0.0)
+    base = model.base_model.model
+    classifier = base.classifier.original_module
+    optimizer = _adamw([p for name, p in base.named_parameters() if "classifier" not in name and p.requires_grad])
+    optimizer.add_param_group({"params": list(classifier.parameters())})
+    model.train()
+    loss_of(model, make_batch("bert")).backward()
+    optimizer.step()
+    copy = r"\['classifier\.modules_to_save\.default\.weight', 'classifier\.modules_to_save\.default\.bias'\]"
+    with pytest.warns(UserWarning, match=rf"train at every step .* in no optimizer that stepped \(e\.g\. {copy}"):
+        model.slimfit_step()
+
+
+def test_an_optimizer_of_only_what_trains_at_every_step_counts():
+    """The units in one optimizer, biases, norms and the head in another, which holds no unit: no warning."""
+    model = slimfit_model("bert", freeze_ratio=0.5)
+    units = {id(p) for unit in model.base_model._state.units for p in unit.params}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizers = [_adamw(p for p in trainable if id(p) in units), _adamw(p for p in trainable if id(p) not in units)]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SlimFit")
+        for step in range(2):
+            model.train()
+            loss_of(model, make_batch("bert", seed=step)).backward()
+            for optimizer in reversed(optimizers) if step else optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+            model.slimfit_step()
+
+
 # ---------------------------------------------------------------------------------------------- call order
 
 
@@ -275,6 +308,29 @@ def test_slimfit_step_before_the_optimizer_step_is_refused():
     with pytest.raises(RuntimeError, match=r"after model\.slimfit_step\(\).*" + re.escape(ORDER)):
         optimizer.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("optimizer_cls", [torch.optim.LBFGS, torch.optim.AdamW])
+def test_a_step_with_a_closure_is_refused(optimizer_cls):
+    """A closure runs the forward inside the step, after the pre-hook's snapshot: the step went unscored."""
+    model = slimfit_model("bert")
+    optimizer = optimizer_cls([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+
+    def closure():
+        optimizer.zero_grad()
+        loss = loss_of(model, make_batch("bert"))
+        loss.backward()
+        return loss
+
+    with pytest.raises(ValueError, match=r"optimizer\.step\(closure\) runs the model inside the optimizer step"):
+        optimizer.step(closure)
+    with pytest.raises(ValueError, match="closure"):
+        optimizer.step(closure=closure)
+    loss_of(model, make_batch("bert")).backward()  # without one, as documented
+    if optimizer_cls is torch.optim.AdamW:
+        optimizer.step()
+        model.slimfit_step()
 
 
 def test_slimfit_step_twice_in_one_step_is_refused():
@@ -461,3 +517,27 @@ def test_loading_a_lean_adapter_into_a_trained_model(tmp_path, keep):
     with pytest.raises(ValueError, match=r"would mix.*keep_base_weights=True"):
         model.load_adapter(str(tmp_path), "default")
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("after_pause", [False, True])
+def test_training_in_eval_mode_freezes_from_the_first_step(after_pause):
+    """A loop training with model.eval() (no dropout): its forwards do not apply the schedule, so the first step
+    (and the first after slimfit_resume()) had every unit's gradient; the frozen units still stay bit-identical."""
+    model = slimfit_model("bert", freeze_ratio=0.8)
+    tuner = model.base_model
+    optimizer = _adamw(model.parameters())
+    if after_pause:
+        train(model, "bert", steps=2, optimizer=optimizer)
+        model.slimfit_pause()
+        model.slimfit_resume()
+    model.eval()
+    for step in range(3):
+        loss_of(model, make_batch("bert", seed=step)).backward()
+        before = [[p.detach().clone() for p in unit.params] for unit in tuner._state.units]
+        trained = list(tuner.scheduler.trained)
+        optimizer.step()
+        optimizer.zero_grad()
+        model.slimfit_step()
+        for unit, old, trains in zip(tuner._state.units, before, trained):
+            changed = any(not torch.equal(o, p) for o, p in zip(old, unit.params))
+            assert changed == trains, (step, unit.name)

@@ -101,6 +101,7 @@ class SlimFitModel(MethodTuner):
             resolve=self._resolve_params,
             guard=self._before_optimizer_step,
             catch_up=None if config.catch_up == "none" else self._catch_up_factor,
+            always=self._always_trained,
         )
         state.handles.append(model.register_forward_pre_hook(self._before_forward))
 
@@ -223,6 +224,11 @@ class SlimFitModel(MethodTuner):
                 param.requires_grad_(True)
         self._state.applied = False
 
+    def _always_trained(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters outside the units that require grad: those that train at every step."""
+        scheduled = {id(p) for unit in self._state.units for p in unit.params}
+        return [(name, p) for name, p in self.model.named_parameters() if p.requires_grad and id(p) not in scheduled]
+
     def _resolve_params(self) -> None:
         """Point every unit at the parameters the model holds now, found by name: FSDP2's ``fully_shard`` replaces
         them with sharded ones after SlimFit found them (and stale references would keep the full tensors alive)."""
@@ -314,6 +320,11 @@ class SlimFitModel(MethodTuner):
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._refuse_while_disabled("optimizer.step()")
+        if not self._state.applied:
+            # Only training-mode forwards apply the schedule: a loop that trains in eval mode (no dropout) reaches
+            # its first step (or its first after slimfit_resume() or a Trainer run) with every unit's gradient. The
+            # units the schedule freezes drop theirs here, so they stay bit-identical, as at every other step.
+            self._apply_schedule()
         # Releasing state is ``optimizer.state.pop(param)``: torch's and bitsandbytes' optimizers rebuild it as a
         # fresh optimizer does, but bitsandbytes' *paged* ones keep each large buffer in a process-wide page manager:
         # nothing would be freed, and each restart would allocate more. (``.optimizer``: accelerate's wrapper.)

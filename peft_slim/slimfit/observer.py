@@ -108,8 +108,10 @@ class StepObserver:
         resolve: Callable[[], None],
         guard: Callable[[torch.optim.Optimizer], None],
         catch_up: Callable[[int], float] | None = None,
+        always: Callable[[], list[tuple[str, torch.Tensor]]] | None = None,
     ):
         self.units = units
+        self.always = always  # () -> the named parameters outside the units that train at every step
         self.catch_up = catch_up  # unit index -> factor of its update (SlimFitConfig.catch_up), None: 1
         self.resolve = resolve  # re-points units at the model's current parameters (FSDP2 replaces them)
         self.guard = guard  # called with an optimizer before it steps over the units; raises if it must not
@@ -128,6 +130,8 @@ class StepObserver:
         self._closed = False  # slimfit_step() ran and no training forward since
         self._warned_twice = False
         self._warned_missing = False
+        self._check_always = True  # whether the next closed step checks the stepping optimizers hold `always`
+        self._held: set[int] = set()  # while _check_always: ids of the parameters of every optimizer that stepped
         self._register()
 
     def _register(self) -> None:
@@ -161,11 +165,16 @@ class StepObserver:
             optimizer.register_step_post_hook(partial(_call, ref, "_after_step")),
         ]
         self._attached.add(optimizer)
+        self._check_always = True
 
-    def _find_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def _find_optimizer(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """The process-wide pre-hook: attach an optimizer about to step over the units unattached (torch calls its own
         pre-hooks after the process-wide ones, so they watch this step too)."""
-        if not self.active or optimizer in self._attached:
+        if not self.active:
+            return
+        if self._check_always:  # any optimizer, also one holding only parameters that train at every step
+            self._held.update(id(p) for group in optimizer.param_groups for p in group["params"])
+        if optimizer in self._attached:
             return
         mine = self._unit_params(resolve=not self._depth)  # as _before_step: the parameters the model holds now
         if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
@@ -183,7 +192,7 @@ class StepObserver:
         original's, not the copy's; parameter ids become (unit, position) pairs."""
         private = {"_finalizer", "_hook_handles", "_attached"}
         state = {key: value for key, value in self.__dict__.items() if key not in private}
-        state["_optimizers"], state["_last_optimizers"] = [], []
+        state["_optimizers"], state["_last_optimizers"], state["_held"] = [], [], set()
         positions = {id(p): (i, j) for i, unit in enumerate(self.units) for j, p in enumerate(unit.params)}
         state["_stepped"] = sorted(positions[key] for key in self._stepped if key in positions)
         state["_watching"] = self._finalizer.alive
@@ -245,9 +254,9 @@ class StepObserver:
                 total[1] += parts[1]
         return {index: finish_score(self.metric, parts, self.epsilon) for index, parts in totals.items()}
 
-    def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """An attached optimizer's step pre-hook: snapshot the training units it holds (the 'gradient' metric reads
-        their gradients now)."""
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """An attached optimizer's step pre-hook (``args`` and ``kwargs``: the step's): snapshot the training units it
+        holds (the 'gradient' metric reads their gradients now)."""
         if not self.active:
             return
         if self._depth:  # a wrapper optimizer's step around its wrapped one's, both attached: one snapshot
@@ -257,6 +266,14 @@ class StepObserver:
         if not mine:
             return  # another model's optimizer
         self.guard(optimizer)
+        args = args[1:] if args and args[0] is optimizer else args  # torch passes step's self among them
+        if (args[0] if args else kwargs.get("closure")) is not None:
+            raise ValueError(
+                "SlimFit: optimizer.step(closure) runs the model inside the optimizer step (LBFGS, PyTorch "
+                "Lightning's automatic optimization), where SlimFit cannot score the step's update: the schedule "
+                "would not follow training. Call the model, loss.backward() and optimizer.step() without a closure: "
+                f"{ORDER} (Lightning: automatic_optimization=False)."
+            )
         if self._closed:
             raise RuntimeError(
                 "SlimFit: optimizer.step() was called after model.slimfit_step() with no training forward in "
@@ -284,7 +301,7 @@ class StepObserver:
             before = None if gradients is not None and self.catch_up is None else snapshot(params)
         self._snapshot = (indices, params, before, gradients)
 
-    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """An attached optimizer's step post-hook: score its update of the units and apply the catch-up, in one pass
         over the tensors (``step_parts``; ``scale_updates`` for the 'gradient' metric)."""
         if not self._depth:
@@ -316,7 +333,11 @@ class StepObserver:
 
     def _warn_if_missing(self, stacklevel: int) -> None:
         """Units that trained in this step but that no optimizer which stepped holds: their gradient is lost."""
-        if self._warned_missing or not self._stepped:  # no step at all: skipped (inf gradients under AMP)
+        if not self._stepped:  # no step at all: skipped (inf gradients under AMP)
+            return
+        if self._check_always and self.always is not None:
+            self._warn_if_always_missing(stacklevel + 1)
+        if self._warned_missing:
             return
         trained = [unit for unit, trains in zip(self.units, self.scheduler.trained) if trains]
         missing = [unit.name for unit in trained if any(id(p) not in self._stepped for p in unit.params)]
@@ -330,11 +351,27 @@ class StepObserver:
                 stacklevel=stacklevel + 1,
             )
 
+    def _warn_if_always_missing(self, stacklevel: int) -> None:
+        """Once per newly attached optimizer: parameters that train at every step but that no optimizer which stepped
+        holds (an optimizer built before get_peft_model holds the originals of PEFT's modules_to_save, not the
+        copies that train)."""
+        self._check_always = False
+        missing = [name for name, param in self.always() if id(param) not in self._held]
+        self._held = set()
+        if missing:
+            warnings.warn(
+                f"SlimFit: {len(missing)} parameter(s) that train at every step (biases, norms, `always_trainable`, "
+                f"`modules_to_save`, new weights) are in no optimizer that stepped (e.g. {missing[:3]}); they will "
+                "never change. Build the optimizer(s) after get_peft_model(), from every parameter that requires "
+                "grad (PEFT trains copies of the modules_to_save, which an optimizer built before does not hold).",
+                stacklevel=stacklevel + 1,
+            )
+
 
 def _call(ref: weakref.ref, method: str, optimizer: torch.optim.Optimizer, args=None, kwargs=None) -> None:
     observer = ref()
     if observer is not None:
-        getattr(observer, method)(optimizer)
+        getattr(observer, method)(optimizer, args or (), kwargs or {})
 
 
 def _remove_handles(handles: list) -> None:
