@@ -85,6 +85,17 @@ def _sdpa_selected(module, query, key, value, attention_mask, selection, kwargs)
     return output.transpose(1, 2).contiguous(), None
 
 
+def _causal_without_mask(module: torch.nn.Module, implementation: str, kwargs: dict) -> bool:
+    """Whether the original implementation, given no mask, attends causally (the selected pass then needs the mask):
+    transformers' sdpa wrapper does when the layer's ``is_causal`` argument says so, else the module's attribute
+    (default True); a bidirectional config (``is_causal=False``) passes False to causal modules, CLIP's text model
+    True to non-causal ones. Eager functions read the mask only: without one they attend to every key."""
+    if implementation != "sdpa":
+        return False
+    causal = kwargs.get("is_causal")
+    return bool(getattr(module, "is_causal", True) if causal is None else causal)
+
+
 def _make_attention(implementation: str) -> Callable:
     def tokentune_attention(
         module: torch.nn.Module,
@@ -105,12 +116,8 @@ def _make_attention(implementation: str) -> Callable:
         selection = block_pass.selection
         key = selection.scatter(block_pass.key, key, dim=2)
         value = selection.scatter(block_pass.value, value, dim=2)
-        if attention_mask is None and getattr(module, "is_causal", False):
+        if attention_mask is None and _causal_without_mask(module, implementation, kwargs):
             attention_mask = selection.causal_mask(key.shape[2])
-            if implementation == "eager":
-                attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                    ~attention_mask, torch.finfo(query.dtype).min
-                )
         if implementation == "sdpa" and not any(kwargs.get(name) is not None for name in _SDPA_EXTRAS):
             return _sdpa_selected(module, query, key, value, attention_mask, selection, kwargs)
         kwargs["is_causal"] = False
