@@ -11,6 +11,7 @@ computes meanwhile exactly what it computes without TokenTune (tests/test_tokent
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,11 @@ from .selection import TokenSelection
 PASS_KWARG = "tokentune_pass"
 SUPPORTED_IMPLEMENTATIONS = ("sdpa", "eager")
 REGISTERED_NAMES = {impl: f"peft_slim_tokentune_{impl}" for impl in SUPPORTED_IMPLEMENTATIONS}
+
+
+# Every module of a model under token selection that lies outside the blocks it runs, with where it sits (the selector
+# fills it while attached): an attention call of such a module in a training forward would train every token.
+OUTSIDE_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -108,6 +114,13 @@ def _make_attention(implementation: str) -> Callable:
         block_pass: BlockPass | None = kwargs.pop(PASS_KWARG, None)
         original = _original_attention(module, implementation)
         if block_pass is None:
+            if module in OUTSIDE_BLOCKS:
+                raise ValueError(
+                    f"TokenTune cannot train {OUTSIDE_BLOCKS[module]}: it attends outside the transformer blocks "
+                    "token selection runs, so all its tokens would receive gradients. Models with a second stack of "
+                    "blocks (e.g. a vision tower beside the text model) or an attention outside the blocks are not "
+                    "supported."
+                )
             return original(module, query, key, value, attention_mask, **kwargs)
         if block_pass.phase == "full":
             block_pass.full_calls += 1
