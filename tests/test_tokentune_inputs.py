@@ -65,6 +65,19 @@ def test_labels_of_another_shape_with_inputs_embeds():
         model(inputs_embeds=embeds, attention_mask=batch["attention_mask"], labels=batch["labels"][:, 1:])
 
 
+def test_pre_shifted_labels_are_refused():
+    """A causal LM's loss reads `shift_labels` in place of `labels` shifted; the selected-token loss read `labels`
+    and ignored them, silently."""
+    model = tokentune_model("llama")
+    batch = make_batch("llama")
+    shift_labels = torch.full_like(batch["labels"], -100)
+    shift_labels[:, :5] = batch["labels"][:, 1:6]
+    model.train()
+    with pytest.raises(ValueError, match="pre-shifted `shift_labels`.*pass `labels` of shape"):
+        model(**batch, shift_labels=shift_labels)
+    assert model.get_base_model().config._attn_implementation == "sdpa"
+
+
 # ---------------------------------------------------------------------------------------------- KV cache
 
 

@@ -196,6 +196,12 @@ class TokenSelector:
                 self._warned_fused = True
                 warnings.warn(FUSED_METRICS_NOTE, UserWarning, stacklevel=2)
         labels = kwargs.get("labels")
+        if kwargs.get("shift_labels") is not None and self._head.kind == "causal_lm":
+            # The model's loss would read them in place of `labels`; the selected-token loss reads `labels`.
+            raise ValueError(
+                "TokenTune: pre-shifted `shift_labels` (context or sequence parallelism) are not supported with token "
+                "selection; pass `labels` of shape [batch, seq]."
+            )
         num_items = None
         if self._head.kind in ("causal_lm", "per_position") and labels is not None:
             source = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
