@@ -78,6 +78,20 @@ def test_pre_shifted_labels_are_refused():
     assert model.get_base_model().config._attn_implementation == "sdpa"
 
 
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_a_mask_with_one_row_for_every_query_position(implementation):
+    """A 4D mask [batch, 1, 1, seq] (one row that every query position shares, the extended mask of BERT-style
+    code) holds for any subset of queries: it once failed with an index error in the selected pass."""
+    model = tokentune_model("bert", implementation)
+    batch = make_batch("bert")
+    padding = batch["attention_mask"].bool()[:, None, None, :]
+    batch["attention_mask"] = torch.zeros(padding.shape).masked_fill(~padding, torch.finfo(torch.float32).min)
+    output, mask, grads = training_step(model, batch)
+    ref_loss, ref_grads = reference_loss_and_grads(model, "bert", batch, mask)
+    torch.testing.assert_close(output.loss.detach(), ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_match(grads, ref_grads)
+
+
 # ---------------------------------------------------------------------------------------------- KV cache
 
 
