@@ -13,9 +13,10 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from slimfit_cases import loss_of, slimfit_model
-from tiny_models import build, make_batch
+from tiny_models import build, decoder_config, make_batch
 from torch import nn
 from torch.autograd.graph import save_on_cpu
+from transformers import MixtralConfig, MixtralForCausalLM
 
 from peft_slim import ActivationCompressionConfig, SlimFitConfig, TokenSelectionConfig, TokenTuneConfig
 from peft_slim.token_selection.blocks import find_blocks
@@ -198,7 +199,7 @@ def test_real_bnb_paged_adamw_is_refused():
 
 
 # ------------------------------------------------------------------------ outputs of a TokenTune training forward
-@pytest.mark.parametrize("flag", ["output_hidden_states", "output_attentions"])
+@pytest.mark.parametrize("flag", ["output_hidden_states", "output_attentions", "output_router_logits"])
 @pytest.mark.parametrize("where", ["call", "config"])
 def test_per_layer_outputs_in_training_are_refused_naming_the_flag(flag, where):
     model = _tokentune(build("llama", attn_implementation="eager"))
@@ -211,6 +212,21 @@ def test_per_layer_outputs_in_training_are_refused_naming_the_flag(flag, where):
         named = f"{flag}=True"
     with pytest.raises(ValueError, match=f"{flag.removeprefix('output_')} in a training forward \\({named}\\)"):
         model(**batch)
+
+
+def test_router_logits_of_a_mixture_of_experts_are_refused_in_training():
+    """A mixture-of-experts model asked for router logits adds their load-balancing loss to its loss: token
+    selection's loss left it out (and its router logits, from the no-grad pass, carried no gradient), silently."""
+    config = decoder_config(MixtralConfig, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True)
+    torch.manual_seed(0)
+    model = _tokentune(MixtralForCausalLM._from_config(config, attn_implementation="sdpa"))
+    batch = make_batch("llama")
+    with pytest.raises(ValueError, match=r"router_logits in a training forward \(model\.config\.output_router_logits"):
+        model(**batch)
+    model(**batch, output_router_logits=False).loss.backward()  # trains without the router's loss, as asked
+    model.eval()
+    with torch.no_grad():
+        assert model(**batch).aux_loss.isfinite()  # eval forwards are the plain model's
 
 
 def test_eval_outputs_are_the_plain_models_and_training_logits_are_the_selected_positions():

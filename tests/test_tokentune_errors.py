@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from peft import IA3Config, LoraConfig, get_peft_model
@@ -12,6 +14,8 @@ from transformers import (
     BertForQuestionAnswering,
     BloomConfig,
     BloomForCausalLM,
+    CLIPConfig,
+    CLIPModel,
     DebertaV2Config,
     DebertaV2ForSequenceClassification,
     GPTNeoConfig,
@@ -213,6 +217,30 @@ def test_blocks_without_registry_attention_are_refused(builder, block_class, lor
     model.eval()
     with torch.no_grad():
         assert model(**batch).logits.isfinite().all()
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_attention_outside_the_blocks_is_refused(implementation):
+    """A model with two stacks of blocks: token selection runs one (CLIPModel: the text model's), and the other's
+    attention (the vision tower's) once trained every token, silently. Refused at the first training forward,
+    naming the module; the model's attention implementation is restored and inference is unaffected."""
+    torch.manual_seed(0)
+    config = CLIPConfig(
+        text_config=TEXT_SIZES | {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+        vision_config={k: v for k, v in TEXT_SIZES.items() if k != "vocab_size"} | {"image_size": 16, "patch_size": 4},
+        projection_dim=16,
+    )
+    base = CLIPModel._from_config(config, attn_implementation=implementation)
+    model = get_peft_model(base, TokenTuneConfig(lora=LoraConfig(r=4, target_modules=["q_proj", "v_proj"])))
+    batch = {"input_ids": torch.randint(3, VOCAB, (2, 8)), "pixel_values": torch.randn(2, 3, 16, 16)}
+    model.train()
+    where = "CLIPModel.vision_model.encoder.layers.0.self_attn (CLIPAttention, outside text_model.encoder.layers)"
+    with pytest.raises(ValueError, match=f"(?s){re.escape(where)}.*not supported"):
+        model(**batch, return_loss=True)
+    assert base.config._attn_implementation == base.config.vision_config._attn_implementation == implementation
+    model.eval()
+    with torch.no_grad():
+        assert model(**batch).logits_per_text.isfinite().all()
 
 
 def test_unknown_head_class_refused_at_get_peft_model():

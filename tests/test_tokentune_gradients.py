@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from peft import get_peft_model
+from peft import LoraConfig, get_peft_model
 from reference import reference_forward
-from tiny_models import CAUSAL_LM, build, make_batch
+from tiny_models import CAUSAL_LM, TEXT_SIZES, VOCAB, build, decoder_config, make_batch
 from tokentune_cases import (
     ARCHS,
     IMPLEMENTATIONS,
@@ -28,7 +28,9 @@ from tokentune_cases import (
     tokentune_model,
     training_step,
 )
+from transformers import CLIPTextConfig, CLIPTextModel, LlamaModel
 
+from peft_slim import TokenTuneConfig
 from peft_slim.token_selection.blocks import find_blocks
 
 
@@ -169,6 +171,46 @@ def test_task_type_none_with_explicit_token_mask(arch, lora):
     ref_loss, ref_grads = reference_loss_and_grads(model, arch, batch, token_mask)
     torch.testing.assert_close(output.loss.detach(), ref_loss, rtol=1e-5, atol=1e-6)
     assert_grads_match(grads, ref_grads)
+
+
+def _causality_by_argument(kind: str, implementation: str) -> torch.nn.Module:
+    """A bare model whose layers are told by their `is_causal` argument, not their module's attribute, whether to
+    attend causally when no mask reaches them (no padding): a Llama with a bidirectional config (`is_causal=False`
+    passed to causal modules) or CLIP's text model (`is_causal=True` passed to non-causal ones)."""
+    torch.manual_seed(0)
+    if kind == "bidirectional_llama":
+        return LlamaModel._from_config(decoder_config(is_causal=False), attn_implementation=implementation)
+    config = CLIPTextConfig(**TEXT_SIZES, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return CLIPTextModel._from_config(config, attn_implementation=implementation)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("kind", ["bidirectional_llama", "clip_text"])
+def test_causality_given_to_the_attention_call_is_kept(kind, implementation):
+    """The selected pass attends with the causality of the full pass: from the layer's `is_causal` argument under
+    sdpa (it once read the module's attribute: a bidirectional Llama's selected queries attended causally, CLIP's
+    text model's to later tokens), none without a mask under eager."""
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = get_peft_model(_causality_by_argument(kind, implementation), TokenTuneConfig(lora=lora, seed=0))
+    input_ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    weights = torch.randn(2, 10, TEXT_SIZES["hidden_size"], generator=torch.Generator().manual_seed(1))
+    model.train()
+    hidden = model(input_ids=input_ids).last_hidden_state
+    mask = model.base_model.last_token_mask.clone()
+    assert 0 < mask.sum() < mask.numel()
+    loss = (hidden * weights * mask[..., None]).sum()
+    loss.backward()
+    grads = grads_of_trainable(model)
+
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    inner = model.get_base_model()
+    with reference_forward(inner, find_blocks(inner)[1], mask):
+        ref_hidden = model(input_ids=input_ids, use_cache=False).last_hidden_state
+        ref_loss = (ref_hidden * weights * mask[..., None]).sum()
+    ref_loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss.detach())
+    assert_grads_match(grads, grads_of_trainable(model))
 
 
 def _embedding_module(model, arch: str) -> torch.nn.Module:

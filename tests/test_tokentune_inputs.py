@@ -65,6 +65,33 @@ def test_labels_of_another_shape_with_inputs_embeds():
         model(inputs_embeds=embeds, attention_mask=batch["attention_mask"], labels=batch["labels"][:, 1:])
 
 
+def test_pre_shifted_labels_are_refused():
+    """A causal LM's loss reads `shift_labels` in place of `labels` shifted; the selected-token loss read `labels`
+    and ignored them, silently."""
+    model = tokentune_model("llama")
+    batch = make_batch("llama")
+    shift_labels = torch.full_like(batch["labels"], -100)
+    shift_labels[:, :5] = batch["labels"][:, 1:6]
+    model.train()
+    with pytest.raises(ValueError, match="pre-shifted `shift_labels`.*pass `labels` of shape"):
+        model(**batch, shift_labels=shift_labels)
+    assert model.get_base_model().config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_a_mask_with_one_row_for_every_query_position(implementation):
+    """A 4D mask [batch, 1, 1, seq] (one row that every query position shares, the extended mask of BERT-style
+    code) holds for any subset of queries: it once failed with an index error in the selected pass."""
+    model = tokentune_model("bert", implementation)
+    batch = make_batch("bert")
+    padding = batch["attention_mask"].bool()[:, None, None, :]
+    batch["attention_mask"] = torch.zeros(padding.shape).masked_fill(~padding, torch.finfo(torch.float32).min)
+    output, mask, grads = training_step(model, batch)
+    ref_loss, ref_grads = reference_loss_and_grads(model, "bert", batch, mask)
+    torch.testing.assert_close(output.loss.detach(), ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_match(grads, ref_grads)
+
+
 # ---------------------------------------------------------------------------------------------- KV cache
 
 

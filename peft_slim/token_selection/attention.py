@@ -11,6 +11,7 @@ computes meanwhile exactly what it computes without TokenTune (tests/test_tokent
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,11 @@ from .selection import TokenSelection
 PASS_KWARG = "tokentune_pass"
 SUPPORTED_IMPLEMENTATIONS = ("sdpa", "eager")
 REGISTERED_NAMES = {impl: f"peft_slim_tokentune_{impl}" for impl in SUPPORTED_IMPLEMENTATIONS}
+
+
+# Every module of a model under token selection that lies outside the blocks it runs, with where it sits (the selector
+# fills it while attached): an attention call of such a module in a training forward would train every token.
+OUTSIDE_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -85,6 +91,17 @@ def _sdpa_selected(module, query, key, value, attention_mask, selection, kwargs)
     return output.transpose(1, 2).contiguous(), None
 
 
+def _causal_without_mask(module: torch.nn.Module, implementation: str, kwargs: dict) -> bool:
+    """Whether the original implementation, given no mask, attends causally (the selected pass then needs the mask):
+    transformers' sdpa wrapper does when the layer's ``is_causal`` argument says so, else the module's attribute
+    (default True); a bidirectional config (``is_causal=False``) passes False to causal modules, CLIP's text model
+    True to non-causal ones. Eager functions read the mask only: without one they attend to every key."""
+    if implementation != "sdpa":
+        return False
+    causal = kwargs.get("is_causal")
+    return bool(getattr(module, "is_causal", True) if causal is None else causal)
+
+
 def _make_attention(implementation: str) -> Callable:
     def tokentune_attention(
         module: torch.nn.Module,
@@ -97,6 +114,13 @@ def _make_attention(implementation: str) -> Callable:
         block_pass: BlockPass | None = kwargs.pop(PASS_KWARG, None)
         original = _original_attention(module, implementation)
         if block_pass is None:
+            if module in OUTSIDE_BLOCKS:
+                raise ValueError(
+                    f"TokenTune cannot train {OUTSIDE_BLOCKS[module]}: it attends outside the transformer blocks "
+                    "token selection runs, so all its tokens would receive gradients. Models with a second stack of "
+                    "blocks (e.g. a vision tower beside the text model) or an attention outside the blocks are not "
+                    "supported."
+                )
             return original(module, query, key, value, attention_mask, **kwargs)
         if block_pass.phase == "full":
             block_pass.full_calls += 1
@@ -105,12 +129,8 @@ def _make_attention(implementation: str) -> Callable:
         selection = block_pass.selection
         key = selection.scatter(block_pass.key, key, dim=2)
         value = selection.scatter(block_pass.value, value, dim=2)
-        if attention_mask is None and getattr(module, "is_causal", False):
+        if attention_mask is None and _causal_without_mask(module, implementation, kwargs):
             attention_mask = selection.causal_mask(key.shape[2])
-            if implementation == "eager":
-                attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                    ~attention_mask, torch.finfo(query.dtype).min
-                )
         if implementation == "sdpa" and not any(kwargs.get(name) is not None for name in _SDPA_EXTRAS):
             return _sdpa_selected(module, query, key, value, attention_mask, selection, kwargs)
         kwargs["is_causal"] = False

@@ -61,6 +61,8 @@ def _cut(value: Any, selection: TokenSelection, dim: int, name: str, block_name:
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"TokenTune: unexpected {type(value).__name__} for argument `{name}` of {block_name}.")
     dim, batch = dim % value.dim(), selection.index.shape[0]
+    if value.shape[dim] == 1:  # one row for every query position (a [B, 1, 1, L] mask, say): any subset's too
+        return value
     full = value.expand((batch,) + tuple(value.shape[1:])) if value.shape[0] != batch else value
     return selection.memo(("cut", id(value), dim), lambda: selection.gather(full, dim), source=value)
 

@@ -83,11 +83,6 @@ def check_fused_call(head_kind: str, kwargs: dict, trainer_args: Any) -> None:
             "token by its probability, which token selection computes for the selected positions only. Use "
             "loss_type='nll' (the default)."
         )
-    if kwargs.get("shift_labels") is not None:
-        raise ValueError(
-            "TokenTune: pre-shifted `shift_labels` (context or sequence parallelism) are not supported with token "
-            "selection; pass `labels` of shape [batch, seq]."
-        )
     if not isinstance(kwargs.get("labels"), torch.Tensor):
         raise ValueError(f"TokenTune: `{TRL_FUSED_HEAD_ARGUMENT}=True` needs `labels` (a [batch, seq] tensor).")
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-PER_LAYER_OUTPUTS = ("output_hidden_states", "output_attentions")
+PER_LAYER_OUTPUTS = ("output_hidden_states", "output_attentions", "output_router_logits")
+# What else a flag would get wrong: a mixture-of-experts model adds a loss computed from its router logits.
+_ALSO = {"output_router_logits": " (and the router's load-balancing loss, computed from them, would be left out)"}
 
 
 def check_output_flags(config: Any, kwargs: dict) -> None:
@@ -21,6 +23,7 @@ def check_output_flags(config: Any, kwargs: dict) -> None:
             raise ValueError(
                 f"Token selection (TokenTune, SlimFit's tokentune) does not return {flag.removeprefix('output_')} "
                 f"in a training forward ({source}): each block runs with gradients on the selected positions only, "
-                "so whole-sequence per-layer outputs are never computed. Run that forward in eval mode or under "
-                "torch.no_grad() (every position, the plain model's values), or leave the flag unset in training."
+                f"so whole-sequence per-layer outputs are never computed{_ALSO.get(flag, '')}. Run that forward in "
+                "eval mode or under torch.no_grad() (every position, the plain model's values), or leave the flag "
+                "unset in training."
             )

@@ -22,7 +22,7 @@ from ..compat import (
     outside_fake_mode,
     set_attn_implementation,
 )
-from .attention import REGISTERED_NAMES, SUPPORTED_IMPLEMENTATIONS
+from .attention import OUTSIDE_BLOCKS, REGISTERED_NAMES, SUPPORTED_IMPLEMENTATIONS
 from .blocks import BlockRunner, find_blocks
 from .chunked_loss import chunk_rows, chunked_head_loss
 from .config import TokenSelectionConfig
@@ -93,8 +93,13 @@ class TokenSelector:
         if self._runner is not None:
             return
         model = self.model
-        _, blocks = find_blocks(model)
+        blocks_name, blocks = find_blocks(model)
         self._runner = BlockRunner(blocks, self._selection_for, model.config)
+        inside = {id(module) for module in blocks.modules()}
+        for name, module in model.named_modules():
+            if id(module) not in inside:
+                where = f"{type(model).__name__}.{name}" if name else type(model).__name__
+                OUTSIDE_BLOCKS[module] = f"{where} ({type(module).__name__}, outside {blocks_name})"
         self._handles = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
@@ -161,6 +166,8 @@ class TokenSelector:
         if self._runner is not None:
             self._runner.remove()
             self._runner = None
+            for module in self.model.modules():
+                OUTSIDE_BLOCKS.pop(module, None)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -189,6 +196,12 @@ class TokenSelector:
                 self._warned_fused = True
                 warnings.warn(FUSED_METRICS_NOTE, UserWarning, stacklevel=2)
         labels = kwargs.get("labels")
+        if kwargs.get("shift_labels") is not None and self._head.kind == "causal_lm":
+            # The model's loss would read them in place of `labels`; the selected-token loss reads `labels`.
+            raise ValueError(
+                "TokenTune: pre-shifted `shift_labels` (context or sequence parallelism) are not supported with token "
+                "selection; pass `labels` of shape [batch, seq]."
+            )
         num_items = None
         if self._head.kind in ("causal_lm", "per_position") and labels is not None:
             source = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
