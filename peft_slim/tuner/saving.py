@@ -186,8 +186,9 @@ def consistent_read(load: Callable) -> Callable:
     @functools.wraps(load)
     def load_one_save(model: Any, model_id: str, *args, **kwargs) -> Any:
         model_id = os.fspath(model_id)  # `load` is given a str
-        if not os.path.exists(model_id) and os.path.isdir(sibling(model_id, "new")):
-            recover(model_id)  # a save was killed between its two renames: the new folder is complete
+        real = os.path.realpath(model_id)  # where a save through a link to the folder puts its siblings
+        if not os.path.exists(real) and os.path.isdir(sibling(real, "new")):
+            recover(real)  # a save was killed between its two renames: the new folder is complete
         folder = os.path.join(model_id, kwargs["subfolder"]) if kwargs.get("subfolder") else model_id
         if not os.path.isdir(folder):  # a Hub repository: one revision is one commit
             return load(model, model_id, *args, **kwargs)
