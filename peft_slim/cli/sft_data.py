@@ -199,7 +199,7 @@ def read_rows(dataset: str | None, split: str) -> Rows:
                 )
             options = {}
             if builder == "json":
-                lines, located = _scan_json(dataset, _check_utf8(path).decode("utf-8"))
+                lines, located = _scan_json(dataset, _check_utf8(path).decode("utf-8-sig"))  # the loader skips a BOM
             elif builder == "csv":
                 options = _csv_options(dataset, _check_utf8(path).decode("utf-8-sig"))
             loaded = datasets.load_dataset(builder, data_files=str(path), split="train", **options)
