@@ -142,6 +142,16 @@ def test_a_save_through_a_link_to_a_folder_replaces_the_folder_and_keeps_the_lin
     assert sorted(os.listdir(tmp_path)) == ["link", "real"]
 
 
+def test_a_subfolder_a_killed_save_left_between_its_renames_is_put_in_place_by_the_loaders(models, tmp_path):
+    """The bug: only the folder given was recovered, not the subfolder= inside it that the save had written alone:
+    the load read the path as a Hub id and failed."""
+    sub = tmp_path / "root" / "second"
+    peft_slim.save_pretrained(models[64], sub)
+    os.rename(sub, atomic_folder.sibling(str(sub), "new"))  # as a save killed between its two renames leaves it
+    assert _which(peft_slim.from_pretrained(build("llama"), tmp_path / "root", subfolder="second"), models) == "64"
+    assert os.listdir(tmp_path / "root") == ["second"]
+
+
 def test_replace_model_files_removes_the_files_of_another_kind_of_save(models, tmp_path):
     target = tmp_path / "out"
     peft_slim.save_pretrained(models[8], target)
