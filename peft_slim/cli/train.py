@@ -210,7 +210,8 @@ def check_output(output: str, model: str | None = None) -> None:
         if part.exists() or part.is_symlink():  # a file, or a link to nothing
             what = "is a file" if part == path else f"is under {str(part)!r}, a file"
             raise UsageError(f"--output {output!r} {what}; expected a folder (new, or one to save into).")
-    holder = next(folder for folder in path.parents if folder.is_dir())
+    # The save goes where a link leads: it is staged beside the folder the link leads to.
+    holder = next(folder for folder in path.resolve().parents if folder.is_dir())
     if not os.access(holder, os.W_OK | os.X_OK):
         raise UsageError(f"--output {output!r}: {str(holder)!r} is not writable; expected a folder you can write in.")
 
