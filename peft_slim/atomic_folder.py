@@ -60,10 +60,12 @@ def replaced_folder(directory: str, rewritten: Callable[[str], bool] = lambda pa
     Files and links of ``directory`` for which ``rewritten(relative path)`` is true are not copied (the caller writes
     them anew, so a file the caller no longer writes does not survive). Everything else is kept: folders (empty ones
     too), symbolic links as links, files as hard links (copies where links fail; ``README.md`` files are copied
-    because writers update them in place). On an exception ``directory`` is left as it was.
+    because writers update them in place). On an exception ``directory`` is left as it was. Where ``directory`` (or
+    a folder above it) is a symbolic link, the folder it leads to is replaced and the link stays.
     """
     if os.path.isfile(directory):
         raise ValueError(f"save_pretrained: {directory!r} is a file; give a directory.")
+    directory = os.path.realpath(directory)  # a link to a folder stays: the folder it leads to is replaced
     recover(directory)
     staging, new = sibling(directory, "tmp"), sibling(directory, "new")
     os.makedirs(os.path.dirname(staging), exist_ok=True)

@@ -121,6 +121,37 @@ def test_a_save_keeps_the_folders_links_and_files_it_does_not_write(save, models
     assert (target / "peft_slim_config.json").exists() == (save == "save_pretrained")
 
 
+@pytest.mark.parametrize("save", ["save_pretrained", "export_lora"])
+def test_a_save_through_a_link_to_a_folder_replaces_the_folder_and_keeps_the_link(save, models, tmp_path):
+    """The bug: the swap exchanged the link itself with the new folder, then failed to remove the link
+    (`Cannot call rmtree on a symbolic link`): the save raised, the link was gone, and a link left as
+    `.link.peft_slim-new` made every later save into the folder fail."""
+    real, link = tmp_path / "real", tmp_path / "link"
+    real.mkdir()
+    (real / "notes.txt").write_text("kept")
+    link.symlink_to(real, target_is_directory=True)
+    for alpha in ALPHAS:
+        (export_lora if save == "export_lora" else peft_slim.save_pretrained)(models[alpha], link)
+    assert link.is_symlink() and sorted(os.listdir(tmp_path)) == ["link", "real"]
+    assert (real / "notes.txt").read_text() == "kept"
+    assert _which(PeftModel.from_pretrained(build("llama"), link), models) == "64"
+    if save == "export_lora":
+        return
+    os.rename(real, atomic_folder.sibling(str(real), "new"))  # as a save killed between its two renames leaves it
+    assert _which(peft_slim.from_pretrained(build("llama"), link), models) == "64"  # the loader puts it in place
+    assert sorted(os.listdir(tmp_path)) == ["link", "real"]
+
+
+def test_a_subfolder_a_killed_save_left_between_its_renames_is_put_in_place_by_the_loaders(models, tmp_path):
+    """The bug: only the folder given was recovered, not the subfolder= inside it that the save had written alone:
+    the load read the path as a Hub id and failed."""
+    sub = tmp_path / "root" / "second"
+    peft_slim.save_pretrained(models[64], sub)
+    os.rename(sub, atomic_folder.sibling(str(sub), "new"))  # as a save killed between its two renames leaves it
+    assert _which(peft_slim.from_pretrained(build("llama"), tmp_path / "root", subfolder="second"), models) == "64"
+    assert os.listdir(tmp_path / "root") == ["second"]
+
+
 def test_replace_model_files_removes_the_files_of_another_kind_of_save(models, tmp_path):
     target = tmp_path / "out"
     peft_slim.save_pretrained(models[8], target)

@@ -119,17 +119,19 @@ def test_a_csv_naming_a_column_twice_is_refused(tmp_path, capsys):
     assert f"'{path}', line 1: the header names column(s) 'completion' more than once" in err, err
 
 
+@pytest.mark.parametrize("bom", ["", "\ufeff"], ids=["utf-8", "utf-8 with a BOM"])
 @pytest.mark.parametrize("layout", ["jsonl", "array"])
-def test_a_json_key_given_twice_is_refused_naming_line_and_key(layout, tmp_path, capsys):
+def test_a_json_key_given_twice_is_refused_naming_line_and_key(layout, bom, tmp_path, capsys):
     """The bug: JSON lines failed with "An error occurred while generating the dataset" (no line, no key); a JSON
-    array kept the last value silently."""
+    array kept the last value silently. With a byte order mark (which the loader accepts) the check was skipped:
+    the array kept the last value, JSON lines were refused as "line 1: not valid JSON"."""
     twice = '{"prompt": "Hi?", "completion": "Hello.", "completion": "Bye."}'
     if layout == "jsonl":
         path = tmp_path / "twice.jsonl"
-        path.write_text(f"{json.dumps(GOOD_PC)}\n\n{twice}\n")
+        path.write_text(f"{bom}{json.dumps(GOOD_PC)}\n\n{twice}\n", encoding="utf-8")
     else:
         path = tmp_path / "twice.json"
-        path.write_text(f"[\n  {json.dumps(GOOD_PC)},\n\n  {twice}\n]\n")
+        path.write_text(f"{bom}[\n  {json.dumps(GOOD_PC)},\n\n  {twice}\n]\n", encoding="utf-8")
     line = 3 if layout == "jsonl" else 4
     assert f"'{path}', line {line}: key 'completion' appears twice in one object" in refused(capsys, path)
 

@@ -541,6 +541,36 @@ def test_an_output_that_cannot_be_a_folder_is_refused_before_the_model_loads(
     assert f"--output '{tmp_path / where}'" in err and "a file; expected a folder" in err, err
 
 
+def test_an_output_linked_to_a_folder_in_a_read_only_folder_is_refused_before_the_model_loads(
+    never_loaded, tiny_model, datasets_dir, tmp_path, capsys, monkeypatch
+):
+    """The bug: the folder holding the link was checked, not the one holding the folder the link leads to, where
+    the save is staged: the run trained, then failed to save."""
+    (tmp_path / "read-only" / "real").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "read-only" / "real", target_is_directory=True)
+    access = os.access  # the tests may run as root, who can write anywhere
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path).name != "read-only" and access(path, mode))
+    assert train(tiny_model, datasets_dir["text"], tmp_path / "link") == 2
+    err = capsys.readouterr().err
+    assert f"'{tmp_path.resolve() / 'read-only'}' is not writable" in err, err
+
+
+@pytest.mark.parametrize("link", [False, True])
+def test_the_model_folder_as_output_is_refused_before_the_model_loads(
+    link, never_loaded, tiny_model, datasets_dir, tmp_path, capsys
+):
+    """The bug: the save replaced the model folder's config.json and weights with the adapter, whose
+    base_model_name_or_path is that folder: the base model was gone and the adapter could not be loaded."""
+    output = tmp_path / "link" if link else tiny_model
+    if link:
+        output.symlink_to(tiny_model, target_is_directory=True)
+    files = sorted(os.listdir(tiny_model))
+    assert train(tiny_model, datasets_dir["text"], output) == 2
+    err = capsys.readouterr().err
+    assert f"--output '{output}' is the --model folder" in err, err
+    assert sorted(os.listdir(tiny_model)) == files
+
+
 @pytest.mark.parametrize(
     ("targets", "message"),
     [

@@ -612,3 +612,17 @@ def test_lora_state_dict_hooks_are_loras_own():
     state_dict = vanilla.state_dict()
     ours = compat.lora_adapter_state_dict(vanilla, vanilla.peft_config["default"], "default", state_dict, [])
     assert any(key.endswith("lora_magnitude_vector.default") for key in ours)  # DoRA's saved name
+
+
+def test_a_standalone_adapter_saved_over_a_lora_stacked_one_loads(tmp_path):
+    """The bug: PEFT's save of a standalone adapter left the earlier LoRA-stacked adapter's peft_slim_config.json,
+    which every load read instead of the new config: the folder was refused as "describe different LoRA adapters",
+    and saving again did not help."""
+    lora = LoraConfig(r=4, target_modules=["q_proj"])
+    get_peft_model(build("llama"), TokenTuneConfig(task_type="CAUSAL_LM", lora=lora)).save_pretrained(tmp_path)
+    alone = get_peft_model(build("llama"), TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.5))
+    alone.save_pretrained(tmp_path)
+    assert not (tmp_path / "peft_slim_config.json").exists()
+    for load in (PeftModel.from_pretrained, peft_slim.from_pretrained):
+        config = load(build("llama"), tmp_path).peft_config["default"]
+        assert type(config) is TokenTuneConfig and config.lora is None and config.token_ratio == 0.5

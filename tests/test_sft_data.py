@@ -4,6 +4,8 @@ on the tiny chat tokenizer of the command-line tests: the input ids, and which o
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from tiny_chat import save_tiny_chat_llama
 from transformers import PreTrainedTokenizerFast
@@ -131,3 +133,41 @@ def test_an_example_labelled_only_at_its_first_position_is_dropped(tokenizer):
     assert dropped == 0 and [example["labels"] for example in examples] == [SKY_IDS[:2], TEXT_EOS_IDS[:2]]
     with pytest.raises(sft_data.DataError, match="--max-length 1: no example keeps a labelled token"):
         sft_data.tokenize(rows, sft_data.find_columns(rows), tokenizer, 1)
+
+
+# A template without the assistant turns (with and without a generation prompt), and one whose generation prompt
+# (a newline after the marker) is not a prefix of the assistant turn it rendered.
+SKIPS_ANSWERS = (
+    "{% for m in messages %}{% if m['role'] != 'assistant' %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n"
+    "{% endif %}{% endfor %}"
+)
+NOT_A_PREFIX = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("completion_only", [True, False])
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_a_chat_template_that_renders_no_assistant_turn_is_refused(generation_prompt, completion_only, tokenizer):
+    """The bug: every row was dropped as if --max-length had cut its labels away ("raise --max-length"), or, with
+    --no-completion-only-loss, the run trained on the prompts alone."""
+    templated = copy.deepcopy(tokenizer)
+    templated.chat_template = SKIPS_ANSWERS + (
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}" * generation_prompt
+    )
+    rows = [{"messages": [USER, ANSWER]}]
+    with pytest.raises(sft_data.DataError, match=r"row 1: .* renders message 2 \(role 'assistant'\) as nothing"):
+        sft_data.tokenize(rows, sft_data.find_columns(rows), templated, 512, completion_only)
+
+
+def test_a_template_whose_turns_cannot_be_located_trains_on_every_token_without_completion_only_loss(tokenizer):
+    """The bug: the refusal said to pass --no-completion-only-loss, which was refused the same way."""
+    templated = copy.deepcopy(tokenizer)
+    templated.chat_template = NOT_A_PREFIX
+    rows = [{"messages": [USER, ANSWER]}]
+    with pytest.raises(sft_data.DataError, match="pass --no-completion-only-loss to train on every token"):
+        sft_data.tokenize(rows, sft_data.find_columns(rows), templated, 512)
+    (example,), _ = sft_data.tokenize(rows, sft_data.find_columns(rows), templated, 512, completion_only=False)
+    text = "<|user|>Who wrote Hamlet?<|end|>\n<|assistant|>William Shakespeare wrote it.<|end|>\n"
+    assert example["input_ids"] == example["labels"] == templated(text, add_special_tokens=False)["input_ids"]

@@ -199,7 +199,7 @@ def read_rows(dataset: str | None, split: str) -> Rows:
                 )
             options = {}
             if builder == "json":
-                lines, located = _scan_json(dataset, _check_utf8(path).decode("utf-8"))
+                lines, located = _scan_json(dataset, _check_utf8(path).decode("utf-8-sig"))  # the loader skips a BOM
             elif builder == "csv":
                 options = _csv_options(dataset, _check_utf8(path).decode("utf-8-sig"))
             loaded = datasets.load_dataset(builder, data_files=str(path), split="train", **options)
@@ -301,11 +301,12 @@ def _check_messages(messages, refuse) -> None:
         refuse("message 1 with role 'assistant'", "a turn before the first assistant turn")
 
 
-def _chat_pieces(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
+def _chat_pieces(tokenizer, messages: list[dict], completion_only: bool = True) -> list[tuple[str, bool]]:
     """The chat template's text cut into (piece, is_assistant_turn) pieces, in order (``messages`` checked).
 
     Each assistant turn is what the template adds between the conversation before it rendered with the
-    generation prompt and the conversation up to it; templates that do not render prefixes this way are refused.
+    generation prompt and the conversation up to it; templates that do not render prefixes this way are refused
+    (without ``completion_only``, where every token is a target, the whole text is one piece instead).
     """
     # Not SFTTrainer's assistant_only_loss: it needs a template marking its assistant turns with {% generation %}.
     # Not trl.apply_chat_template's prompt/completion split per turn: it continues a turn after an assistant turn,
@@ -319,7 +320,14 @@ def _chat_pieces(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
         if message["role"] != "assistant":
             continue
         before, upto = render(messages[:index], generation_prompt=True), render(messages[: index + 1])
+        if upto == render(messages[:index]):  # else trained on the prompts alone, or dropped as if cut by --max-length
+            raise DataError(
+                f"the tokenizer's chat template renders message {index + 1} (role 'assistant') as nothing, so it has "
+                "no tokens to learn; expected a chat template that renders assistant turns."
+            )
         if not before.startswith(done) or not upto.startswith(before):
+            if not completion_only:  # every token is a target: the turns need not be located
+                return [(render(messages), True)]
             raise DataError(
                 "the tokenizer's chat template does not render a conversation as a prefix of its continuation, so "
                 "the assistant turns cannot be located; pass --no-completion-only-loss to train on every token."
@@ -330,16 +338,18 @@ def _chat_pieces(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
     return [(text, labelled) for text, labelled in pieces if text]
 
 
-def _pieces(row: dict, columns: Columns, tokenizer, chat_template: bool) -> list[tuple[str, bool]]:
+def _pieces(
+    row: dict, columns: Columns, tokenizer, chat_template: bool, completion_only: bool = True
+) -> list[tuple[str, bool]]:
     """The row's text cut into (piece, is_target) pieces: the chat template's turns, else the text or the prompt and
     the completion, then an end-of-sequence token when ``chat_template`` is off."""
     if columns.format == "messages":
-        return _chat_pieces(tokenizer, row[columns.messages])
+        return _chat_pieces(tokenizer, row[columns.messages], completion_only)
     if columns.format == "prompt-completion":
         prompt, completion = row[columns.prompt], row[columns.completion]
         if chat_template:  # TRL renders text prompt/completion rows without the template
             messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-            return _chat_pieces(tokenizer, messages)
+            return _chat_pieces(tokenizer, messages, completion_only)
         pieces = [(prompt, False), (completion, True)]
     else:
         pieces = [(row[columns.text], True)]
@@ -382,7 +392,7 @@ def tokenize(
     examples = []
     for index, row in enumerate(rows):
         try:
-            pieces = _pieces(row, columns, tokenizer, chat_template)
+            pieces = _pieces(row, columns, tokenizer, chat_template, completion_only)
         except DataError as error:
             raise DataError(f"{_where(rows, index)}: {error}") from None
         example = {key: ids[:max_length] for key, ids in _example(pieces, tokenizer, completion_only).items()}

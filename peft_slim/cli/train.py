@@ -194,17 +194,24 @@ def _get_peft_model(model, config):
         return get_peft_model(model, config)
 
 
-def check_output(output: str) -> None:
-    """--output is a folder, or a path where one can be made: neither it nor a folder above it is a file, and the
-    folder that holds it (where the save is staged and swapped in) is writable."""
+def check_output(output: str, model: str | None = None) -> None:
+    """--output is a folder, or a path where one can be made: neither it nor a folder above it is a file, nor the
+    local folder of ``model`` (the save would replace the model's own files), and the folder that holds it (where
+    the save is staged and swapped in) is writable."""
     path = Path(output).absolute()
+    if model is not None and Path(model).is_dir() and Path(model).resolve() == path.resolve():
+        raise UsageError(
+            f"--output {output!r} is the --model folder: the save would replace the model's config and weights "
+            "with what it saves; expected another folder."
+        )
     for part in (path, *path.parents):
         if part.is_dir():
             break
         if part.exists() or part.is_symlink():  # a file, or a link to nothing
             what = "is a file" if part == path else f"is under {str(part)!r}, a file"
             raise UsageError(f"--output {output!r} {what}; expected a folder (new, or one to save into).")
-    holder = next(folder for folder in path.parents if folder.is_dir())
+    # The save goes where a link leads: it is staged beside the folder the link leads to.
+    holder = next(folder for folder in path.resolve().parents if folder.is_dir())
     if not os.access(holder, os.W_OK | os.X_OK):
         raise UsageError(f"--output {output!r}: {str(holder)!r} is not writable; expected a folder you can write in.")
 
@@ -406,13 +413,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     check_flags(args)
-    check_output(args.output)
+    path, gguf_file, model_name = models.resolve_model(args.model, args.gguf_file)
+    check_output(args.output, path)
     rows = sft_data.read_rows(args.dataset, args.dataset_split)
     columns = sft_data.find_columns(
         rows, args.text_column, args.prompt_column, args.completion_column, args.messages_column
     )
     sft_data.check_rows(rows, columns)
-    path, gguf_file, model_name = models.resolve_model(args.model, args.gguf_file)
     config = models.load_config(path, gguf_file)
     check_model_fits(config, args)
     check_lora_targets(config, args)

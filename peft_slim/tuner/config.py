@@ -3,6 +3,7 @@ and reading a saved adapter's config back (:func:`load_config`, from a folder or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any, ClassVar
@@ -117,6 +118,10 @@ class MethodConfig(PeftConfig, ValidatedConfig):
         record_text = dump_json({**self.to_dict(), **extra})  # fails here, before the disk is touched
         if self.lora is None:
             atomic_write_text(os.path.join(save_directory, CONFIG_NAME), record_text)
+            # A LoRA-stacked adapter's record saved here before would be read instead of this config: the folder
+            # would not load (after this write: a kill before it leaves the old adapter's files as they were).
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(save_directory, RECORD_NAME))
             return
         lora_text = dump_json({**to_json_value(self.lora_export_config()), **extra})
         atomic_write_text(os.path.join(save_directory, RECORD_NAME), record_text)

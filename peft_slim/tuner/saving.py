@@ -186,9 +186,11 @@ def consistent_read(load: Callable) -> Callable:
     @functools.wraps(load)
     def load_one_save(model: Any, model_id: str, *args, **kwargs) -> Any:
         model_id = os.fspath(model_id)  # `load` is given a str
-        if not os.path.exists(model_id) and os.path.isdir(sibling(model_id, "new")):
-            recover(model_id)  # a save was killed between its two renames: the new folder is complete
         folder = os.path.join(model_id, kwargs["subfolder"]) if kwargs.get("subfolder") else model_id
+        for saved in dict.fromkeys((model_id, folder)):  # the subfolder too: a save may have written it alone
+            real = os.path.realpath(saved)  # where a save through a link to the folder puts its siblings
+            if not os.path.exists(real) and os.path.isdir(sibling(real, "new")):
+                recover(real)  # a save was killed between its two renames: the new folder is complete
         if not os.path.isdir(folder):  # a Hub repository: one revision is one commit
             return load(model, model_id, *args, **kwargs)
         loading = False
