@@ -153,7 +153,8 @@ def markdown(report: dict) -> str:
     return "\n".join(text) + "\n"
 
 
-DOCS = os.path.join(os.path.dirname(os.path.dirname(RESULTS)), "docs", "slimfit.md")
+# The template of docs/benchmarks.md, which tools/build_benchmarks_page.py renders.
+DOCS = os.path.join(os.path.dirname(os.path.dirname(RESULTS)), "tools", "benchmarks_page.md")
 
 
 def docs_markers(stem: str) -> tuple[str, str]:
@@ -208,7 +209,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--report", action="store_true", help="only rewrite <stem>.md from <stem>.json")
     parser.add_argument("--quick", action="store_true", help="the task's tiny random model (a smoke test)")
-    parser.add_argument("--docs", action="store_true", help="also rewrite this run's table in docs/slimfit.md")
+    parser.add_argument(
+        "--docs", action="store_true", help="also rewrite this run's table in tools/benchmarks_page.md"
+    )
     args = parser.parse_args(argv)
     path = os.path.join(args.out, args.stem)
     if args.report:
@@ -239,7 +242,7 @@ def main(argv=None) -> int:
         atomic_write_text(path + ".json", json.dumps(report, indent=1))
     atomic_write_text(path + ".md", markdown(report))
     if args.docs and not write_docs(report, args.stem):
-        parser.error(f"docs/slimfit.md has no block between {docs_markers(args.stem)}")
+        parser.error(f"tools/benchmarks_page.md has no block between {docs_markers(args.stem)}")
     return 0
 
 
