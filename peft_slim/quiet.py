@@ -22,10 +22,12 @@ BNB_CPU_PROBE_MESSAGE = "Failed to load CPU gemm_4bit_forward from kernels-commu
 
 # What torch's profiler writes straight to the process's stderr (C++, not Python) when it starts and stops, and
 # its allocator's note that a block allocated before profiling was freed during it: the measurement is still
-# right (``memory.timeline_peak_bytes`` counts from the first sample).
+# right (``memory.timeline_peak_bytes`` counts from the first sample); and, on a CUDA build of torch on a machine
+# without a GPU (PyPI's Linux wheels), its probe for GPUs failing (code 35: no driver): the profiler records the CPU.
 PROFILER_LINES = (
     re.compile(r"^USDT:.*SyncActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)\s*$"),
     re.compile(r"^\[W\S* \S+ CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before the profiling"),
+    re.compile(r"^ERROR:.*DeviceProperties\.cpp:\d+\] gpuGetDeviceCount failed with code 35\s*$"),
 )
 
 

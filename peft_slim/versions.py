@@ -21,8 +21,9 @@ from packaging.version import Version
 # pass ``cache_position`` to decoder layers (before 5.4), which TokenTune refuses. torch 2.11 is the oldest run (the
 # GPU reference setup); the registry has no CPU build of it for CI, which tests 2.13.
 MINIMUM = {"torch": "2.11", "transformers": "5.23", "peft": "0.21"}
-# The oldest and newest releases CI runs the suite on (torch: the registry's only CPU build, see README).
-TESTED = {"torch": ("2.13.0", "2.13.0"), "transformers": ("5.23.0", "5.25.0"), "peft": ("0.21.0", "0.21.2")}
+# The oldest and newest releases CI runs the suite on (torch: 2.13.0, the CPU build README installs, and the newest
+# release on PyPI, a CUDA build run on the CPU).
+TESTED = {"torch": ("2.13.0", "2.15.0"), "transformers": ("5.23.0", "5.25.0"), "peft": ("0.21.0", "0.21.2")}
 
 
 def check_versions() -> None:
