@@ -1,7 +1,8 @@
 """Token selection's training forward, as hooks on a transformers model: select tokens, run the blocks, score.
 
 A component any tuner attaches (TokenTune always, SlimFit with its ``tokentune`` field): ``attach`` refuses a
-model it cannot make exact before changing anything, ``detach`` leaves the model as it was.
+model it cannot make exact before changing anything, ``detach`` leaves the model as it was. A
+``peft_slim.training_context.TrainingContext`` runs it at each forward of the model.
 """
 
 from __future__ import annotations
@@ -100,10 +101,7 @@ class TokenSelector:
             if id(module) not in inside:
                 where = f"{type(model).__name__}.{name}" if name else type(model).__name__
                 OUTSIDE_BLOCKS[module] = f"{where} ({type(module).__name__}, outside {blocks_name})"
-        self._handles = [
-            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
-            model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
-        ]
+        self._handles = []
         if self._head.kind == "causal_lm":
             head = model.get_output_embeddings()
             self._handles.append(head.register_forward_pre_hook(self._before_head))
@@ -172,7 +170,15 @@ class TokenSelector:
             handle.remove()
         self._handles.clear()
 
+    def _abort(self) -> None:
+        """End the open training forward without its loss (it raised): the model as before it."""
+        state, self._state = self._state, None
+        if state is not None:
+            set_attn_implementation(self.model.config, state.attn_implementation)
+
     def _before_forward(self, model: nn.Module, args: tuple, kwargs: dict):
+        """The start of every forward of the model (``TrainingContext`` calls it): in a training forward, the
+        arguments checked and named, the labels taken for the selected-token loss."""
         token_mask = kwargs.pop("token_mask", None)
         self._state = None
         if not self.active:
@@ -314,6 +320,7 @@ class TokenSelector:
         return None
 
     def _after_forward(self, model: nn.Module, args: tuple, kwargs: dict, output: Any):
+        """The end of every forward (``TrainingContext`` calls it, also after an error): the selected-token loss."""
         state, self._state = self._state, None
         if state is None:
             return None
