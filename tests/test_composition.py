@@ -202,14 +202,15 @@ def test_real_bnb_paged_adamw_is_refused():
 @pytest.mark.parametrize("flag", ["output_hidden_states", "output_attentions", "output_router_logits"])
 @pytest.mark.parametrize("where", ["call", "config"])
 def test_per_layer_outputs_in_training_are_refused_naming_the_flag(flag, where):
-    model = _tokentune(build("llama", attn_implementation="eager"))
+    base = build("llama", attn_implementation="eager")
     batch = make_batch("llama", batch=2, length=12)
-    if where == "config":
-        setattr(model.config, flag, True)
+    if where == "config":  # (set before wrapping: transformers allows output_attentions on an eager config only)
+        setattr(base.config, flag, True)
         named = f"model.config.{flag}=True"
     else:
         batch[flag] = True
         named = f"{flag}=True"
+    model = _tokentune(base)
     with pytest.raises(ValueError, match=f"{flag.removeprefix('output_')} in a training forward \\({named}\\)"):
         model(**batch)
 

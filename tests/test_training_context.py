@@ -158,3 +158,68 @@ def test_an_entry_left_behind_is_left_at_the_next_forward():
     expected_loss, expected = _step(untouched, "tokentune")
     assert loss == expected_loss
     _same(grads, expected)
+
+
+# ---------------------------------------------------------------------------------------------- the attention name
+
+
+@pytest.fixture
+def attention_writes(monkeypatch) -> list:
+    """Every value written to any model config's ``_attn_implementation`` while the test runs."""
+    from transformers import PretrainedConfig
+
+    writes = []
+    name = PretrainedConfig._attn_implementation
+
+    def record(config, value):
+        writes.append(value)
+        name.fset(config, value)
+
+    monkeypatch.setattr(PretrainedConfig, "_attn_implementation", property(name.fget, record))
+    return writes
+
+
+def test_the_attention_name_is_written_at_attach_and_detach_only(attention_writes):
+    base = build("llama")
+    attention_writes.clear()  # (building it wrote the name too)
+    model = get_peft_model(base, CASES["tokentune+compression"]())
+    assert attention_writes == ["peft_slim_tokentune_sdpa"]
+    batch, mask = _batch()
+    _step(model, "tokentune")
+    model.eval()
+    with torch.no_grad():
+        model(**batch)
+        model.generate(input_ids=batch["input_ids"][:1], max_new_tokens=3, do_sample=False)
+    model.train()
+    with pytest.raises(ValueError, match="token_mask"):
+        model(**batch, token_mask=torch.zeros_like(mask))
+    with _Interrupt(model, "block", KeyboardInterrupt), pytest.raises(KeyboardInterrupt):
+        model(**batch, token_mask=mask)
+    _step(model, "tokentune")
+    assert attention_writes == ["peft_slim_tokentune_sdpa"]
+    assert model.unload() is base
+    assert attention_writes == ["peft_slim_tokentune_sdpa", "sdpa"]
+    assert get_attn_implementation(base.config) == "sdpa"
+
+
+def test_a_saved_config_json_names_no_attention_implementation(tmp_path):
+    model = get_peft_model(build("llama"), CASES["tokentune"]())
+    _step(model, "tokentune")
+    model.get_base_model().save_pretrained(tmp_path / "base")
+    model.save_pretrained(tmp_path / "adapter")
+    for path in tmp_path.rglob("*.json"):
+        text = path.read_text()
+        assert "peft_slim_tokentune" not in text and "attn_implementation" not in text, path
+
+
+def test_a_config_shared_by_two_attached_models_keeps_the_name_until_both_detach():
+    first = build("llama")
+    second = type(first)(first.config)  # built from the same config object
+    assert second.config is first.config
+    first_model = get_peft_model(first, CASES["tokentune"]())
+    second_model = get_peft_model(second, CASES["tokentune"]())
+    first_model.unload()
+    assert get_attn_implementation(first.config) == "peft_slim_tokentune_sdpa"
+    _step(second_model, "tokentune")  # still TokenTune's forward: not refused for a changed name
+    second_model.unload()
+    assert get_attn_implementation(first.config) == "sdpa"

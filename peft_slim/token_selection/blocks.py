@@ -286,7 +286,11 @@ class _ReplayUnderSameAttention:
 
 
 def _run_under_attention(name: str, config: Any, function: Callable, *args, **kwargs):
+    """``function`` run with ``config`` naming attention ``name``, as the forward did: the name it has while token
+    selection is attached, so nothing is written unless it was detached before this backward."""
     saved = get_attn_implementation(config)
+    if saved == name:
+        return function(*args, **kwargs)
     set_attn_implementation(config, name)
     try:
         return function(*args, **kwargs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -49,12 +50,33 @@ class _TrainingForward:
     labels: torch.Tensor | None
     token_mask: torch.Tensor | None
     num_items_in_batch: Any
-    attn_implementation: str
     input_ids: Any = None  # where a classification head reads depends on them
     selection: TokenSelection | None = None
     head_input: torch.Tensor | None = None  # the selected hidden states, when the chunked loss takes the head's place
     head_output: Any = None  # what the head returned then (its logits over no position)
     fused: bool = False  # TRL's fused LM head asked for (`fused_lm_head=True`): answer in its output format
+
+
+# Every attached selector (weakly): a config shared by several attached models keeps TokenTune's attention until the
+# last of them detaches.
+_ATTACHED: weakref.WeakSet = weakref.WeakSet()
+
+
+def original_attention(config: Any) -> str | None:
+    """The attention implementation ``config`` names, TokenTune's registered ones read as the original they run."""
+    implementation = get_attn_implementation(config)
+    return next((impl for impl, name in REGISTERED_NAMES.items() if name == implementation), implementation)
+
+
+def _in_training_forward(selector: TokenSelector):
+    """Whether ``selector`` (held weakly) is in a training forward now."""
+    ref = weakref.ref(selector)
+
+    def in_training_forward() -> bool:
+        live = ref()
+        return live is not None and live._state is not None
+
+    return in_training_forward
 
 
 # Config fields of models whose forward changes the head's logits before returning them (Gemma 2/3's soft-capping,
@@ -97,10 +119,18 @@ class TokenSelector:
         blocks_name, blocks = find_blocks(model)
         self._runner = BlockRunner(blocks, self._selection_for, model.config)
         inside = {id(module) for module in blocks.modules()}
+        in_training_forward = _in_training_forward(self)
         for name, module in model.named_modules():
             if id(module) not in inside:
                 where = f"{type(model).__name__}.{name}" if name else type(model).__name__
-                OUTSIDE_BLOCKS[module] = f"{where} ({type(module).__name__}, outside {blocks_name})"
+                place = f"{where} ({type(module).__name__}, outside {blocks_name})"
+                OUTSIDE_BLOCKS[module] = (place, in_training_forward)
+        # The attention implementation is chosen here, once: TokenTune's registered function, which runs the
+        # original one for every call outside a training forward's block passes (eval, generation, another model
+        # sharing the config), until detach() restores the original name.
+        self._attention = original_attention(model.config)
+        set_attn_implementation(model.config, REGISTERED_NAMES[self._attention])
+        _ATTACHED.add(self)
         self._handles = []
         if self._head.kind == "causal_lm":
             head = model.get_output_embeddings()
@@ -126,7 +156,7 @@ class TokenSelector:
     @staticmethod
     def check(model: nn.Module) -> None:
         """Refuse a model whose attention or head token selection cannot make exact, before changing it."""
-        implementation = get_attn_implementation(model.config)
+        implementation = original_attention(model.config)
         if implementation not in SUPPORTED_IMPLEMENTATIONS:
             raise ValueError(
                 f"TokenTune needs attn_implementation in {SUPPORTED_IMPLEMENTATIONS}; "
@@ -166,15 +196,18 @@ class TokenSelector:
             self._runner = None
             for module in self.model.modules():
                 OUTSIDE_BLOCKS.pop(module, None)
+            _ATTACHED.discard(self)
+            config = self.model.config
+            shared = any(other.model.config is config for other in _ATTACHED)  # another model's selector uses it
+            if not shared and get_attn_implementation(config) == REGISTERED_NAMES[self._attention]:
+                set_attn_implementation(config, self._attention)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
 
     def _abort(self) -> None:
-        """End the open training forward without its loss (it raised): the model as before it."""
-        state, self._state = self._state, None
-        if state is not None:
-            set_attn_implementation(self.model.config, state.attn_implementation)
+        """End the open training forward without its loss (it raised)."""
+        self._state = None
 
     def _before_forward(self, model: nn.Module, args: tuple, kwargs: dict):
         """The start of every forward of the model (``TrainingContext`` calls it): in a training forward, the
@@ -184,9 +217,11 @@ class TokenSelector:
         if not self.active:
             return args, kwargs
         implementation = get_attn_implementation(model.config)
-        if implementation not in SUPPORTED_IMPLEMENTATIONS:
+        if implementation != REGISTERED_NAMES[self._attention]:
             raise ValueError(
-                f"TokenTune needs attn_implementation in {SUPPORTED_IMPLEMENTATIONS}, got {implementation!r}."
+                f"TokenTune: {type(model).__name__}'s attention implementation was changed to {implementation!r} "
+                f"after token selection was attached (as {self._attention!r}), so its training forward would not "
+                "run through TokenTune's attention. Wrap the model again after changing it (get_peft_model)."
             )
         # The head again: a pooling setting of the config may have been changed since the model was wrapped.
         self._head = head_of(model)
@@ -220,11 +255,9 @@ class TokenSelector:
             labels=labels,
             token_mask=token_mask,
             num_items_in_batch=num_items,
-            attn_implementation=implementation,
             input_ids=kwargs.get("input_ids"),
             fused=fused,
         )
-        set_attn_implementation(model.config, REGISTERED_NAMES[implementation])
         return (), kwargs
 
     def _without_cache(self, model: nn.Module, kwargs: dict) -> None:
@@ -324,7 +357,6 @@ class TokenSelector:
         state, self._state = self._state, None
         if state is None:
             return None
-        set_attn_implementation(model.config, state.attn_implementation)
         if state.selection is None or state.labels is None or self._head.kind not in ("causal_lm", "per_position"):
             return None
         if output is None:  # the forward raised; always_call hooks still run
