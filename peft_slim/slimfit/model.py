@@ -186,8 +186,10 @@ class SlimFitModel(MethodTuner):
                             opt.state.pop(param, None)
 
     def slimfit_attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Score the units over ``optimizer``'s steps through its own step hooks. Optional: an optimizer stepping over
-        the units unattached is attached at its first step. Nothing to watch for an adapter loaded for inference."""
+        """Score the units over ``optimizer``'s steps through its own step hooks: once, before training, for each
+        optimizer of a plain loop (``SlimFitCallback`` does it under Trainer). An optimizer that updates the units
+        unattached is refused at the next training forward or ``slimfit_step()``. Nothing to watch for an adapter
+        loaded for inference."""
         if self._state.observer is not None:
             self._state.observer.attach(optimizer)
 
@@ -304,6 +306,8 @@ class SlimFitModel(MethodTuner):
             for param in params.values():
                 param.requires_grad_(False)  # the base model is frozen while disabled, as LoRA's is
             state.swapped = state.base_weights.swap_in(self.model)
+            if state.observer is not None:
+                state.observer.weights_written()
             self.slimfit_base_weights.enable_adapters(False)
         super().disable_adapter_layers()
 
@@ -313,6 +317,8 @@ class SlimFitModel(MethodTuner):
         if self._config.lora is None and state.swapped is not None:
             swapped, state.swapped = state.swapped, None
             state.base_weights.restore(self.model, swapped)
+            if state.observer is not None:
+                state.observer.weights_written()
             for name, requires_grad in state.swapped_requires_grad.items():
                 self.model.get_parameter(name).requires_grad_(requires_grad)
             self.slimfit_base_weights.enable_adapters(True)
