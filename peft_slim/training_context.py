@@ -4,16 +4,19 @@ A training forward (train mode, grad enabled) of a model under a peft_slim metho
 compression (saved-tensor hooks and module hooks: thread and process state), token selection (the selector's
 per-forward state) and SlimFit's freezing, and turns them off in the reverse order when the forward ends. Torch runs
 ``always_call`` forward hooks after an ``Exception`` only, so a KeyboardInterrupt (a notebook's stop button) or a
-SystemExit would leave them on: :meth:`TrainingContext.guard` leaves them on any ``BaseException``, and the tuner's
-forward runs the model inside it. Any call of the model enters the context through its own pre-hook (PEFT's forward,
-TRL's fused-head call, a call of the model below the tuner, a transformed plain model); an entry left behind by an
-interrupt outside a guard is left before the next one starts.
+SystemExit would leave them on: :meth:`TrainingContext.guard` leaves them on any ``BaseException``. The model's
+forward runs inside it (a wrapper on the instance, as accelerate's device hooks set one), and so does the tuner's
+forward, which also covers other hooks of the model. Any call of the model enters the context through its own
+pre-hook (PEFT's forward, TRL's fused-head call, a call of the model below the tuner, a transformed plain model); an
+entry left behind by an interrupt in another hook of the model is left before the next one starts.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -52,12 +55,19 @@ class TrainingContext:
                 self.model.register_forward_pre_hook(self._enter, prepend=True, with_kwargs=True),
                 self.model.register_forward_hook(self._exit, with_kwargs=True, always_call=True),
             ]
+            self.model.forward = _GuardedForward(self.model, self)
 
     def detach(self) -> None:
         self.leave()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        wrapper = self.model.__dict__.get("forward")
+        if isinstance(wrapper, _GuardedForward) and wrapper.context is self:  # (else wrapped again since: stays)
+            if wrapper.inner is None:
+                del self.model.forward
+            else:
+                self.model.forward = wrapper.inner
 
     @contextmanager
     def guard(self) -> Iterator[None]:
@@ -110,6 +120,28 @@ class TrainingContext:
             return None
         finally:
             self.leave()
+
+
+class _GuardedForward:
+    """The model's ``forward`` run inside its context's ``guard()``: the instance's own (``inner``: accelerate's
+    device hooks set one) or the class's. An object, so a deep copy refers to the copy's model and context."""
+
+    def __init__(self, model: nn.Module, context: TrainingContext):
+        self.model = model
+        self.context = context
+        self.inner = model.__dict__.get("forward")
+
+    @property
+    def forward(self) -> Callable:
+        return self.inner if self.inner is not None else partial(type(self.model).forward, self.model)
+
+    @property
+    def __signature__(self) -> inspect.Signature:  # what Trainer and generate() read to pick the inputs
+        return inspect.signature(self.forward)
+
+    def __call__(self, *args, **kwargs):
+        with self.context.guard():
+            return self.forward(*args, **kwargs)
 
 
 def refuse_outer_saved_tensor_hooks() -> None:

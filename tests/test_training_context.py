@@ -7,6 +7,9 @@ another model's gradients untouched, and the model's config as it was.
 
 from __future__ import annotations
 
+import copy
+import inspect
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -122,7 +125,7 @@ def test_an_interrupted_training_forward_leaves_nothing_behind(case, where, erro
 
 @pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit])
 def test_compression_alone_is_left_on_an_interrupt(error):
-    """The context on a plain model (no tuner): its guard leaves the saved-tensor hooks on any BaseException."""
+    """The context on a plain model (no tuner), as a transform would put it: left on any BaseException."""
     plain = build("llama", seed=5)
     plain_before = _plain_grads(plain)
     model = build("llama")
@@ -133,20 +136,21 @@ def test_compression_alone_is_left_on_an_interrupt(error):
         raise error("stop")
 
     handle = model.model.layers[1].register_forward_hook(hook)
-    with pytest.raises(error), context.guard():
+    with pytest.raises(error):
         model(**make_batch("llama"))
     handle.remove()
 
     assert active_saved_tensors_pack() is None
     _same(_plain_grads(plain), plain_before)
-    with context.guard():
-        model(**make_batch("llama")).loss.backward()  # not refused for "another saved-tensor hook"
+    model(**make_batch("llama")).loss.backward()  # not refused for "another saved-tensor hook"
     assert context.last_stats.compressed > 0
     context.detach()
 
 
-def test_an_entry_left_behind_is_left_at_the_next_forward():
-    """An interrupt outside any guard (the model called below the tuner): the next forward starts clean."""
+def test_a_call_below_the_tuner_is_guarded_too():
+    """The transformers model called directly (TRL and others may): its forward runs inside the guard."""
+    plain = build("llama", seed=5)
+    plain_before = _plain_grads(plain)
     model = get_peft_model(build("llama"), CASES["tokentune+compression"]())
     untouched = get_peft_model(build("llama"), CASES["tokentune+compression"]())
     batch, mask = _batch()
@@ -154,10 +158,46 @@ def test_an_entry_left_behind_is_left_at_the_next_forward():
     with _Interrupt(model, "block", KeyboardInterrupt), pytest.raises(KeyboardInterrupt):
         model.get_base_model()(**batch, token_mask=mask)
     model.zero_grad(set_to_none=True)
+    assert active_saved_tensors_pack() is None
+    _same(_plain_grads(plain), plain_before)
+    expected_loss, expected = _step(untouched, "tokentune")
+    loss, grads = _step(model, "tokentune")
+    assert loss == expected_loss
+    _same(grads, expected)
+
+
+def test_an_entry_left_behind_by_another_hook_is_left_at_the_next_forward():
+    """An interrupt in another pre-hook of the model, after the context's (outside every guard): the next forward
+    starts clean."""
+    model = get_peft_model(build("llama"), CASES["tokentune+compression"]())
+    untouched = get_peft_model(build("llama"), CASES["tokentune+compression"]())
+    batch, mask = _batch()
+    inner = model.get_base_model()
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    handle = inner.register_forward_pre_hook(interrupt)
+    model.train()
+    with pytest.raises(KeyboardInterrupt):
+        inner(**batch, token_mask=mask)
+    handle.remove()
+    model.zero_grad(set_to_none=True)
     loss, grads = _step(model, "tokentune")  # first: until then the thread's saved-tensor hooks are its
     expected_loss, expected = _step(untouched, "tokentune")
     assert loss == expected_loss
     _same(grads, expected)
+
+
+def test_the_guarded_forward_keeps_the_signature_and_goes_on_detach():
+    base = build("llama")
+    signature = inspect.signature(base.forward)
+    model = get_peft_model(base, CASES["tokentune"]())
+    assert inspect.signature(base.forward) == signature  # what Trainer and generate() read
+    assert "forward" in base.__dict__
+    copy.deepcopy(model).train()(**_batch()[0]).loss.backward()  # a copy's wrapper is the copy's
+    model.unload()
+    assert "forward" not in base.__dict__
 
 
 # ---------------------------------------------------------------------------------------------- the attention name
