@@ -198,6 +198,8 @@ def build_method(base, parsed: argparse.Namespace, seed: int, trl_head: bool = F
     # SlimFit decides per step which parameters get gradients: AdamW holds them all and skips those without one.
     params = list(model.parameters()) if slimfit else [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=parsed.learning_rate, weight_decay=0.0)
+    if slimfit:
+        model.slimfit_attach(optimizer)
     after_step = (lambda: model.slimfit_step(optimizer)) if slimfit else (lambda: None)
     return model, context, optimizer, after_step
 

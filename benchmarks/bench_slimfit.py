@@ -113,6 +113,8 @@ def llama_methods(layers: int, token_ratio: float, freeze_ratio: float) -> dict[
 
 def training_step(model, optimizer, batch) -> None:
     model(**batch).loss.backward()
+    if hasattr(model, "slimfit_attach"):
+        model.slimfit_attach(optimizer)  # (again for an attached one: nothing)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if hasattr(model, "slimfit_step"):

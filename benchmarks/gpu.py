@@ -161,6 +161,7 @@ def slimfit(stack: bool):
         tuner = peft_slim.SlimFitConfig(freeze_ratio=FREEZE_RATIO, seed=0, task_type="CAUSAL_LM", **extra)
         model = get_peft_model(base_model(config, device), tuner)
         optimizer = adamw(model, every=True)  # AdamW skips parameters without a gradient (frozen this step)
+        model.slimfit_attach(optimizer)
         return Built(model, optimizer, after_step=lambda: model.slimfit_step(optimizer))
 
     return build

@@ -118,6 +118,7 @@ def slimfit(task: Task, seed: int, freeze_ratio: float, compression: bool, stack
     # Every parameter goes to AdamW: SlimFit decides per step which get gradients; AdamW skips (and keeps no
     # state for) parameters whose gradient is None.
     optimizer = adamw(model, task.lr_adapter, every=True) if stack else adamw(model, task.lr_full, task, every=True)
+    model.slimfit_attach(optimizer)
     return Setup(model, optimizer, after_step=lambda: model.slimfit_step(optimizer), history=model.slimfit_history)
 
 

@@ -166,6 +166,8 @@ def train_step(model, wrapped, optimizer, batch: dict, case: Case, num_items=Non
         kwargs["num_items_in_batch"] = num_items
     loss = wrapped(**kwargs).loss * world
     loss.backward()
+    if case.method == "slimfit":
+        unwrap(model).slimfit_attach(optimizer)  # (again for an attached one: nothing)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if case.method == "slimfit":

@@ -39,6 +39,7 @@ def train(
     if optimizer is None:
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
+    model.slimfit_attach(optimizer)  # (again for an attached one: nothing)
     for step in range(steps):
         torch.manual_seed(step)  # dropout: the same masks in every run of the same steps
         loss_of(model, make_batch(arch, seed=step)).backward()

@@ -40,9 +40,11 @@ def _step(model, optimizer, seed: int, between=None) -> torch.Tensor | None:
     if between is not None:
         between()
     loss.backward()
+    tuner = model.base_model
+    if hasattr(tuner, "slimfit_attach"):
+        tuner.slimfit_attach(optimizer)  # (again for an attached one: nothing)
     optimizer.step()
     optimizer.zero_grad()
-    tuner = model.base_model
     if hasattr(tuner, "slimfit_step"):
         tuner.slimfit_step()
     mask = tuner.last_token_mask

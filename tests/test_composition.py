@@ -147,6 +147,7 @@ def test_bnb_8bit_adamw_restarts_a_released_unit_like_a_fresh_optimizer():
     params = [p for p in model.parameters() if p.requires_grad]
     make = functools.partial(bnb.optim.AdamW8bit, lr=1e-2, weight_decay=0.1)
     optimizer = make(params)
+    model.slimfit_attach(optimizer)
     seen, restarts = set(), 0
     model.train()
     for step in range(8):
@@ -177,6 +178,7 @@ class FakePagedAdamW(torch.optim.AdamW):
 def test_paged_optimizer_with_state_release_is_refused_at_its_first_step(release):
     model = slimfit_model("llama", freeze_ratio=0.8, release_frozen_optimizer_state=release)
     optimizer = FakePagedAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.slimfit_attach(optimizer)
     before = [p.detach().clone() for p in model.parameters()]
     model.train()
     loss_of(model, make_batch("llama")).backward()
@@ -192,6 +194,7 @@ def test_real_bnb_paged_adamw_is_refused():
     bnb = pytest.importorskip("bitsandbytes")
     model = slimfit_model("llama", freeze_ratio=0.8)
     optimizer = bnb.optim.PagedAdamW8bit([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.slimfit_attach(optimizer)
     model.train()
     loss_of(model, make_batch("llama")).backward()
     with pytest.raises(ValueError, match="PagedAdamW8bit"):
@@ -202,14 +205,15 @@ def test_real_bnb_paged_adamw_is_refused():
 @pytest.mark.parametrize("flag", ["output_hidden_states", "output_attentions", "output_router_logits"])
 @pytest.mark.parametrize("where", ["call", "config"])
 def test_per_layer_outputs_in_training_are_refused_naming_the_flag(flag, where):
-    model = _tokentune(build("llama", attn_implementation="eager"))
+    base = build("llama", attn_implementation="eager")
     batch = make_batch("llama", batch=2, length=12)
-    if where == "config":
-        setattr(model.config, flag, True)
+    if where == "config":  # (set before wrapping: transformers allows output_attentions on an eager config only)
+        setattr(base.config, flag, True)
         named = f"model.config.{flag}=True"
     else:
         batch[flag] = True
         named = f"{flag}=True"
+    model = _tokentune(base)
     with pytest.raises(ValueError, match=f"{flag.removeprefix('output_')} in a training forward \\({named}\\)"):
         model(**batch)
 

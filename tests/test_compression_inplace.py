@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from peft_slim import ActivationCompressionConfig, compress_activations
-from peft_slim.tuner.model import TrainingCompression
+from peft_slim.training_context import TrainingContext
 
 INPLACE = "modified by an inplace operation"
 SETTINGS = {
@@ -91,7 +91,7 @@ def test_compression_raises_as_autograd_does(cls, setting):
 @pytest.mark.parametrize("cls", [InplaceGate, InplaceProbabilities])
 def test_the_tuners_training_compression_raises_too(cls):
     model = _model(cls).train()
-    TrainingCompression(model, ActivationCompressionConfig(bits=None, min_numel=0))
+    TrainingContext(model, ActivationCompressionConfig(bits=None, min_numel=0))
     loss = model(torch.randn(4, 8))
     with pytest.raises(RuntimeError, match=INPLACE):
         loss.backward()

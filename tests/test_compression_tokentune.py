@@ -218,6 +218,33 @@ def test_the_keys_and_values_kept_for_backward_are_stored_quantized(monkeypatch,
     loss.backward()
 
 
+@pytest.mark.parametrize("method", ["tokentune", "slimfit"])
+@pytest.mark.parametrize(
+    ("settings", "bits"),
+    [
+        ({"bits": 8, "kinds": ["attention"]}, 8),
+        ({"bits": None, "kind_bits": {"attention": 4}}, 4),
+        ({"bits": 8, "kinds": ["other"]}, None),
+        ({"bits": 8, "kind_bits": {"attention": None}}, None),
+    ],
+    ids=["kinds", "kind_bits", "other-only", "attention-exempt"],
+)
+def test_the_kept_keys_and_values_are_attention_tensors(monkeypatch, method, settings, bits):
+    """`kinds` and `kind_bits` name them as 'attention', the kind of the attention that computed them, although the
+    block (kind 'other') saves them."""
+    recorded = _held_keys_values(monkeypatch)
+    config = _selecting_config(method, ActivationCompressionConfig(min_numel=0, **settings))
+    model = _peft_model(build("llama"), config).train()
+    model(**make_batch("llama", batch=4, length=32)).loss.backward()
+    assert len(recorded) == 2 * model.base_model.model.config.num_hidden_layers
+    for entry in recorded:
+        stored = entry["stored"]
+        if bits is None:
+            assert stored is not None and not isinstance(stored, CompressedTensor)
+        else:
+            assert isinstance(stored, CompressedTensor) and stored.values.bits == bits
+
+
 @pytest.mark.parametrize(("bits", "cosine_at_least"), [(8, 0.999), (4, 0.99)])
 def test_gradients_with_compressed_keys_and_values_stay_close_to_the_exact_ones(bits, cosine_at_least):
     """Against the independent reference (tests/reference.py), in the terms docs/compression.md gives for saved

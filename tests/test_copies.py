@@ -56,6 +56,8 @@ def _step(model, seed: int) -> tuple[dict, dict]:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=0.1)
+    if hasattr(model.base_model, "slimfit_attach"):
+        model.slimfit_attach(optimizer)
     model(**make_batch("llama", seed=seed)).loss.backward()
     grads = grads_of_trainable(model)
     optimizer.step()

@@ -195,6 +195,7 @@ def test_slimfit_case_is_refused_clearly_or_trains_as_defined(arch, field_value,
     tuner = model.base_model
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    model.slimfit_attach(optimizer)
     model.train()
     loss = loss_of(model, make_batch(arch))
     assert torch.isfinite(loss)

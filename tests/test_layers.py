@@ -43,6 +43,7 @@ LAYERS = [
             "peft_slim.trainable",
             "peft_slim.lora_inputs",
             "peft_slim.memory",
+            "peft_slim.training_context",
         ],
     ),
     ("tuner base", ["peft_slim.tuner"]),

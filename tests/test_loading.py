@@ -63,6 +63,8 @@ def _train_step(model, seed: int = 0):
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(trainable, lr=1e-2)
+    if hasattr(model.base_model, "slimfit_attach"):
+        model.base_model.slimfit_attach(optimizer)
     loss = model(**make_batch("llama", seed=seed)).loss
     loss.backward()
     graded = sorted(n for n, p in model.named_parameters() if p.grad is not None)

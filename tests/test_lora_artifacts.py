@@ -36,6 +36,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _train(model, steps: int = 3, seed: int = 0):
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    if hasattr(model.base_model, "slimfit_attach"):
+        model.base_model.slimfit_attach(optimizer)
     for step in range(steps):
         model(**make_batch("llama", seed=seed + step)).loss.backward()
         optimizer.step()

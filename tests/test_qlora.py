@@ -141,6 +141,7 @@ def test_qlora_slimfit_trains_lora_pairs_over_a_4bit_base(saved_llama):
     model = get_peft_model(model, config)
     tuner = model.base_model
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    model.slimfit_attach(optimizer)
     model.train()
     for step in range(3):
         loss = model(**make_batch("llama", seed=step)).loss

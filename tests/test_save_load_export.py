@@ -535,11 +535,11 @@ def test_merge_and_unload_restores_eager_attention_after_training_and_errors(lor
     model.train()
     model(**batch).loss.backward()
     assert model.base_model.last_token_mask is not None
-    assert model.get_base_model().config._attn_implementation == "eager"
-    # A training forward that fails midway (a mask selecting nothing) leaves nothing switched either.
+    # TokenTune's attention (it runs eager outside TokenTune's pass) from the wrap to the merge, whatever raises.
+    assert model.get_base_model().config._attn_implementation == "peft_slim_tokentune_eager"
     with pytest.raises(ValueError, match="token_mask"):
         model(**batch, token_mask=torch.zeros(batch["input_ids"].shape, dtype=torch.bool))
-    assert model.get_base_model().config._attn_implementation == "eager"
+    assert model.get_base_model().config._attn_implementation == "peft_slim_tokentune_eager"
     model.eval()
     peft_logits = _eval_logits(model, batch)
     merged = model.merge_and_unload()

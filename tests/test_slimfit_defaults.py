@@ -72,6 +72,7 @@ def test_bytes_rule_in_a_model_caps_the_gradient_bytes():
     too_large = [unit for unit in tuner._state.units if unit_bytes(unit) > 0.2 * total]
     assert too_large and all(unit.name in str(caught[0].message) for unit in too_large)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.slimfit_attach(optimizer)
     model.train()
     for step in range(6):
         loss_of(model, make_batch("bert", seed=step)).backward()
@@ -110,6 +111,7 @@ def test_catch_up_scales_the_update_by_the_missed_steps(catch_up, metric):
     assert model.peft_config["default"].catch_up == catch_up
     tuner = model.base_model
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    model.slimfit_attach(optimizer)
     model.train()
     seen_factors = set()
     for step in range(10):
@@ -139,6 +141,7 @@ def test_catch_up_does_not_change_the_scores():
     for catch_up in ("linear", "none"):
         model = slimfit_model("bert", freeze_ratio=0.5, freeze_by="count", catch_up=catch_up)
         sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        model.slimfit_attach(sgd)
         train(model, "bert", steps=2, optimizer=sgd)
         scores.append(model.base_model.scheduler.scores)
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
@@ -156,6 +159,7 @@ def test_norms_always_train_and_are_no_unit():
     norms = [n for n, m in model.base_model.model.named_modules() if isinstance(m, torch.nn.LayerNorm)]
     assert norms and not any(name.startswith(tuple(norms)) for name in tuner.unit_names)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.slimfit_attach(optimizer)
     model.train()
     for step in range(3):
         loss_of(model, make_batch("bert", seed=step)).backward()
@@ -177,6 +181,7 @@ def test_scores_of_a_step_follow_their_definition(metric):
     model = slimfit_model("llama", freeze_ratio=0.5, freeze_by="count", metric=metric, epsilon=eps)
     tuner = model.base_model
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.slimfit_attach(optimizer)
     model.train()
     loss_of(model, make_batch("llama")).backward()
     trained = [u for u, t in enumerate(tuner.scheduler.trained) if t]

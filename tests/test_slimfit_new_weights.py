@@ -65,6 +65,7 @@ def test_new_weights_train_at_every_step_and_the_others_follow_the_schedule(chec
     tuner = model.base_model
     new = {name: tuner.model.get_parameter(name) for name in NEW}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.slimfit_attach(optimizer)
     model.train()
     for step in range(8):
         before = {name: p.detach().clone() for name, p in new.items()}

@@ -116,6 +116,7 @@ def test_units_trained_per_step_and_frozen_units_bit_identical(arch):
     units = tuner._state.units
     assert all(p.requires_grad for unit in units for p in unit.params)  # until training starts
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    model.slimfit_attach(optimizer)
     model.train()
     for step in range(5):
         loss_of(model, make_batch(arch, seed=step)).backward()
@@ -204,6 +205,7 @@ def test_resume_restores_the_schedule():
     resumed.load_state_dict(weights)
     resumed.base_model.load_slimfit_state_dict(state)
     opt2 = torch.optim.AdamW([p for p in resumed.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    resumed.slimfit_attach(opt2)
     opt2.load_state_dict(opt_state)
     for step in range(4, 8):
         for model, opt in ((straight, optimizer), (resumed, opt2)):
@@ -224,6 +226,7 @@ def test_frozen_units_hold_no_optimizer_state_by_default(explicit_optimizer):
     step hooks, or passed); a unit trained at the last step keeps it."""
     model = slimfit_model("llama", freeze_ratio=0.8)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.slimfit_attach(optimizer)
     tuner = model.base_model
     model.train()
     for step in range(6):

@@ -312,7 +312,7 @@ def test_modernbert_mean_pooling_refused_and_cls_pooling_accepted():
     with pytest.raises(ValueError, match=refusal):
         model(**batch)
     assert all(p.grad is None for p in model.parameters())
-    assert model.get_base_model().config._attn_implementation == "sdpa"
+    assert model.get_base_model().config._attn_implementation == "peft_slim_tokentune_sdpa"
 
 
 def test_wav2vec2_classifier_refused():

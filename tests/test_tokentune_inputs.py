@@ -52,7 +52,7 @@ def test_labels_of_another_shape_are_refused(head, shape_of):
     with pytest.raises(ValueError, match=expected):
         model(**batch, labels=labels)
     assert all(p.grad is None for p in model.parameters())
-    assert model.get_base_model().config._attn_implementation == "sdpa"
+    assert model.get_base_model().config._attn_implementation == "peft_slim_tokentune_sdpa"
     model(**batch, labels=_labels_like(long_labels, sequence)).loss.backward()  # the right shape trains
 
 
@@ -75,7 +75,7 @@ def test_pre_shifted_labels_are_refused():
     model.train()
     with pytest.raises(ValueError, match="pre-shifted `shift_labels`.*pass `labels` of shape"):
         model(**batch, shift_labels=shift_labels)
-    assert model.get_base_model().config._attn_implementation == "sdpa"
+    assert model.get_base_model().config._attn_implementation == "peft_slim_tokentune_sdpa"
 
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])

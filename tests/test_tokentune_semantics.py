@@ -65,7 +65,7 @@ def test_eval_and_no_grad_outputs_equal_vanilla_lora(arch, implementation):
     assert torch.equal(actual.loss, expected.loss)  # the ordinary full-token loss
     # Inactive forwards draw nothing.
     assert torch.equal(model.base_model.last_token_mask, mask_after_training)
-    assert model.get_base_model().config._attn_implementation == implementation
+    assert model.get_base_model().config._attn_implementation == REGISTERED_NAMES[implementation]  # while attached
 
 
 @pytest.mark.parametrize("arch", ["llama", "bert"])
@@ -81,19 +81,21 @@ def test_standalone_eval_outputs_equal_base_model(arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "bert", "vit"])
-def test_attn_implementation_restored_after_training_forward(arch):
+def test_attn_implementation_is_tokentunes_from_attach_to_detach(arch):
     model = tokentune_model(arch, "eager")
     config = model.get_base_model().config
     batch = make_batch(arch)
     seen = []
-    # During the forward the implementation is switched to TokenTune's registered function.
+    # Chosen at attach: TokenTune's registered function, which runs eager outside TokenTune's pass.
+    assert config._attn_implementation == REGISTERED_NAMES["eager"]
     _, blocks = find_blocks(model.get_base_model())
     handle = blocks[0].register_forward_hook(lambda *a: seen.append(config._attn_implementation))
     model.train()
     model(**batch).loss.backward()
     handle.remove()
-    assert seen and seen[0] != "eager"
-    assert config._attn_implementation == "eager"
+    assert seen == [REGISTERED_NAMES["eager"]]
+    assert config._attn_implementation == REGISTERED_NAMES["eager"]
+    assert model.unload().config._attn_implementation == "eager"  # restored at detach
 
 
 def test_attn_implementation_restored_after_forward_that_raises():
@@ -103,10 +105,10 @@ def test_attn_implementation_restored_after_forward_that_raises():
     model.train()
     with pytest.raises(ValueError, match="token_mask"):
         model(**batch, token_mask=torch.ones(2, 3, dtype=torch.bool))
-    assert config._attn_implementation == "sdpa"
+    assert config._attn_implementation == REGISTERED_NAMES["sdpa"]  # as attached
     # ... and the model still works, in training and in eval.
     model(**batch).loss.backward()
-    assert config._attn_implementation == "sdpa"
+    assert config._attn_implementation == REGISTERED_NAMES["sdpa"]
     model.eval()
     vanilla = vanilla_lora_model("llama", "sdpa", model).eval()
     with torch.no_grad():
@@ -116,10 +118,10 @@ def test_attn_implementation_restored_after_forward_that_raises():
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("second_training", [False, True], ids=["second in eval", "second training"])
 def test_a_model_sharing_the_config_is_unaffected(implementation, second_training):
-    """TokenTune routes attention through the model config's attention implementation, for the length of a training
-    forward. Another model holding the same config object (TRL's reference model can) computes what it computes
-    without TokenTune: before and after that forward, and also run in the middle of it (its attention calls carry no
-    TokenTune pass, so TokenTune's registered entry runs the original implementation)."""
+    """TokenTune routes attention through the model config's attention implementation while attached. Another model
+    holding the same config object (TRL's reference model can) computes what it computes without TokenTune: before
+    and after a training forward, and also run in the middle of it (its attention calls carry no TokenTune pass, so
+    TokenTune's registered entry runs the original implementation), and after the detach."""
     base = build("llama", implementation)
     second = type(base)(base.config)
     second.load_state_dict(base.state_dict())
@@ -134,7 +136,8 @@ def test_a_model_sharing_the_config_is_unaffected(implementation, second_trainin
 
     expected = run_second()
     model = get_peft_model(base, tokentune_config("llama"))
-    assert base.config._attn_implementation == implementation
+    assert base.config._attn_implementation == REGISTERED_NAMES[implementation]
+    assert torch.equal(run_second(), expected)
     during, names = [], []
 
     def in_the_middle(*args):
@@ -149,6 +152,8 @@ def test_a_model_sharing_the_config_is_unaffected(implementation, second_trainin
     handle.remove()
     assert names == [REGISTERED_NAMES[implementation]]  # the shared config routes to TokenTune's entry meanwhile
     assert torch.equal(during[0], expected)
+    assert torch.equal(run_second(), expected)
+    model.unload()
     assert base.config._attn_implementation == implementation
     assert torch.equal(run_second(), expected)
 

@@ -15,7 +15,9 @@ from tiny_models import ONE_SGD_STEP, VOCAB, trainer_kwargs
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 
-from peft_slim import TokenTuneCallback
+from peft_slim import SlimFitCallback, SlimFitConfig, TokenTuneCallback
+from peft_slim.slimfit import SlimFitModel
+from peft_slim.tuner import find_tuner
 
 datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
@@ -187,15 +189,19 @@ def reference_step(peft_model, calls: list[dict], autocast: bool = False):
 
 def run_sft_step(tmp_path, dataset, model=None, peft_config=None, selects: bool = True, **overrides):
     """One optimizer step of trl.SFTTrainer (with TokenTuneCallback when the model selects tokens, as token
-    selection under SFTTrainer needs); returns the trainer, its logs, the recorded calls and gradient."""
+    selection under SFTTrainer needs, and SlimFitCallback for SlimFit); returns the trainer, its logs, the recorded
+    calls and gradient."""
     tokenizer = sft_tokenizer()
+    callbacks = [TokenTuneCallback()] if selects else []
+    if isinstance(peft_config, SlimFitConfig) or (model is not None and find_tuner(model, SlimFitModel)):
+        callbacks.append(SlimFitCallback())
     trainer = trl.SFTTrainer(
         model=model,
         args=sft_args(tmp_path, **overrides),
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=peft_config,
-        callbacks=[TokenTuneCallback()] if selects else None,
+        callbacks=callbacks or None,
     )
     peft_model = trainer.model
     recorder = ForwardRecorder(peft_model, selects=selects)

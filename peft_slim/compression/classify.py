@@ -2,7 +2,9 @@
 
 A pack hook sees only the tensor, not the operation saving it, but the module running then is known: global
 forward hooks keep a stack of the modules entered, and a saved tensor takes the kind of the innermost one (see
-``ActivationCompressionConfig.kinds``), for any model built from ``nn.Module``s.
+``ActivationCompressionConfig.kinds``), for any model built from ``nn.Module``s. A tensor saved outside the module
+that computed it is marked with its kind by the code saving it (``save_as``: TokenTune's keys/values, saved by the
+block, are the attention's).
 
 The hooks are global, registered only while a context is active, because a model runs modules that are not its
 submodules (recent transformers' kernelized functions, e.g. Llama's ``apply_rotary_pos_emb``, are module-level
@@ -20,6 +22,7 @@ import threading
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..compat import (
     ACTIVATION_MODULES,
@@ -48,6 +51,24 @@ def module_kind(module_type: type) -> str:
     if module_type.__module__ in ACTIVATION_MODULES:
         return "activation"
     return "other"
+
+
+# Tensors whose kind is not their saving module's, by identity (held weakly: the mark goes with the tensor).
+_MARKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def save_as(kind: str, *tensors: torch.Tensor) -> None:
+    """Class ``tensors``, when autograd saves them, as ``kind`` whatever module saves them."""
+    for tensor in tensors:
+        _MARKED[tensor] = kind
+
+
+def saved_kind(tensor: torch.Tensor, module: nn.Module | None) -> str:
+    """The kind of ``tensor`` saved inside ``module`` (None: outside any): its mark, else the module's kind."""
+    marked = _MARKED.get(tensor)
+    if marked is not None:
+        return marked
+    return "other" if module is None else module_kind(type(module))
 
 
 # The stacks started in the running context (a new thread starts with none; a copied context, e.g. an asyncio

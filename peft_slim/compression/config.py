@@ -15,8 +15,9 @@ _KINDS_HELP = (
     "and subclasses, LoRA's layers, transformers' Conv1D, nn.Conv*: their inputs), 'norm' (torch's norm layers "
     "and any class named '*Norm', e.g. LlamaRMSNorm: their inputs), 'activation' (torch.nn and "
     "transformers.activations modules such as GELU/SiLU: their inputs), 'attention' (a class named "
-    "'*Attention*' outside its linear layers: Q/K/V, softmax probabilities, SDPA outputs), 'other' (everything "
-    "else: residual sums, gated MLP products, embeddings, the loss). 'all' means every kind."
+    "'*Attention*' outside its linear layers: Q/K/V, softmax probabilities, SDPA outputs; under token selection also "
+    "the unselected tokens' keys/values each block keeps), 'other' (everything else: residual sums, gated MLP "
+    "products, embeddings, the loss, the selected tokens' block inputs). 'all' means every kind."
 )
 
 

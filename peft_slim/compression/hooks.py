@@ -23,7 +23,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ..compat import storage_base, storage_key
 from ..compat import tensor_version as version_of
-from .classify import ModuleStack, is_compressible, is_weight, module_kind
+from .classify import ModuleStack, is_compressible, is_weight, saved_kind
 from .config import KINDS, ActivationCompressionConfig
 from .tensor import CompressedTensor, compress
 
@@ -146,7 +146,7 @@ class ActivationCompression(saved_tensors_hooks):
             return tensor.detach()  # weights and leaf inputs: held by their owner anyway, not activations
         entry = self._entry(tensor)
         config = self.config
-        kind = "other" if module is None else module_kind(type(module))
+        kind = saved_kind(tensor, module)
         bits = self._bits[kind]
         pruned = kind in self._pruned and (not config.prune_frozen_only or self._is_frozen(module))
         offloaded = config.offload and tensor.device.type != "cpu"

@@ -295,7 +295,11 @@ def make_inputs(model: nn.Module, workload: Workload, seed: int = 0) -> dict:
 def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
     """The optimizer over every parameter that can train (SlimFit's frozen units get no gradient and no state)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=1e-4) if name == "adamw" else torch.optim.SGD(params, lr=1e-4)
+    optimizer = torch.optim.AdamW(params, lr=1e-4) if name == "adamw" else torch.optim.SGD(params, lr=1e-4)
+    tuner = getattr(model, "base_model", None)
+    if isinstance(tuner, SlimFitModel):
+        tuner.slimfit_attach(optimizer)  # its steps are scored, as in training
+    return optimizer
 
 
 def after_step(model: nn.Module) -> None:

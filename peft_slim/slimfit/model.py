@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,6 @@ class SlimFitState(AdapterState):
     units: list[Unit] = field(default_factory=list)
     scheduler: FreezeScheduler | None = None
     observer: StepObserver | None = None  # None when loaded for inference
-    handles: list = field(default_factory=list)  # the forward pre-hook that applies the schedule
     base_weights: BaseWeights | None = None  # without LoRA: the base weights trained in place
     applied: bool = False  # the schedule's requires_grad is set (since the last training forward)
     paused: bool = False  # slimfit_pause()
@@ -48,8 +48,9 @@ class SlimFitModel(MethodTuner):
     """Freeze most scheduling units at every step, chosen by training dynamics (Ardakani et al., NAACL 2024).
 
     A frozen unit has ``requires_grad=False`` from the start of the training forward to the optimizer step: no
-    gradient (so no optimizer update, weight decay or momentum) and no cached input for backward. A forward pre-hook
-    on the transformers model applies the decision, so it holds for every PEFT forward path; optimizer hooks score
+    gradient (so no optimizer update, weight decay or momentum) and no cached input for backward. The training
+    context (``training_context.py``) applies the decision at every forward of the transformers model, so it holds
+    for every PEFT forward path; optimizer hooks score
     the units that trained; ``slimfit_step()`` re-ranks. With ``tokentune``, the token selection is attached too.
     """
 
@@ -103,15 +104,11 @@ class SlimFitModel(MethodTuner):
             catch_up=None if config.catch_up == "none" else self._catch_up_factor,
             always=self._always_trained,
         )
-        state.handles.append(model.register_forward_pre_hook(self._before_forward))
 
     def _remove_method_hooks(self) -> None:
         state = self._active_state()
         if state is None:
             return
-        for handle in state.handles:  # none yet when an injection refused before `_setup`
-            handle.remove()
-        state.handles = []
         if state.observer is not None:
             state.observer.remove()
 
@@ -119,8 +116,9 @@ class SlimFitModel(MethodTuner):
         state = self._state
         if state.observer is not None:  # not loaded for inference
             state.observer.watch()
-            if not state.handles:
-                state.handles.append(self.model.register_forward_pre_hook(self._before_forward))
+
+    def _freezing(self) -> Callable[[nn.Module], None] | None:
+        return None if self._state.observer is None else self._before_forward
 
     def _after_set_adapter(self) -> None:
         state = self._state
@@ -188,8 +186,10 @@ class SlimFitModel(MethodTuner):
                             opt.state.pop(param, None)
 
     def slimfit_attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Score the units over ``optimizer``'s steps through its own step hooks. Optional: an optimizer stepping over
-        the units unattached is attached at its first step. Nothing to watch for an adapter loaded for inference."""
+        """Score the units over ``optimizer``'s steps through its own step hooks: once, before training, for each
+        optimizer of a plain loop (``SlimFitCallback`` does it under Trainer). An optimizer that updates the units
+        unattached is refused at the next training forward or ``slimfit_step()``. Nothing to watch for an adapter
+        loaded for inference."""
         if self._state.observer is not None:
             self._state.observer.attach(optimizer)
 
@@ -275,7 +275,9 @@ class SlimFitModel(MethodTuner):
 
     # ------------------------------------------------------------------ forward path
 
-    def _before_forward(self, model: nn.Module, args: tuple) -> None:
+    def _before_forward(self, model: nn.Module) -> None:
+        """Before every forward with grad enabled (the training context calls it): the schedule applied in train
+        mode, and a training step opened."""
         state = self._state
         if not torch.is_grad_enabled() or state.paused or state.swapped is not None:
             return
@@ -304,6 +306,8 @@ class SlimFitModel(MethodTuner):
             for param in params.values():
                 param.requires_grad_(False)  # the base model is frozen while disabled, as LoRA's is
             state.swapped = state.base_weights.swap_in(self.model)
+            if state.observer is not None:
+                state.observer.weights_written()
             self.slimfit_base_weights.enable_adapters(False)
         super().disable_adapter_layers()
 
@@ -313,6 +317,8 @@ class SlimFitModel(MethodTuner):
         if self._config.lora is None and state.swapped is not None:
             swapped, state.swapped = state.swapped, None
             state.base_weights.restore(self.model, swapped)
+            if state.observer is not None:
+                state.observer.weights_written()
             for name, requires_grad in state.swapped_requires_grad.items():
                 self.model.get_parameter(name).requires_grad_(requires_grad)
             self.slimfit_base_weights.enable_adapters(True)

@@ -1,10 +1,11 @@
 """Watch optimizer steps: snapshot the training units right before a step, score their change right after.
 
 An optimizer is watched through its own step pre/post hooks, registered by ``attach(optimizer)``
-(``model.slimfit_attach``; ``SlimFitCallback`` attaches the Trainer's). One that steps over the units unattached (a
-plain loop) is attached at its first step by a process-wide pre-hook that finds it by its parameters. The snapshot is
-taken after backward, when activations are freed, so it never adds to the activation peak; the catch-up
-(``SlimFitConfig.catch_up``) scales the update in the post-hook.
+(``model.slimfit_attach``; ``SlimFitCallback`` attaches the Trainer's). One that steps over the units unattached could
+not be scored: the units' version counters, read at each training forward, show its update at the next forward or
+``slimfit_step()``, which refuse it naming ``slimfit_attach``. The snapshot is taken after backward, when activations
+are freed, so it never adds to the activation peak; the catch-up (``SlimFitConfig.catch_up``) scales the update in
+the post-hook.
 
 With parameters split over several optimizers, each step scores the tensors it holds and a unit's score sums over
 every optimizer step between two training forwards: the same as if one optimizer had stepped the whole unit. The
@@ -19,9 +20,8 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..compat import optimizer_running_step_hooks
+from ..compat import optimizer_running_step_hooks, tensor_version
 from .scheduler import DTensor, FreezeScheduler, _item, _tensor_parts, finish_score, score_parts
 from .units import Unit
 
@@ -132,31 +132,40 @@ class StepObserver:
         self._warned_missing = False
         self._check_always = True  # whether the next closed step checks the stepping optimizers hold `always`
         self._held: set[int] = set()  # while _check_always: ids of the parameters of every optimizer that stepped
+        self._always_versions: dict[int, int] = {}  # while _check_always: `always`'s versions at the forward
+        self._versions: list[tuple[str, torch.Tensor, int]] | None = None  # (unit, param, version) at the forward
         self._register()
 
     def _register(self) -> None:
         self._attached: weakref.WeakSet = weakref.WeakSet()  # optimizers whose own step hooks call this observer
+        self._parked: weakref.WeakSet = weakref.WeakSet()  # attached while not watching: hooked by watch()
         # The hooks hold the observer weakly (they must not keep a discarded tuner alive) and must not outlive it:
-        # removed when the observer is collected, or by remove(); attach() adds an optimizer's to the same list.
-        self._hook_handles = [register_optimizer_step_pre_hook(partial(_call, weakref.ref(self), "_find_optimizer"))]
+        # removed when the observer is collected, or by remove(); attach() adds each optimizer's to this list.
+        self._hook_handles = []
         self._finalizer = weakref.finalize(self, _remove_handles, self._hook_handles)
 
     def remove(self) -> None:
-        """Stop watching: the process-wide pre-hook and every attached optimizer's hooks go (until ``watch()``)."""
+        """Stop watching: every attached optimizer's hooks go (attached again after ``watch()``)."""
+        self._versions = None
         self._finalizer()
 
     def watch(self) -> None:
-        """Watch optimizer steps again after ``remove()`` (the adapter is active again on a model with several)."""
+        """Watch optimizer steps again after ``remove()`` (the adapter is active again on a model with several), the
+        optimizers attached before included."""
         if not self._finalizer.alive:
+            attached = [*self._attached, *self._parked]
             self._register()
+            for optimizer in attached:
+                self.attach(optimizer)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Watch ``optimizer``'s steps through its own step hooks; again for an attached one does nothing. A wrapper
         whose ``step`` calls no step hooks of its own (accelerate's ``AcceleratedOptimizer``) is attached through the
         optimizer it wraps (``.optimizer``), whose steps are the ones that run the hooks."""
-        if not self._finalizer.alive:
-            return  # not watching (the adapter is parked): attached at its first step once it watches again
         optimizer = optimizer_running_step_hooks(optimizer)
+        if not self._finalizer.alive:  # not watching (the adapter is parked): hooked once it watches again
+            self._parked.add(optimizer)
+            return
         if optimizer in self._attached:
             return
         ref = weakref.ref(self)
@@ -166,19 +175,6 @@ class StepObserver:
         ]
         self._attached.add(optimizer)
         self._check_always = True
-
-    def _find_optimizer(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        """The process-wide pre-hook: attach an optimizer about to step over the units unattached (torch calls its own
-        pre-hooks after the process-wide ones, so they watch this step too)."""
-        if not self.active:
-            return
-        if self._check_always:  # any optimizer, also one holding only parameters that train at every step
-            self._held.update(id(p) for group in optimizer.param_groups for p in group["params"])
-        if optimizer in self._attached:
-            return
-        mine = self._unit_params(resolve=not self._depth)  # as _before_step: the parameters the model holds now
-        if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
-            self.attach(optimizer)
 
     def _unit_params(self, resolve: bool) -> set[int]:
         """Ids of the units' parameters, first (``resolve``) those the model holds now, as an optimizer does between
@@ -190,9 +186,10 @@ class StepObserver:
     def __getstate__(self) -> dict:
         """A copy (deepcopy, pickle) watches the copy's parameters with hooks of its own; the optimizers seen are the
         original's, not the copy's; parameter ids become (unit, position) pairs."""
-        private = {"_finalizer", "_hook_handles", "_attached"}
+        private = {"_finalizer", "_hook_handles", "_attached", "_parked"}
         state = {key: value for key, value in self.__dict__.items() if key not in private}
         state["_optimizers"], state["_last_optimizers"], state["_held"] = [], [], set()
+        state["_versions"], state["_always_versions"] = None, {}
         positions = {id(p): (i, j) for i, unit in enumerate(self.units) for j, p in enumerate(unit.params)}
         state["_stepped"] = sorted(positions[key] for key in self._stepped if key in positions)
         state["_watching"] = self._finalizer.alive
@@ -212,6 +209,11 @@ class StepObserver:
 
     def note_forward(self) -> None:
         """A forward that can produce gradients starts: the previous training step is complete."""
+        self._refuse_unattached()
+        if self.active:
+            self._versions = [(unit.name, p, tensor_version(p)) for unit in self.units for p in unit.params]
+            if self._check_always and self.always is not None:
+                self._always_versions = {id(p): tensor_version(p) for _, p in self.always()}
         self._finish_step()
         self._closed = False
         self._depth, self._snapshot = 0, None  # a step that raised half-way left these set
@@ -223,6 +225,7 @@ class StepObserver:
                 "SlimFit: slimfit_step() was called twice without a training forward in between; each call closes "
                 f"one training step and advances the schedule. Call it once per step: {ORDER}."
             )
+        self._refuse_unattached()
         self._finish_step()
         self._warn_if_missing(stacklevel + 1)
         scores, self._early_scores = self._early_scores, {}
@@ -234,6 +237,28 @@ class StepObserver:
         self._closed = True
         self._warned_twice = False
         return scores
+
+    def weights_written(self) -> None:
+        """The units were written by SlimFit itself (``disable_adapter`` swapping the originals in or out): what an
+        optimizer changes from here on is what the next check looks at."""
+        if self._versions is not None:
+            self._versions = [(name, p, tensor_version(p)) for name, p, _ in self._versions]
+
+    def _refuse_unattached(self) -> None:
+        """Raise when a unit changed since the last training forward but no attached optimizer stepped over it: an
+        optimizer SlimFit does not watch updated it, unscored, and the schedule would not follow training."""
+        versions, self._versions = self._versions, None
+        if versions is None or not self.active:
+            return
+        stepped = self._stepped
+        changed = list(dict.fromkeys(n for n, p, v in versions if tensor_version(p) != v and id(p) not in stepped))
+        if changed:
+            raise RuntimeError(
+                f"SlimFit: model.slimfit_attach(optimizer) first: an optimizer that is not attached updated "
+                f"{len(changed)} scheduled unit(s) (e.g. {changed[:3]}), so SlimFit could not score them and its "
+                "schedule would not follow training. Attach each optimizer once before training "
+                f"(peft_slim.SlimFitCallback does it under Trainer); then {ORDER}."
+            )
 
     def _finish_step(self) -> None:
         if self._parts:  # the step closed before, if not taken: to the host (one step's device sums kept, at most)
@@ -259,6 +284,8 @@ class StepObserver:
         holds (the 'gradient' metric reads their gradients now)."""
         if not self.active:
             return
+        if self._check_always:  # any attached optimizer, also one holding only parameters that train at every step
+            self._held.update(id(p) for group in optimizer.param_groups for p in group["params"])
         if self._depth:  # a wrapper optimizer's step around its wrapped one's, both attached: one snapshot
             self._depth += 1
             return
@@ -356,8 +383,10 @@ class StepObserver:
         holds (an optimizer built before get_peft_model holds the originals of PEFT's modules_to_save, not the
         copies that train)."""
         self._check_always = False
-        missing = [name for name, param in self.always() if id(param) not in self._held]
-        self._held = set()
+        versions = self._always_versions
+        moved = {id(p) for _, p in self.always() if id(p) in versions and tensor_version(p) != versions[id(p)]}
+        missing = [name for name, param in self.always() if id(param) not in self._held | moved]
+        self._held, self._always_versions = set(), {}
         if missing:
             warnings.warn(
                 f"SlimFit: {len(missing)} parameter(s) that train at every step (biases, norms, `always_trainable`, "

@@ -1,12 +1,12 @@
-"""TokenTune's entries in transformers' attention-function registry, which a training forward switches the model's
-``_attn_implementation`` to. They receive the block's :class:`BlockPass` through the layer's keyword arguments (which
-transformers forwards down to the attention function, also in a checkpointing replay), so no global state is needed:
+"""TokenTune's entries in transformers' attention-function registry, which the model's ``_attn_implementation`` names
+while token selection is attached. They receive the block's :class:`BlockPass` through the layer's keyword arguments
+(which transformers forwards down to the attention function, also in a checkpointing replay), so no global state:
 the full pass (no grad, every token) records the keys/values and attends as usual; the selected pass (grad, selected
 queries) puts its keys/values into the recorded ones, the others constants, and attends over all positions.
 
 Without a ``BlockPass`` the original implementation runs unchanged: transformers picks the attention function by the
-config's name only, so the switch is on the config object, and another model holding it (TRL's reference model can)
-computes meanwhile exactly what it computes without TokenTune (tests/test_tokentune_semantics.py).
+config's name only, so eval forwards, generation and another model holding the same config object (TRL's reference
+model can) compute exactly what they compute without TokenTune (tests/test_tokentune_semantics.py).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ SUPPORTED_IMPLEMENTATIONS = ("sdpa", "eager")
 REGISTERED_NAMES = {impl: f"peft_slim_tokentune_{impl}" for impl in SUPPORTED_IMPLEMENTATIONS}
 
 
-# Every module of a model under token selection that lies outside the blocks it runs, with where it sits (the selector
-# fills it while attached): an attention call of such a module in a training forward would train every token.
+# Every module of a model under token selection that lies outside the blocks it runs: (where it sits, whether its
+# selector is in a training forward now), filled while attached. Such a module's attention call in a training forward
+# would train every token.
 OUTSIDE_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -114,9 +115,10 @@ def _make_attention(implementation: str) -> Callable:
         block_pass: BlockPass | None = kwargs.pop(PASS_KWARG, None)
         original = _original_attention(module, implementation)
         if block_pass is None:
-            if module in OUTSIDE_BLOCKS:
+            outside = OUTSIDE_BLOCKS.get(module)
+            if outside is not None and outside[1]():  # in a training forward of the selector that recorded it
                 raise ValueError(
-                    f"TokenTune cannot train {OUTSIDE_BLOCKS[module]}: it attends outside the transformer blocks "
+                    f"TokenTune cannot train {outside[0]}: it attends outside the transformer blocks "
                     "token selection runs, so all its tokens would receive gradients. Models with a second stack of "
                     "blocks (e.g. a vision tower beside the text model) or an attention outside the blocks are not "
                     "supported."

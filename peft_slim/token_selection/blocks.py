@@ -28,6 +28,7 @@ from ..compat import (
     set_attn_implementation,
     set_checkpointing_function,
 )
+from ..compression.classify import save_as
 from .attention import PASS_KWARG, BlockPass
 from .recompute import RandomOps, selected_pass
 from .selection import TokenSelection
@@ -197,6 +198,7 @@ class BlockRunner:
         # only the unselected ones are kept (by the autograd node only).
         selection, shapes = block_pass.selection, (block_pass.key.shape, block_pass.value.shape)
         key, value = selection.unselected_part(block_pass.key, 2), selection.unselected_part(block_pass.value, 2)
+        save_as("attention", key, value)  # compressed as attention tensors, though the block saves them
         block_pass.key = block_pass.value = None
         block_ref = weakref.ref(block)
 
@@ -284,7 +286,11 @@ class _ReplayUnderSameAttention:
 
 
 def _run_under_attention(name: str, config: Any, function: Callable, *args, **kwargs):
+    """``function`` run with ``config`` naming attention ``name``, as the forward did: the name it has while token
+    selection is attached, so nothing is written unless it was detached before this backward."""
     saved = get_attn_implementation(config)
+    if saved == name:
+        return function(*args, **kwargs)
     set_attn_implementation(config, name)
     try:
         return function(*args, **kwargs)

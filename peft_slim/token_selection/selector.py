@@ -1,13 +1,15 @@
 """Token selection's training forward, as hooks on a transformers model: select tokens, run the blocks, score.
 
 A component any tuner attaches (TokenTune always, SlimFit with its ``tokentune`` field): ``attach`` refuses a
-model it cannot make exact before changing anything, ``detach`` leaves the model as it was.
+model it cannot make exact before changing anything, ``detach`` leaves the model as it was. A
+``peft_slim.training_context.TrainingContext`` runs it at each forward of the model.
 """
 
 from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -48,12 +50,33 @@ class _TrainingForward:
     labels: torch.Tensor | None
     token_mask: torch.Tensor | None
     num_items_in_batch: Any
-    attn_implementation: str
     input_ids: Any = None  # where a classification head reads depends on them
     selection: TokenSelection | None = None
     head_input: torch.Tensor | None = None  # the selected hidden states, when the chunked loss takes the head's place
     head_output: Any = None  # what the head returned then (its logits over no position)
     fused: bool = False  # TRL's fused LM head asked for (`fused_lm_head=True`): answer in its output format
+
+
+# Every attached selector (weakly): a config shared by several attached models keeps TokenTune's attention until the
+# last of them detaches.
+_ATTACHED: weakref.WeakSet = weakref.WeakSet()
+
+
+def original_attention(config: Any) -> str | None:
+    """The attention implementation ``config`` names, TokenTune's registered ones read as the original they run."""
+    implementation = get_attn_implementation(config)
+    return next((impl for impl, name in REGISTERED_NAMES.items() if name == implementation), implementation)
+
+
+def _in_training_forward(selector: TokenSelector):
+    """Whether ``selector`` (held weakly) is in a training forward now."""
+    ref = weakref.ref(selector)
+
+    def in_training_forward() -> bool:
+        live = ref()
+        return live is not None and live._state is not None
+
+    return in_training_forward
 
 
 # Config fields of models whose forward changes the head's logits before returning them (Gemma 2/3's soft-capping,
@@ -96,14 +119,19 @@ class TokenSelector:
         blocks_name, blocks = find_blocks(model)
         self._runner = BlockRunner(blocks, self._selection_for, model.config)
         inside = {id(module) for module in blocks.modules()}
+        in_training_forward = _in_training_forward(self)
         for name, module in model.named_modules():
             if id(module) not in inside:
                 where = f"{type(model).__name__}.{name}" if name else type(model).__name__
-                OUTSIDE_BLOCKS[module] = f"{where} ({type(module).__name__}, outside {blocks_name})"
-        self._handles = [
-            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
-            model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
-        ]
+                place = f"{where} ({type(module).__name__}, outside {blocks_name})"
+                OUTSIDE_BLOCKS[module] = (place, in_training_forward)
+        # The attention implementation is chosen here, once: TokenTune's registered function, which runs the
+        # original one for every call outside a training forward's block passes (eval, generation, another model
+        # sharing the config), until detach() restores the original name.
+        self._attention = original_attention(model.config)
+        set_attn_implementation(model.config, REGISTERED_NAMES[self._attention])
+        _ATTACHED.add(self)
+        self._handles = []
         if self._head.kind == "causal_lm":
             head = model.get_output_embeddings()
             self._handles.append(head.register_forward_pre_hook(self._before_head))
@@ -128,7 +156,7 @@ class TokenSelector:
     @staticmethod
     def check(model: nn.Module) -> None:
         """Refuse a model whose attention or head token selection cannot make exact, before changing it."""
-        implementation = get_attn_implementation(model.config)
+        implementation = original_attention(model.config)
         if implementation not in SUPPORTED_IMPLEMENTATIONS:
             raise ValueError(
                 f"TokenTune needs attn_implementation in {SUPPORTED_IMPLEMENTATIONS}; "
@@ -168,19 +196,32 @@ class TokenSelector:
             self._runner = None
             for module in self.model.modules():
                 OUTSIDE_BLOCKS.pop(module, None)
+            _ATTACHED.discard(self)
+            config = self.model.config
+            shared = any(other.model.config is config for other in _ATTACHED)  # another model's selector uses it
+            if not shared and get_attn_implementation(config) == REGISTERED_NAMES[self._attention]:
+                set_attn_implementation(config, self._attention)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
 
+    def _abort(self) -> None:
+        """End the open training forward without its loss (it raised)."""
+        self._state = None
+
     def _before_forward(self, model: nn.Module, args: tuple, kwargs: dict):
+        """The start of every forward of the model (``TrainingContext`` calls it): in a training forward, the
+        arguments checked and named, the labels taken for the selected-token loss."""
         token_mask = kwargs.pop("token_mask", None)
         self._state = None
         if not self.active:
             return args, kwargs
         implementation = get_attn_implementation(model.config)
-        if implementation not in SUPPORTED_IMPLEMENTATIONS:
+        if implementation != REGISTERED_NAMES[self._attention]:
             raise ValueError(
-                f"TokenTune needs attn_implementation in {SUPPORTED_IMPLEMENTATIONS}, got {implementation!r}."
+                f"TokenTune: {type(model).__name__}'s attention implementation was changed to {implementation!r} "
+                f"after token selection was attached (as {self._attention!r}), so its training forward would not "
+                "run through TokenTune's attention. Wrap the model again after changing it (get_peft_model)."
             )
         # The head again: a pooling setting of the config may have been changed since the model was wrapped.
         self._head = head_of(model)
@@ -214,11 +255,9 @@ class TokenSelector:
             labels=labels,
             token_mask=token_mask,
             num_items_in_batch=num_items,
-            attn_implementation=implementation,
             input_ids=kwargs.get("input_ids"),
             fused=fused,
         )
-        set_attn_implementation(model.config, REGISTERED_NAMES[implementation])
         return (), kwargs
 
     def _without_cache(self, model: nn.Module, kwargs: dict) -> None:
@@ -314,10 +353,10 @@ class TokenSelector:
         return None
 
     def _after_forward(self, model: nn.Module, args: tuple, kwargs: dict, output: Any):
+        """The end of every forward (``TrainingContext`` calls it, also after an error): the selected-token loss."""
         state, self._state = self._state, None
         if state is None:
             return None
-        set_attn_implementation(model.config, state.attn_implementation)
         if state.selection is None or state.labels is None or self._head.kind not in ("causal_lm", "per_position"):
             return None
         if output is None:  # the forward raised; always_call hooks still run

@@ -8,7 +8,7 @@ in" below; docs/architecture.md, "Adding a method", walks through them).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -19,13 +19,13 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, delete_adapter
 from torch import nn
 
-from ..compat import active_saved_tensors_pack, lora_adapter_state_dict, lora_state_dict_for_load
-from ..compression import ActivationCompression, ActivationCompressionConfig, CompressionStats, compress_activations
+from ..compat import lora_adapter_state_dict, lora_state_dict_for_load
+from ..compression import CompressionStats
 from ..lora_inputs import keep_lora_inputs_narrow
-from ..memory import SavedActivationBytes
 from ..nested_lora import inject_lora
 from ..token_selection import TokenSelectionConfig, TokenSelector
 from ..trainable import is_under, peft_wrapped_names
+from ..training_context import TrainingContext
 from .config import MISMATCH_FLAG, MethodConfig
 from .model_kinds import check_model_kind
 from .record import (
@@ -66,46 +66,6 @@ class BaseWeightsSwitch(nn.Module, BaseTunerLayer):
         raise AttributeError(f"{type(self).__name__} holds no bias: the base weights are trained in place.")
 
 
-class TrainingCompression:
-    """Compress the activations saved in every training forward of ``model`` (train mode, grad enabled).
-
-    Entered by a pre-hook that runs before any other, left by an always-called post-hook registered after the
-    others (after a token selector's loss, whose saved tensors are compressed too, and after an exception).
-    """
-
-    def __init__(self, model: nn.Module, config: ActivationCompressionConfig):
-        self.config = config
-        self.model = model
-        self.last_stats: CompressionStats | None = None
-        self._context: ActivationCompression | None = None
-        self._handles: list = []
-        self.reattach()
-
-    def reattach(self) -> None:
-        """Register the hooks (again, after ``detach()``: another adapter of the model was active meanwhile)."""
-        if not self._handles:
-            self._handles = [
-                self.model.register_forward_pre_hook(self._enter, prepend=True),
-                self.model.register_forward_hook(self._exit, always_call=True),
-            ]
-
-    def _enter(self, model: nn.Module, args: tuple) -> None:
-        if model.training and torch.is_grad_enabled():
-            refuse_outer_saved_tensor_hooks()
-            self._context = compress_activations(self.config).__enter__()
-            self.last_stats = self._context.stats
-
-    def _exit(self, model: nn.Module, args: tuple, output: Any) -> None:
-        context, self._context = self._context, None
-        if context is not None:
-            context.__exit__(None, None, None)
-
-    def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-
 class InferenceOnly:
     """Refuse a training forward of ``model`` that would train an adapter loaded for inference (``is_trainable=False``:
     its method's hooks were not set up). PEFT's ``set_adapter`` makes an adapter trainable however it was loaded."""
@@ -143,25 +103,6 @@ def _names_adapter(parameter_name: str, adapter_name: str) -> bool:
     return f".{adapter_name}." in parameter_name or parameter_name.endswith(f".{adapter_name}")
 
 
-def refuse_outer_saved_tensor_hooks() -> None:
-    """Raise when another saved-tensor hook (TRL's ``activation_offloading=True``, ``save_on_cpu``, ...) is active
-    around a training forward with ``activation_compression``: hooks nest and only the innermost acts, so the
-    compression would take every tensor and the outer hook would silently keep none. peft_slim's own counter
-    (``memory.SavedActivationBytes``, documented to see nothing inside) is allowed."""
-    pack = active_saved_tensors_pack()
-    owner = getattr(pack, "__self__", None)
-    if pack is None or isinstance(owner, SavedActivationBytes):
-        return
-    name = type(owner).__name__ if owner is not None else getattr(pack, "__qualname__", repr(pack))
-    raise ValueError(
-        f"activation_compression cannot run inside another saved-tensor hook ({name}; e.g. TRL's "
-        "SFTConfig(activation_offloading=True) or torch.autograd.graph.save_on_cpu): saved-tensor hooks nest and only "
-        "the innermost acts, so the compression would keep every saved tensor and the outer hook none. Use one of "
-        "them: set activation_compression=None in the method's config (SlimFit compresses by default), or turn the "
-        "offloading off. Gradient checkpointing (also transformers' offload=True) composes with compression."
-    )
-
-
 @dataclass(eq=False)
 class AdapterState:
     """One adapter's method state, kept by adapter name (``MethodTuner._states``) as PEFT keys an adapter's weights;
@@ -169,14 +110,14 @@ class AdapterState:
     names the subclass in ``MethodTuner.state_cls``."""
 
     selector: TokenSelector | None = None
-    compression: TrainingCompression | None = None
+    context: TrainingContext | None = None  # compression, token selection and freezing of each training forward
     inference_only: InferenceOnly | None = None
 
     def _hooks(self) -> list:
-        return [hooks for hooks in (self.selector, self.compression, self.inference_only) if hooks is not None]
+        return [hooks for hooks in (self.selector, self.context, self.inference_only) if hooks is not None]
 
     def detach(self) -> None:
-        """Take this state's shared hooks (token selection, compression, the inference-only guard) off the model."""
+        """Take this state's shared hooks (training context, token selection, inference-only guard) off the model."""
         for hooks in self._hooks():
             hooks.detach()
 
@@ -265,7 +206,21 @@ class MethodTuner(BaseTuner):
     def _restore_method_hooks(self) -> None:
         """Install again what ``_remove_method_hooks`` removed (the adapter becomes active again)."""
 
+    def _freezing(self) -> Callable[[nn.Module], None] | None:
+        """What to call before every forward with grad enabled, after compression and token selection are on (SlimFit
+        freezes its units there); called once ``_setup`` ran."""
+        return None
+
     # ------------------------------------------------------------------ PEFT's tuner API
+
+    def forward(self, *args: Any, **kwargs: Any):
+        """PEFT's forward, inside the active adapter's training context: whatever raises in the model (a
+        KeyboardInterrupt included), what its training forward turned on is turned off again."""
+        state = self._active_state()
+        if state is None or state.context is None:
+            return self.model(*args, **kwargs)
+        with state.context.guard():
+            return self.model(*args, **kwargs)
 
     def inject_adapter(
         self,
@@ -338,8 +293,9 @@ class MethodTuner(BaseTuner):
             return
         if selection is not None:
             state.selector = TokenSelector.attach(model, selection)
-        if config.activation_compression is not None:  # after the selector: its loss is compressed too
-            state.compression = TrainingCompression(model, config.activation_compression)
+        freezing = self._freezing()
+        if selection is not None or config.activation_compression is not None or freezing is not None:
+            state.context = TrainingContext(model, config.activation_compression, state.selector, freezing)
 
     def _check_another_adapter(self, adapter_name: str, others: list[str]) -> None:
         """Refuse a second adapter where two cannot be exact: a standalone one (base weights trained in place, which
@@ -456,7 +412,9 @@ class MethodTuner(BaseTuner):
     def last_compression_stats(self) -> CompressionStats | None:
         """Saved-activation bytes of the latest training forward, with `activation_compression` set."""
         state = self._active_state()
-        return None if state is None or state.compression is None else state.compression.last_stats
+        if state is None or state.context is None or state.context.compression is None:
+            return None
+        return state.context.last_stats
 
     # ------------------------------------------------------------------ unloading and saving
 
