@@ -317,3 +317,21 @@ def test_a_block_argument_holding_tensors_that_cannot_be_cut_is_refused(given):
     model.train()
     with pytest.raises(ValueError, match="restrict argument `memory` of LayerWithMemory"):
         model(**make_batch("llama", 2, 8))
+
+
+def test_a_dict_valued_attention_mask_is_named_as_unsupported():
+    """A per-position argument given as a dict (one mask per layer type, say) is refused as something token selection
+    does not support, naming the block and the argument, not as the caller's mistake."""
+    torch.manual_seed(0)
+    base = build("llama")
+    for layer in base.model.layers:
+        layer.register_forward_pre_hook(
+            lambda m, a, k: (a, {**k, "attention_mask": {"full_attention": k.get("attention_mask")}}),
+            with_kwargs=True,
+            prepend=True,
+        )
+    model = get_peft_model(base, tokentune_config("llama"))
+    model.train()
+    message = r"(?s)cannot train LlamaDecoderLayer.*without token selection.*`attention_mask` is a dict"
+    with pytest.raises(ValueError, match=message):
+        model(**make_batch("llama", 2, 8))

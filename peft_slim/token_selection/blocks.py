@@ -25,6 +25,7 @@ from ..compat import (
     checkpointing_function,
     checkpointing_paused,
     get_attn_implementation,
+    is_fake_tensor,
     set_attn_implementation,
     set_checkpointing_function,
 )
@@ -34,7 +35,7 @@ from .recompute import RandomOps, selected_pass
 from .selection import TokenSelection
 
 # Per-position block arguments and the dimension that indexes the query position.
-_PER_POSITION_ARGS = {"attention_mask": -2, "position_embeddings": 1, "position_ids": 1}
+_PER_POSITION_ARGS = {"attention_mask": -2, "position_embeddings": 1, "position_ids": 1, "per_layer_input": 1}
 
 
 def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -60,16 +61,29 @@ def _cut(value: Any, selection: TokenSelection, dim: int, name: str, block_name:
     if isinstance(value, (tuple, list)):
         return type(value)(_cut(v, selection, dim, name, block_name) for v in value)
     if not isinstance(value, torch.Tensor):
-        raise ValueError(
-            f"TokenTune cannot train {block_name} on a token subset: {NOT_SUPPORTED_FIX}. Its argument `{name}` is a "
-            f"{type(value).__name__} (e.g. one mask per layer type), which token selection cannot restrict to the "
-            "selected tokens: it supports tensors there."
-        )
+        raise _uncuttable(value, name, block_name)
     dim, batch = dim % value.dim(), selection.index.shape[0]
     if value.shape[dim] == 1:  # one row for every query position (a [B, 1, 1, L] mask, say): any subset's too
         return value
     full = value.expand((batch,) + tuple(value.shape[1:])) if value.shape[0] != batch else value
     return selection.memo(("cut", id(value), dim), lambda: selection.gather(full, dim), source=value)
+
+
+def _uncuttable(value: Any, name: str, block_name: str) -> ValueError:
+    return ValueError(
+        f"TokenTune cannot train {block_name} on a token subset: {NOT_SUPPORTED_FIX}. Its argument `{name}` is a "
+        f"{type(value).__name__} (e.g. one mask per layer type), which token selection cannot restrict to the "
+        "selected tokens: it supports tensors there."
+    )
+
+
+def _check_cuttable(value: Any, name: str, block_name: str) -> None:
+    """Refuse, before the block runs, a per-position argument ``_cut`` could not restrict (a dict, say)."""
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            _check_cuttable(item, name, block_name)
+    elif value is not None and not isinstance(value, torch.Tensor) and _has_tensor(value):
+        raise _uncuttable(value, name, block_name)
 
 
 class BlockRunner:
@@ -144,6 +158,8 @@ class BlockRunner:
             for name, value in list(arguments.items()):
                 if isinstance(value, Cache):
                     arguments[name] = self._without_cache(block_name, name, value)
+        for name in _PER_POSITION_ARGS:
+            _check_cuttable(bound.arguments.get(name, extra.get(name)), name, block_name)
         extra[PASS_KWARG] = block_pass
         check_key = (id(block), layout(bound.arguments))
 
@@ -181,7 +197,7 @@ class BlockRunner:
         block_pass.phase = "selected"
         block_pass.full_output = full_output
         block_pass.recompute_in_backward = random_ops.found is None
-        if check_key not in self.checked:
+        if check_key not in self.checked and not is_fake_tensor(hidden):  # a memory estimate: shapes only
             self._check_selected_pass(block, bound, (full_args, full_kwargs), block_pass, random_ops.found)
             self.checked.add(check_key)
         if check_key not in self.recompute_checked:
