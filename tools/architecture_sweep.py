@@ -85,7 +85,8 @@ def tiny_config(model_type: str, num_labels: int | None = None, key_value_heads:
 
     config_cls = CONFIG_MAPPING[model_type]
     default = config_cls()
-    if hasattr(default, "get_text_config") and type(default.get_text_config()) is not type(default):
+    parts = [name for name in getattr(default, "sub_configs", {}) if getattr(default, name, None) is not None]
+    if any(not name.endswith(("attn_config", "ffn_config")) for name in parts):  # DBRX's and MPT's are a block's
         raise _Skip("a composite (multimodal or encoder-decoder) config")
     sizes = {**SIZES, **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads"), key_value_heads)}
     sizes.update(
@@ -368,6 +369,14 @@ def render(data: dict) -> str:
         "",
         f"Run with torch {data['torch']}. A model of a refused architecture trains with plain LoRA (or SlimFit "
         "without its `tokentune` field).",
+        "",
+        "No list of architectures decides this: at the first training step of each block (and of each new layout of "
+        "its arguments) TokenTune runs the block's selected tokens once more on their own and refuses the model "
+        "unless their outputs equal the full pass's within the dtype's rounding, and it checks that the block's "
+        "recomputation in backward has the forward's shape and dtype. A block that mixes tokens other than through "
+        "its one attention call (a state-space mixer beside attention, a sparse-attention indexer, a mask computed "
+        "from the hidden states) is refused there, before any optimizer step; so is one whose model builds blocks "
+        "of another layout than `[batch, seq, hidden]`, or whose layers do not pass keyword arguments to attention.",
         "",
         "| architecture | kind | class | attention | refusal, error or reason skipped |",
         "|---|---|---|---|---|",
