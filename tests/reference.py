@@ -8,12 +8,13 @@ taken over selected positions only.
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 _MASK: dict = {}
 
@@ -25,13 +26,26 @@ def _detaching_attention(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+def _detaching_eager_attention(module, query, key, value, attention_mask, **kwargs):
+    """The same for a model run with attn_implementation='eager': its modeling file's own eager attention (softcapping,
+    sinks and the like, which the sdpa wrapper does not take)."""
+    keep = _MASK["mask"][:, None, :, None]
+    key = torch.where(keep, key, key.detach())
+    value = torch.where(keep, value, value.detach())
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    return eager(module, query, key, value, attention_mask, **kwargs)
+
+
 AttentionInterface.register("reference_detach_sdpa", _detaching_attention)
 AttentionMaskInterface.register("reference_detach_sdpa", sdpa_mask)
+AttentionInterface.register("reference_detach_eager", _detaching_eager_attention)
+AttentionMaskInterface.register("reference_detach_eager", eager_mask)
 
 
 @contextlib.contextmanager
-def reference_forward(model: torch.nn.Module, blocks, mask: torch.Tensor):
-    """Run ``model`` (a transformers model) under the equivalent definition for ``mask`` [B, L]."""
+def reference_forward(model: torch.nn.Module, blocks, mask: torch.Tensor, implementation: str = "sdpa"):
+    """Run ``model`` (a transformers model) under the equivalent definition for ``mask`` [B, L], with the attention
+    of ``implementation`` ('sdpa' or 'eager')."""
 
     def detach_unselected(module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
@@ -42,7 +56,7 @@ def reference_forward(model: torch.nn.Module, blocks, mask: torch.Tensor):
 
     handles = [block.register_forward_pre_hook(detach_unselected, with_kwargs=True) for block in blocks]
     saved = model.config._attn_implementation
-    model.config._attn_implementation = "reference_detach_sdpa"
+    model.config._attn_implementation = f"reference_detach_{implementation}"
     _MASK["mask"] = mask
     try:
         yield

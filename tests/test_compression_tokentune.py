@@ -152,10 +152,10 @@ def _held_keys_values(monkeypatch) -> list[dict]:
 
     recorded = []
 
-    def recording_selected_pass(run, output, arguments, parameters):
+    def recording_selected_pass(run, output, arguments, parameters, check=None):
         for tensor in arguments[2:]:  # (args, kwargs, key, value)
             recorded.append({"tensor": weakref.ref(tensor), "copy": tensor.detach().clone(), "stored": None})
-        return selected_pass(run, output, arguments, parameters)
+        return selected_pass(run, output, arguments, parameters, check)
 
     def recording_pack(self, tensor):
         saved = pack(self, tensor)

@@ -210,7 +210,7 @@ def test_blocks_without_registry_attention_are_refused(builder, block_class, lor
     batch = {"input_ids": torch.randint(3, VOCAB, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
     batch["labels"] = torch.tensor([0, 1]) if classifier else batch["input_ids"]
     model.train()
-    with pytest.raises(ValueError, match=f"(?s){block_class}.*not supported"):
+    with pytest.raises(ValueError, match=f"(?s){block_class}.*without token selection"):
         model(**batch)
     assert all(p.grad is None for p in model.parameters())  # nothing was trained
     assert model.get_base_model().config._attn_implementation == "peft_slim_tokentune_eager"
@@ -317,4 +317,22 @@ def test_a_block_argument_holding_tensors_that_cannot_be_cut_is_refused(given):
     model = get_peft_model(base, tokentune_config("llama"))
     model.train()
     with pytest.raises(ValueError, match="restrict argument `memory` of LayerWithMemory"):
+        model(**make_batch("llama", 2, 8))
+
+
+def test_a_dict_valued_attention_mask_is_named_as_unsupported():
+    """A per-position argument given as a dict (one mask per layer type, say) is refused as something token selection
+    does not support, naming the block and the argument, not as the caller's mistake."""
+    torch.manual_seed(0)
+    base = build("llama")
+    for layer in base.model.layers:
+        layer.register_forward_pre_hook(
+            lambda m, a, k: (a, {**k, "attention_mask": {"full_attention": k.get("attention_mask")}}),
+            with_kwargs=True,
+            prepend=True,
+        )
+    model = get_peft_model(base, tokentune_config("llama"))
+    model.train()
+    message = r"(?s)cannot train LlamaDecoderLayer.*without token selection.*`attention_mask` is a dict"
+    with pytest.raises(ValueError, match=message):
         model(**make_batch("llama", 2, 8))

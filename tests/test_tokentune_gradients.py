@@ -307,10 +307,12 @@ def _attention_call_counter(model):
 
 def _counted_step(model, batch: dict):
     """A training step with the attention calls of the first block counted: (in the forward, in all), output, mask,
-    gradients."""
-    calls, handle = _attention_call_counter(model)
+    gradients. After a first step: that one also runs each block's selected pass once more, to check it
+    (test_tokentune_invariant.py)."""
     model.train()
+    model(**batch).loss.backward()
     model.zero_grad(set_to_none=True)
+    calls, handle = _attention_call_counter(model)
     output = model(**batch)
     in_forward = len(calls)
     mask = model.base_model.last_token_mask.clone()
@@ -408,7 +410,7 @@ def test_dropout_takes_the_two_pass_step_with_one_notice():
 
 def test_gradient_checkpointing_enabled_on_peft_model():
     batch = make_batch("llama", length=12)
-    _, mask, grads = training_step(tokentune_model("llama", lora=True), batch)
+    _, _, mask, grads = _counted_step(tokentune_model("llama", lora=True), batch)
     model = tokentune_model("llama", lora=True)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     assert model.get_base_model().is_activation_checkpointing

@@ -176,12 +176,29 @@ def test_eval_and_generate_still_use_the_cache():
     assert cache is not None and cache.get_seq_length() == batch["input_ids"].shape[1]
 
 
-def test_a_cache_reaching_the_blocks_is_refused(monkeypatch):
-    """The blocks' own guard (behind the model-level handling): a cache in a training forward is a ValueError."""
+def test_an_empty_cache_reaching_the_blocks_is_dropped(monkeypatch):
+    """The blocks' own handling (behind the model-level one; a model whose forward takes no `use_cache` and whose
+    config defaults it to True, as GraniteMoE's, makes one itself): an empty cache is dropped, the gradients are the
+    reference's; one holding positions is refused, naming the block."""
     import peft_slim.token_selection.selector as selector
 
     monkeypatch.setattr(selector, "CACHE_ARGUMENTS", ())  # the model-level handling no longer drops the cache
     model = tokentune_model("llama")
+    batch = make_batch("llama")
     model.train()
-    with pytest.raises(ValueError, match=r"LlamaDecoderLayer received a KV cache \(`cache`\)"):
-        model(**make_batch("llama"), cache=DynamicCache(config=model.get_base_model().config))
+    config = model.get_base_model().config
+    cache = DynamicCache(config=config)
+    with pytest.warns(UserWarning, match="empty KV cache to LlamaDecoderLayer"):
+        model(**batch, cache=cache).loss.backward()
+    assert cache.get_seq_length() == 0
+    mask = model.base_model.last_token_mask.clone()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+    _, ref_grads = reference_loss_and_grads(model, "llama", batch, mask)
+    assert_grads_match(grads, ref_grads)
+
+    model.eval()
+    with torch.no_grad():
+        cache = _cache_of(model(input_ids=batch["input_ids"][:, :4], use_cache=True))
+    model.train()
+    with pytest.raises(ValueError, match=r"LlamaDecoderLayer on top of a KV cache.*`cache` holds 4 positions"):
+        model(**batch, cache=cache)

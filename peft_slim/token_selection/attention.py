@@ -46,6 +46,14 @@ class BlockPass:
     full_calls: int = 0  # attention calls seen by the full pass; TokenTune supports exactly one
     full_output: Any = None  # the block's no-grad output for every position
     recompute_in_backward: bool = True  # False: the block draws random numbers, the selected pass runs with grad
+    check_recompute: Any = None  # the layout key (invariant.py) whose first recomputation in backward is checked
+
+
+class UnroutedCalls:
+    """Records the modules whose attention calls reached TokenTune's function without a block's ``BlockPass`` while
+    ``names`` is a list (during a block's full pass): a layer that does not pass its keyword arguments down."""
+
+    names: list[str] | None = None
 
 
 def _original_attention(module: torch.nn.Module, implementation: str) -> Callable:
@@ -123,6 +131,8 @@ def _make_attention(implementation: str) -> Callable:
                     "blocks (e.g. a vision tower beside the text model) or an attention outside the blocks are not "
                     "supported."
                 )
+            if UnroutedCalls.names is not None:
+                UnroutedCalls.names.append(type(module).__name__)
             return original(module, query, key, value, attention_mask, **kwargs)
         if block_pass.phase == "full":
             block_pass.full_calls += 1

@@ -25,16 +25,18 @@ from ..compat import (
     checkpointing_function,
     checkpointing_paused,
     get_attn_implementation,
+    is_fake_tensor,
     set_attn_implementation,
     set_checkpointing_function,
 )
 from ..compression.classify import save_as
-from .attention import PASS_KWARG, BlockPass
+from .attention import PASS_KWARG, BlockPass, UnroutedCalls
+from .invariant import NOT_SUPPORTED_FIX, check_selected_pass, layout, refusal
 from .recompute import RandomOps, selected_pass
 from .selection import TokenSelection
 
 # Per-position block arguments and the dimension that indexes the query position.
-_PER_POSITION_ARGS = {"attention_mask": -2, "position_embeddings": 1, "position_ids": 1}
+_PER_POSITION_ARGS = {"attention_mask": -2, "position_embeddings": 1, "position_ids": 1, "per_layer_input": 1}
 
 
 def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -60,12 +62,29 @@ def _cut(value: Any, selection: TokenSelection, dim: int, name: str, block_name:
     if isinstance(value, (tuple, list)):
         return type(value)(_cut(v, selection, dim, name, block_name) for v in value)
     if not isinstance(value, torch.Tensor):
-        raise ValueError(f"TokenTune: unexpected {type(value).__name__} for argument `{name}` of {block_name}.")
+        raise _uncuttable(value, name, block_name)
     dim, batch = dim % value.dim(), selection.index.shape[0]
     if value.shape[dim] == 1:  # one row for every query position (a [B, 1, 1, L] mask, say): any subset's too
         return value
     full = value.expand((batch,) + tuple(value.shape[1:])) if value.shape[0] != batch else value
     return selection.memo(("cut", id(value), dim), lambda: selection.gather(full, dim), source=value)
+
+
+def _uncuttable(value: Any, name: str, block_name: str) -> ValueError:
+    return ValueError(
+        f"TokenTune cannot train {block_name} on a token subset: {NOT_SUPPORTED_FIX}. Its argument `{name}` is a "
+        f"{type(value).__name__} (e.g. one mask per layer type), which token selection cannot restrict to the "
+        "selected tokens: it supports tensors there."
+    )
+
+
+def _check_cuttable(value: Any, name: str, block_name: str) -> None:
+    """Refuse, before the block runs, a per-position argument ``_cut`` could not restrict (a dict, say)."""
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            _check_cuttable(item, name, block_name)
+    elif value is not None and not isinstance(value, torch.Tensor) and _has_tensor(value):
+        raise _uncuttable(value, name, block_name)
 
 
 class BlockRunner:
@@ -80,13 +99,18 @@ class BlockRunner:
         self.signatures: dict[int, inspect.Signature] = {}
         self.handles = []
         self.warned_random = False
+        self.warned_cache = False
+        # (id(block), argument layout) whose selected pass was checked against the full pass (invariant.py), in the
+        # forward and in its recomputation in backward. Keyed by id() as `signatures` is.
+        self.checked: set = set()
+        self.recompute_checked: set = set()
         for block in blocks:
             self.handles.append(block.register_forward_pre_hook(self._before, with_kwargs=True))
             self.handles.append(block.register_forward_hook(self._after, with_kwargs=True))
             block.forward = _BlockForward(block, self)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "signatures": {}}
+        return {**self.__dict__, "signatures": {}, "checked": set(), "recompute_checked": set()}
 
     def _signature(self, block: nn.Module) -> inspect.Signature:
         signature = self.signatures.get(id(block))
@@ -117,41 +141,46 @@ class BlockRunner:
         params = list(signature.parameters.values())
         hidden_name = params[0].name
         hidden = args[0] if args else kwargs.get(hidden_name)
-        selection = self.current(hidden)
+        block_name = type(block).__name__
+        selection = self.current(hidden, block_name)
         if selection is None:  # outside training forwards: nothing to bind
             return None
         bound = signature.bind(*args, **kwargs)
-        block_name = type(block).__name__
         block_pass = BlockPass(selection=selection)
         extra_name = next((p.name for p in params if p.kind is inspect.Parameter.VAR_KEYWORD), None)
         if extra_name is None:
             raise ValueError(
-                f"TokenTune: {block_name}.forward takes no **kwargs, so the attention function cannot receive "
-                "TokenTune's per-block state. This architecture is not supported."
+                f"TokenTune cannot train {block_name} on a token subset: {NOT_SUPPORTED_FIX}. Its forward takes no "
+                "**kwargs, so its attention call cannot receive the block's token-selection state."
             )
         extra = dict(bound.arguments.get(extra_name, {}))
-        for name, value in [*bound.arguments.items(), *extra.items()]:
-            if isinstance(value, Cache):
-                raise ValueError(
-                    f"TokenTune: {block_name} received a KV cache (`{name}`) in a training forward; each block runs "
-                    "twice, so the cache would be filled twice. Train without a cache (use_cache=False)."
-                )
-        extra[PASS_KWARG] = block_pass
         bound.arguments[extra_name] = extra
+        for arguments in (bound.arguments, extra):
+            for name, value in list(arguments.items()):
+                if isinstance(value, Cache):
+                    arguments[name] = self._without_cache(block_name, name, value)
+        for name in _PER_POSITION_ARGS:
+            _check_cuttable(bound.arguments.get(name, extra.get(name)), name, block_name)
+        extra[PASS_KWARG] = block_pass
+        check_key = (id(block), layout(bound.arguments))
 
+        full_args, full_kwargs = bound.args, bound.kwargs
         random_ops = RandomOps()
-        with torch.no_grad(), random_ops:
-            full_output = block.forward(*bound.args, **bound.kwargs)
+        UnroutedCalls.names = unrouted = []
+        try:
+            with torch.no_grad(), random_ops:
+                full_output = block.forward(*full_args, **full_kwargs)
+        finally:
+            UnroutedCalls.names = None
         full_hidden = full_output[0] if isinstance(full_output, (tuple, list)) else full_output
         if block_pass.full_calls != 1 or not isinstance(full_hidden, torch.Tensor):
-            found = "no call" if block_pass.full_calls == 0 else f"{block_pass.full_calls} calls"
-            raise ValueError(
-                f"TokenTune cannot train {block_name} on a token subset: it needs exactly one self-attention "
-                f"call through transformers' attention-function registry per block, and saw {found}. "
-                "Unselected tokens would silently receive gradients, so this architecture is not supported."
-            )
+            raise ValueError(_calls_refusal(block_name, block_pass.full_calls, unrouted))
         if full_hidden.shape[:2] != hidden.shape[:2]:
-            raise ValueError(f"TokenTune: {block_name} changed the sequence shape; it cannot be supported.")
+            raise ValueError(
+                f"TokenTune cannot train {block_name} on a token subset: {NOT_SUPPORTED_FIX}. It returns hidden "
+                f"states of shape {tuple(full_hidden.shape)} for an input of shape {tuple(hidden.shape)}, where token "
+                "selection needs one output position per input position."
+            )
 
         for name, value in list(bound.arguments.items()):
             if name in (hidden_name, extra_name) or value is None or not _has_tensor(value):
@@ -169,6 +198,11 @@ class BlockRunner:
         block_pass.phase = "selected"
         block_pass.full_output = full_output
         block_pass.recompute_in_backward = random_ops.found is None
+        if check_key not in self.checked and not is_fake_tensor(hidden):  # a memory estimate: shapes only
+            self._check_selected_pass(block, bound, (full_args, full_kwargs), block_pass, random_ops.found)
+            self.checked.add(check_key)
+        if check_key not in self.recompute_checked:
+            block_pass.check_recompute = check_key
         if not block_pass.recompute_in_backward:
             if not self.warned_random:
                 self.warned_random = True
@@ -214,8 +248,56 @@ class BlockRunner:
             finally:
                 block_pass.key = block_pass.value = None
 
-        hidden = selected_pass(run, output, (args, kwargs, key, value), parameters)
+        check = None
+        if block_pass.check_recompute is not None:
+            check = _RecomputeCheck(self, type(block).__name__, output, block_pass.check_recompute)
+        hidden = selected_pass(run, output, (args, kwargs, key, value), parameters, check)
         return type(full)((hidden, *full[1:])) if isinstance(full, (tuple, list)) else hidden
+
+    def _check_selected_pass(self, block, bound, full_call: tuple, block_pass: BlockPass, random_op: str | None):
+        """TokenTune's one assumption about ``block`` (invariant.py): its selected pass, run now without grad, gives
+        the full pass's outputs at the selected tokens. A block that draws random numbers runs both passes again in
+        eval mode for it (dropout off), since its training-mode draws differ between any two runs."""
+        name, selection, forward = type(block).__name__, block_pass.selection, _unwrapped_forward(block)
+        if random_op is None:
+            full, check_pass = block_pass.full_output, block_pass
+        else:
+            check_pass = BlockPass(selection=selection)
+        args, kwargs = bound.args, {**bound.kwargs, PASS_KWARG: check_pass}
+        with _eval_mode(block if random_op is not None else None):
+            if random_op is not None:
+                with torch.no_grad():
+                    full = forward(*full_call[0], **{**full_call[1], PASS_KWARG: check_pass})
+                check_pass.phase = "selected"
+            full_hidden = full[0] if isinstance(full, (tuple, list)) else full
+            expected = selection.gather(full_hidden, 1)
+            check_selected_pass(name, lambda: forward(*args, **kwargs), expected, selection)
+
+    def _without_cache(self, block_name: str, name: str, cache: Cache) -> None:
+        """An empty KV cache the model made itself (its forward may take no `use_cache`, its config default to True)
+        is dropped: the block computes the same without it, and does not fill it twice. One holding positions is
+        refused."""
+        try:
+            held = int(cache.get_seq_length())
+        except Exception:  # noqa: BLE001 - no get_seq_length: how much it holds cannot be told
+            held = None
+        if held != 0:
+            raise ValueError(
+                f"TokenTune cannot train {block_name} on top of a KV cache: call the model in training without "
+                f"`past_key_values` (or in eval mode / under torch.no_grad() to use it). Its `{name}` holds "
+                f"{'an unknown number of' if held is None else held} positions, which the block's two passes would "
+                "each extend."
+            )
+        if not self.warned_cache:
+            self.warned_cache = True
+            warnings.warn(
+                f"TokenTune: the model passes an empty KV cache to {block_name} in training (its config's "
+                "`use_cache`); it is not used in a training forward, which runs each block twice. Set "
+                "`model.config.use_cache = False` to silence this.",
+                UserWarning,
+                stacklevel=1,
+            )
+        return None
 
     def _route_checkpoint_replay(self, block: nn.Module) -> None:
         """Make a gradient-checkpointing replay of the selected pass (``block._gradient_checkpointing_func``, run in
@@ -306,3 +388,58 @@ def _has_tensor(value: Any) -> bool:
     if isinstance(value, (tuple, list)):
         return any(_has_tensor(v) for v in value)
     return False
+
+
+def _calls_refusal(block_name: str, calls: int, unrouted: list[str]) -> str:
+    """Why a block whose full pass saw ``calls`` (not 1) attention calls cannot be trained, and what to do."""
+    start = f"TokenTune cannot train {block_name} on a token subset: {NOT_SUPPORTED_FIX}."
+    if calls == 0 and unrouted:
+        return (
+            f"{start} Its attention ({', '.join(dict.fromkeys(unrouted))}) calls transformers' attention function, "
+            "but the layer does not pass its keyword arguments down to it, so token selection cannot reach the call."
+        )
+    if calls == 0:
+        return (
+            f"{start} It computes no attention through transformers' attention-function registry (a layer without "
+            "attention, or one that computes it itself), which token selection needs to keep the unselected tokens' "
+            "keys and values constant."
+        )
+    return (
+        f"{start} It makes {calls} attention calls through transformers' attention-function registry, where token "
+        "selection supports exactly one self-attention call per block."
+    )
+
+
+class _RecomputeCheck:
+    """The first recomputation in backward of a block's selected pass for an argument layout must give an output of
+    the forward's shape and dtype, as torch.utils.checkpoint checks its recomputation: a mismatch is refused before
+    the optimizer step, not a crash deep in autograd. (Values are compared in the forward, where both passes see
+    exact inputs: in backward, activation compression may have rounded them.)"""
+
+    def __init__(self, runner: BlockRunner, block_name: str, expected: torch.Tensor, key):
+        self.runner, self.block_name, self.key = runner, block_name, key
+        self.shape, self.dtype = tuple(expected.shape), expected.dtype
+
+    def __call__(self, recomputed: Any) -> None:
+        recomputed = recomputed[0] if isinstance(recomputed, (tuple, list)) else recomputed
+        found = (tuple(recomputed.shape), recomputed.dtype) if isinstance(recomputed, torch.Tensor) else recomputed
+        if found != (self.shape, self.dtype):
+            what = f"its output is {found}, where the forward's was {(self.shape, self.dtype)}"
+            raise refusal(self.block_name, what, "recomputed in backward")
+        self.runner.recompute_checked.add(self.key)
+
+
+class _eval_mode:
+    """``module`` (and its submodules) in eval mode inside, each restored to its own mode after; None: nothing."""
+
+    def __init__(self, module: nn.Module | None):
+        self.module = module
+
+    def __enter__(self):
+        self.modes = [] if self.module is None else [(m, m.training) for m in self.module.modules()]
+        for module, _ in self.modes:
+            module.training = False
+
+    def __exit__(self, *exc):
+        for module, mode in self.modes:
+            module.training = mode

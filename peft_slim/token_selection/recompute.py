@@ -76,27 +76,35 @@ class SelectedPass(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, run: Callable, output: torch.Tensor, num_inputs: int, *inputs_and_parameters: torch.Tensor):
-        ctx.run = run
+    def forward(
+        ctx, run: Callable, check: Callable | None, output: torch.Tensor, num_inputs: int, *inputs_and_parameters
+    ):
+        ctx.run, ctx.check = run, check
         ctx.parameters = inputs_and_parameters[num_inputs:]
         ctx.save_for_backward(*inputs_and_parameters[:num_inputs])
         return output
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        inputs = [t.detach().requires_grad_(needs) for t, needs in zip(ctx.saved_tensors, ctx.needs_input_grad[3:])]
+        inputs = [t.detach().requires_grad_(needs) for t, needs in zip(ctx.saved_tensors, ctx.needs_input_grad[4:])]
         with torch.enable_grad():
             output = ctx.run(*inputs)
+        if ctx.check is not None:
+            ctx.check(output)
         wanted = [t for t in inputs if t.requires_grad] + list(ctx.parameters)  # backward runs: one needs grad
         grads = iter(torch.autograd.grad(output, wanted, grad_output, allow_unused=True))
         input_grads = [next(grads) if t.requires_grad else None for t in inputs]
-        return (None, None, None, *input_grads, *grads)
+        return (None, None, None, None, *input_grads, *grads)
 
 
 def selected_pass(
-    run: Callable[[Any], Any], output: torch.Tensor, arguments: Any, parameters: list[torch.Tensor]
+    run: Callable[[Any], Any],
+    output: torch.Tensor,
+    arguments: Any,
+    parameters: list[torch.Tensor],
+    check: Callable[[torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
-    """``output`` with a backward that recomputes it as ``run(arguments)``.
+    """``output`` with a backward that recomputes it as ``run(arguments)`` (and hands the result to ``check``).
 
     ``arguments`` is any nesting of tuples, lists and dicts; its tensors are kept through ``save_for_backward``
     (nothing else holds them) and handed back to ``run`` in the same places. ``run`` returns the block's output (a
@@ -116,7 +124,7 @@ def selected_pass(
             result = run(_fill(skeleton, iter(tensors)))
         return result[0] if isinstance(result, (tuple, list)) else result
 
-    return SelectedPass.apply(recompute, output, len(inputs), *inputs, *parameters)
+    return SelectedPass.apply(recompute, check, output, len(inputs), *inputs, *parameters)
 
 
 _SLOT = object()  # where a tensor of the arguments goes back

@@ -299,11 +299,12 @@ class TokenSelector:
                 stacklevel=2,
             )
 
-    def _selection_for(self, hidden: torch.Tensor) -> TokenSelection | None:
+    def _selection_for(self, hidden: torch.Tensor, block_name: str) -> TokenSelection | None:
         state = self._state
         if state is None:
             return None
         if state.selection is None:
+            check_block_input(hidden, _input_shape(state), block_name)
             # In a memory estimate (fake tensors: shapes only) the selection is drawn for real, from the real
             # inputs the planner passes: its size is what the estimate needs.
             with outside_fake_mode() if is_fake_tensor(hidden) else nullcontext():
@@ -445,6 +446,30 @@ def _sequence_shape(kwargs: dict) -> tuple[int, ...] | None:
         if isinstance(value, torch.Tensor) and value.dim() >= 2:
             return tuple(value.shape[:2])
     return None
+
+
+def _input_shape(state: _TrainingForward) -> tuple[int, int] | None:
+    """[batch, seq] of the training forward's input, where its arguments tell it (input_ids, a [batch, seq] mask)."""
+    for value in (state.input_ids, state.padding_mask):
+        if isinstance(value, torch.Tensor) and value.dim() == 2:
+            return tuple(value.shape)
+    return None
+
+
+def check_block_input(hidden: Any, sequence: tuple[int, int] | None, block_name: str) -> None:
+    """The blocks' input must be [batch, seq, hidden], one position per input token: checked before labels are
+    compared with it, so that a model of another layout is not refused for correct labels."""
+    shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else None
+    if shape is not None and len(shape) == 3 and (sequence is None or shape[:2] == tuple(sequence)):
+        return
+    given = f"for an input of [batch, seq] = {tuple(sequence)}" if sequence is not None else "for its input"
+    raise ValueError(
+        f"TokenTune cannot train {block_name} on a token subset: train this model without token selection (LoRA, "
+        f"or SlimFit without `tokentune`). Its input hidden states have shape "
+        f"{shape if shape is not None else type(hidden).__name__} {given}, where token selection needs [batch, seq, "
+        "hidden] with one position per input token (this model adds positions, joins streams or orders the axes "
+        "otherwise)."
+    )
 
 
 def check_label_shape(labels: Any, sequence: tuple[int, ...] | None, source: str) -> None:
