@@ -14,16 +14,19 @@ from tiny_models import BUILDERS, build, make_batch
 STEPS = 3
 DATA = os.path.join(os.path.dirname(__file__), "data", "full_finetuning.json")
 
+# Compression that acts on the tiny models' saved tensors (the default min_numel keeps them all).
+COMPRESSION = {"bits": 4, "kind_bits": {"activation": 2}, "group_size": 32, "min_numel": 0}
 # name -> (method, architecture, config fields)
 CASES: dict[str, tuple[str, str, dict]] = {
     **{f"tokentune-{arch}": ("tokentune", arch, {}) for arch in BUILDERS},
-    "tokentune-llama-compressed": ("tokentune", "llama", {"activation_compression": {"bits": 8}}),
+    "tokentune-llama-compressed": ("tokentune", "llama", {"activation_compression": COMPRESSION}),
     "tokentune-gpt2-modules": ("tokentune", "gpt2", {"trainable_modules": ["c_attn"]}),
     **{
         f"slimfit-{arch}": ("slimfit", arch, {**PAPER, "activation_compression": None})
         for arch in ("bert", "vit", "gpt2", "llama")
     },
     "slimfit-llama-defaults": ("slimfit", "llama", {}),
+    "slimfit-gpt2-compressed": ("slimfit", "gpt2", {**PAPER, "activation_compression": COMPRESSION}),
     "slimfit-llama-tokentune": (
         "slimfit",
         "llama",
