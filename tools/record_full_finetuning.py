@@ -16,7 +16,9 @@ from tiny_models import CAUSAL_LM
 
 from peft_slim import SlimFitConfig, TokenTuneConfig
 
-TASK = {"bert": "SEQ_CLS", "roberta": "SEQ_CLS", "vit": None} | {arch: "CAUSAL_LM" for arch in CAUSAL_LM}
+# The classifiers without a task type: PEFT would wrap their head as modules_to_save (a trained copy), which
+# full fine-tuning has no use for.
+TASK = {"bert": None, "roberta": None, "vit": None} | {arch: "CAUSAL_LM" for arch in CAUSAL_LM}
 
 
 def standalone(model, method, fields):
