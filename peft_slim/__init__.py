@@ -14,9 +14,9 @@ from ._version import __version__
 from .compression import ActivationCompressionConfig, compress_activations
 from .export import export_lora
 from .planner import MemoryEstimate, estimate_memory, plan
-from .slimfit import SlimFitCallback, SlimFitConfig, SlimFitModel
+from .slimfit import SlimFitCallback, SlimFitConfig, SlimFitModel, SlimFitTransform, slimfit_
 from .token_selection import TokenSelectionConfig
-from .tokentune import TokenTuneCallback, TokenTuneConfig, TokenTuneModel
+from .tokentune import TokenTuneCallback, TokenTuneConfig, TokenTuneModel, TokenTuneTransform, tokentune_
 from .tuner.saving import from_pretrained, load_adapter, load_config, save_pretrained
 
 # isort: split
@@ -28,10 +28,12 @@ __all__ = [
     "SlimFitCallback",
     "SlimFitConfig",
     "SlimFitModel",
+    "SlimFitTransform",
     "TokenSelectionConfig",
     "TokenTuneCallback",
     "TokenTuneConfig",
     "TokenTuneModel",
+    "TokenTuneTransform",
     "compress_activations",
     "estimate_memory",
     "export_lora",
@@ -40,5 +42,7 @@ __all__ = [
     "load_config",
     "plan",
     "save_pretrained",
+    "slimfit_",
+    "tokentune_",
     "__version__",
 ]

@@ -44,20 +44,16 @@ class SlimFitState(AdapterState):
     full_checkpoints: bool = False  # slimfit_full_checkpoints()
 
 
-class SlimFitModel(MethodTuner):
-    """Freeze most scheduling units at every step, chosen by training dynamics (Ardakani et al., NAACL 2024).
+class SlimFitSchedule:
+    """SlimFit's schedule on a model, shared by its PEFT tuner (``SlimFitModel``: the LoRA adapters are the units) and
+    its transform (``slimfit_``: the model's own weights are). Reads the method's state, config and model from
+    ``self._state``, ``self._config`` and ``self.model``.
 
     A frozen unit has ``requires_grad=False`` from the start of the training forward to the optimizer step: no
     gradient (so no optimizer update, weight decay or momentum) and no cached input for backward. A forward pre-hook
-    on the transformers model applies the decision, so it holds for every PEFT forward path; optimizer hooks score
-    the units that trained; ``slimfit_step()`` re-ranks. With ``tokentune``, the token selection is attached too.
+    on the transformers model applies the decision, so it holds for every forward path; optimizer hooks score the
+    units that trained; ``slimfit_step()`` re-ranks. With ``tokentune``, the token selection is attached too.
     """
-
-    prefix: str = "slimfit_"
-    # The schedule lives on this tuner and advances through slimfit_step(), which a bare model from
-    # peft.inject_adapter_in_model could not reach: PEFT refuses direct injection of such tuners (use get_peft_model).
-    uses_shared_state = True
-    state_cls = SlimFitState
 
     def _token_selection(self, config: SlimFitConfig) -> TokenSelectionConfig | None:
         return config.tokentune
@@ -71,11 +67,7 @@ class SlimFitModel(MethodTuner):
         state.units, always = find_units(model, config, new)
         if new and not config.inference_mode:
             warn_new_weights(new, peft_wrapped_names(model, config.modules_to_save))
-        if config.lora is None:
-            tracked = {id(p) for unit in state.units for p in unit.params} | {id(p) for p in always}
-            named = {name: p for name, p in model.named_parameters() if id(p) in tracked}
-            state.base_weights = BaseWeights(named, keep_copies=config.keep_base_weights)
-            self.slimfit_base_weights = BaseWeightsSwitch(self.active_adapters[0])
+        self._track_base_weights(model, config, always)
         sizes = unit_bytes(state.units) if config.freeze_by == "bytes" else None
         waits = rotation_steps(config.freeze_ratio) if config.max_frozen_steps is None else config.max_frozen_steps
         state.scheduler = FreezeScheduler(
@@ -121,14 +113,6 @@ class SlimFitModel(MethodTuner):
             state.observer.watch()
             if not state.handles:
                 state.handles.append(self.model.register_forward_pre_hook(self._before_forward))
-
-    def _after_set_adapter(self) -> None:
-        state = self._state
-        # PEFT just made every LoRA weight of the adapter trainable; where the schedule had frozen units, freeze them
-        # again now, not at the next forward: TRL switches to its reference adapter and back between a training
-        # forward and its backward, which (gradient checkpointing) recomputes the forward with the same flags.
-        if state.applied and not state.paused and state.swapped is None:
-            self._apply_schedule()
 
     # ------------------------------------------------------------------ the schedule
 
@@ -285,6 +269,62 @@ class SlimFitModel(MethodTuner):
                 self._apply_schedule()
         state.observer.note_forward()  # any forward that can produce gradients opens a training step
 
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._refuse_while_disabled("optimizer.step()")
+        if not self._state.applied:
+            # Only training-mode forwards apply the schedule: a loop that trains in eval mode (no dropout) reaches
+            # its first step (or its first after slimfit_resume() or a Trainer run) with every unit's gradient. The
+            # units the schedule freezes drop theirs here, so they stay bit-identical, as at every other step.
+            self._apply_schedule()
+        # Releasing state is ``optimizer.state.pop(param)``: torch's and bitsandbytes' optimizers rebuild it as a
+        # fresh optimizer does, but bitsandbytes' *paged* ones keep each large buffer in a process-wide page manager:
+        # nothing would be freed, and each restart would allocate more. (``.optimizer``: accelerate's wrapper.)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if self._config.release_frozen_optimizer_state and getattr(inner, "is_paged", False) is True:
+            raise ValueError(
+                f"SlimFit: release_frozen_optimizer_state=True cannot free the state of {type(inner).__name__} (a "
+                "bitsandbytes paged optimizer): its page manager keeps every state buffer, so frozen units' state "
+                "would stay and each restart would allocate more. Use bitsandbytes' non-paged AdamW8bit / AdamW (or "
+                "torch's AdamW), or set release_frozen_optimizer_state=False to keep all state."
+            )
+
+    def _refuse_while_disabled(self, what: str) -> None:
+        if self._state.swapped is not None:
+            raise RuntimeError(
+                f"SlimFit: {what} inside disable_adapter(): the model holds the original base weights there, not "
+                "the tuned ones. Leave the disable_adapter() context first."
+            )
+
+    def _track_base_weights(self, model: nn.Module, config: SlimFitConfig, always: list) -> None:
+        """The tuner's, for an adapter without LoRA (base weights trained in place)."""
+
+
+class SlimFitModel(SlimFitSchedule, MethodTuner):
+    """Freeze most scheduling units at every step, chosen by training dynamics (Ardakani et al., NAACL 2024): PEFT's
+    tuner, whose units are the LoRA adapters (``SlimFitSchedule``)."""
+
+    prefix: str = "slimfit_"
+    # The schedule lives on this tuner and advances through slimfit_step(), which a bare model from
+    # peft.inject_adapter_in_model could not reach: PEFT refuses direct injection of such tuners (use get_peft_model).
+    uses_shared_state = True
+    state_cls = SlimFitState
+
+    def _track_base_weights(self, model: nn.Module, config: SlimFitConfig, always: list) -> None:
+        state = self._state
+        if config.lora is None:
+            tracked = {id(p) for unit in state.units for p in unit.params} | {id(p) for p in always}
+            named = {name: p for name, p in model.named_parameters() if id(p) in tracked}
+            state.base_weights = BaseWeights(named, keep_copies=config.keep_base_weights)
+            self.slimfit_base_weights = BaseWeightsSwitch(self.active_adapters[0])
+
+    def _after_set_adapter(self) -> None:
+        state = self._state
+        # PEFT just made every LoRA weight of the adapter trainable; where the schedule had frozen units, freeze them
+        # again now, not at the next forward: TRL switches to its reference adapter and back between a training
+        # forward and its backward, which (gradient checkpointing) recomputes the forward with the same flags.
+        if state.applied and not state.paused and state.swapped is None:
+            self._apply_schedule()
+
     # ------------------------------------------------------------------ disable_adapter()
 
     def disable_adapter_layers(self) -> None:
@@ -317,32 +357,6 @@ class SlimFitModel(MethodTuner):
                 self.model.get_parameter(name).requires_grad_(requires_grad)
             self.slimfit_base_weights.enable_adapters(True)
         super().enable_adapter_layers()
-
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self._refuse_while_disabled("optimizer.step()")
-        if not self._state.applied:
-            # Only training-mode forwards apply the schedule: a loop that trains in eval mode (no dropout) reaches
-            # its first step (or its first after slimfit_resume() or a Trainer run) with every unit's gradient. The
-            # units the schedule freezes drop theirs here, so they stay bit-identical, as at every other step.
-            self._apply_schedule()
-        # Releasing state is ``optimizer.state.pop(param)``: torch's and bitsandbytes' optimizers rebuild it as a
-        # fresh optimizer does, but bitsandbytes' *paged* ones keep each large buffer in a process-wide page manager:
-        # nothing would be freed, and each restart would allocate more. (``.optimizer``: accelerate's wrapper.)
-        inner = getattr(optimizer, "optimizer", optimizer)
-        if self._config.release_frozen_optimizer_state and getattr(inner, "is_paged", False) is True:
-            raise ValueError(
-                f"SlimFit: release_frozen_optimizer_state=True cannot free the state of {type(inner).__name__} (a "
-                "bitsandbytes paged optimizer): its page manager keeps every state buffer, so frozen units' state "
-                "would stay and each restart would allocate more. Use bitsandbytes' non-paged AdamW8bit / AdamW (or "
-                "torch's AdamW), or set release_frozen_optimizer_state=False to keep all state."
-            )
-
-    def _refuse_while_disabled(self, what: str) -> None:
-        if self._state.swapped is not None:
-            raise RuntimeError(
-                f"SlimFit: {what} inside disable_adapter(): the model holds the original base weights there, not "
-                "the tuned ones. Leave the disable_adapter() context first."
-            )
 
     # ------------------------------------------------------------------ unloading and saving
 

@@ -1,0 +1,27 @@
+"""Full fine-tuning with SlimFit: ``peft_slim.slimfit_(model, SlimFitConfig(...))`` schedules the model's own
+weights (each weight tensor a unit, by default); the model stays a plain model."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..tuner.transform import MethodTransform
+from .config import SlimFitConfig
+from .model import SlimFitSchedule, SlimFitState
+
+
+class SlimFitTransform(SlimFitSchedule, MethodTransform):
+    """What ``slimfit_`` attached to a model: the schedule (``slimfit_step``, ``slimfit_attach``, ...), its token
+    selection and compression; ``remove()`` takes them off."""
+
+    config_cls = SlimFitConfig
+    transform_name = "slimfit_"
+    state_cls = SlimFitState
+
+
+def slimfit_(model: nn.Module, config: SlimFitConfig) -> SlimFitTransform:
+    """Fine-tune ``model``'s own weights with SlimFit (``config``, without ``lora``): most weight tensors frozen at
+    every step. In a plain loop call ``handle.slimfit_attach(optimizer)`` once and ``handle.slimfit_step()`` after
+    each ``optimizer.step()``; with ``transformers.Trainer`` pass ``peft_slim.SlimFitCallback()``.
+    ``model.save_pretrained`` saves the plain checkpoint. Returns the handle: ``remove()`` takes SlimFit off."""
+    return SlimFitTransform(model, config)
