@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 
 from peft_slim import TokenTuneCallback
+from peft_slim.tokentune import find_token_selector
 
 datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
@@ -88,7 +89,7 @@ class ForwardRecorder:
         if not (module.training and torch.is_grad_enabled()):
             return
         inputs = {k: v.detach().clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-        mask = self.peft_model.base_model.last_token_mask if self.selects else None
+        mask = find_token_selector(self.peft_model).last_token_mask if self.selects else None
         self.calls.append({"inputs": inputs, "mask": None if mask is None else mask.detach().clone()})
 
     def remove(self):

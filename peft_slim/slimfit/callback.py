@@ -23,10 +23,8 @@ class SlimFitCallback(TrainerCallback, ExportableState):
     and saves the schedule with every checkpoint.
 
     The scheduler state goes into ``trainer_state.json`` and is restored on resuming, whether or not
-    ``restore_callback_states_from_checkpoint`` is set. During ``trainer.train()`` a standalone SlimFit checkpoint
-    holds every tensor SlimFit trains, so that ``load_best_model_at_end`` loads it into the trained model exactly.
-    When the Trainer is built and when training ends, every scheduled unit requires grad again, so that another
-    Trainer (or optimizer) on the same model holds them all.
+    ``restore_callback_states_from_checkpoint`` is set. When the Trainer is built and when training ends, every
+    scheduled unit requires grad again, so that another Trainer (or optimizer) on the same model holds them all.
     """
 
     def __init__(self):
@@ -56,8 +54,6 @@ class SlimFitCallback(TrainerCallback, ExportableState):
         if restored is not None:
             self._tuner.load_slimfit_state_dict(restored)
         self.scheduler_state = None
-        if isinstance(self._tuner, SlimFitModel):
-            self._tuner.slimfit_full_checkpoints(True)
         if optimizer is not None:
             self._tuner.slimfit_attach(optimizer)
 
@@ -65,8 +61,6 @@ class SlimFitCallback(TrainerCallback, ExportableState):
         self._tuner.slimfit_step(optimizer)  # used only with release_frozen_optimizer_state
 
     def on_train_end(self, args, state, control, **kwargs):
-        if isinstance(self._tuner, SlimFitModel):
-            self._tuner.slimfit_full_checkpoints(False)
         self._tuner._unfreeze()
 
     def state(self) -> dict:

@@ -17,6 +17,7 @@ class SlimFitTransform(SlimFitSchedule, MethodTransform):
     config_cls = SlimFitConfig
     transform_name = "slimfit_"
     state_cls = SlimFitState
+    trains_lora = False
 
 
 def slimfit_(model: nn.Module, config: SlimFitConfig) -> SlimFitTransform:
