@@ -6,16 +6,7 @@ from transformers import TrainerCallback
 
 from ..compat import ExportableState
 from ..trainer_state import stored_callback_attribute
-from ..tuner import find_tuner
-from ..tuner.transform import find_transform
-from .model import SlimFitModel, SlimFitSchedule
-from .transform import SlimFitTransform
-
-
-def find_slimfit(model) -> SlimFitSchedule | None:
-    """SlimFit's schedule on ``model``: its PEFT tuner, or the handle of ``peft_slim.slimfit_``."""
-    tuner = find_tuner(model, SlimFitModel)
-    return find_transform(model, SlimFitTransform) if tuner is None else tuner
+from .transform import find_slimfit
 
 
 class SlimFitCallback(TrainerCallback, ExportableState):

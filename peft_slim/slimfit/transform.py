@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..tuner.transform import MethodTransform
+from ..tuner import find_tuner
+from ..tuner.transform import MethodTransform, find_transform
 from .config import SlimFitConfig
-from .model import SlimFitSchedule, SlimFitState
+from .model import SlimFitModel, SlimFitSchedule, SlimFitState
 
 
 class SlimFitTransform(SlimFitSchedule, MethodTransform):
@@ -26,3 +27,9 @@ def slimfit_(model: nn.Module, config: SlimFitConfig) -> SlimFitTransform:
     each ``optimizer.step()``; with ``transformers.Trainer`` pass ``peft_slim.SlimFitCallback()``.
     ``model.save_pretrained`` saves the plain checkpoint. Returns the handle: ``remove()`` takes SlimFit off."""
     return SlimFitTransform(model, config)
+
+
+def find_slimfit(model: nn.Module) -> SlimFitSchedule | None:
+    """SlimFit's schedule on ``model`` (possibly wrapped): its PEFT tuner, or the handle of ``slimfit_``; or None."""
+    tuner = find_tuner(model, SlimFitModel)
+    return find_transform(model, SlimFitTransform) if tuner is None else tuner
