@@ -97,3 +97,18 @@ def test_refusals():
     handle.remove()
     with pytest.raises(ValueError, match="adapters"):
         peft_slim.slimfit_(get_peft_model(build("llama"), lora), SlimFitConfig())
+
+
+def test_a_recipe_without_lora_applies_the_transform_and_with_lora_wraps():
+    from peft import PeftModel
+
+    from peft_slim.recipe import Recipe
+
+    model = build("llama")
+    trained, handle = Recipe("tokentune", lora_r=0, token_ratio=0.5).apply(model, seed=0)
+    assert trained is model and isinstance(handle, peft_slim.TokenTuneTransform)
+    assert all(p.requires_grad for p in model.parameters())
+    trained, handle = Recipe("slimfit", lora_r=4).apply(build("llama"), seed=0)
+    assert isinstance(trained, PeftModel) and handle is None
+    trained, handle = Recipe("full").apply(build("llama"))
+    assert handle is None and all(p.requires_grad for p in trained.parameters())
