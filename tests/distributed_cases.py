@@ -106,8 +106,10 @@ def trainer_config() -> TokenTuneConfig:
 
 
 def slimfit_trainer_config():
-    """Standalone SlimFit (base weights) for the Trainer + SlimFitCallback run."""
-    return peft_slim.SlimFitConfig(task_type="CAUSAL_LM", freeze_ratio=0.5, seed=SEED, activation_compression=None)
+    """SlimFit over LoRA for the Trainer + SlimFitCallback run."""
+    return peft_slim.SlimFitConfig(
+        task_type="CAUSAL_LM", freeze_ratio=0.5, seed=SEED, activation_compression=None, lora=_lora()
+    )
 
 
 def new_model(config) -> PeftModel:
