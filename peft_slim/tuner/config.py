@@ -136,7 +136,10 @@ class MethodConfig(PeftConfig, ValidatedConfig):
     def lora_export_config(self) -> LoraConfig:
         """The plain LoraConfig that vanilla PEFT would save for this adapter's nested ``lora``."""
         if self.lora is None:
-            raise ValueError(f"{type(self).__name__}.lora is None: this adapter trains base weights, not LoRA.")
+            raise ValueError(
+                f"{type(self).__name__}.lora is None: there is no LoRA adapter to save. Set lora=LoraConfig(...); a "
+                "config without it is for full fine-tuning (peft_slim.tokentune_ / slimfit_), saved as the model."
+            )
         values = {
             key: sorted(value) if isinstance(value, set) else value for key, value in self.lora.to_dict().items()
         }
