@@ -41,6 +41,8 @@ from peft_slim.cli import models, sft_data  # noqa: E402
 from peft_slim.cli import train as cli  # noqa: E402
 from peft_slim.memory import SavedActivationBytes, peak_memory_bytes  # noqa: E402
 from peft_slim.recipe import LABEL_FIRST, Recipe  # noqa: E402
+from peft_slim.slimfit import find_slimfit  # noqa: E402
+from peft_slim.tuner.transform import find_transform  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 HELD_OUT_EVERY = 5
@@ -174,7 +176,8 @@ def saved_activation_bytes(model, batch: dict, context) -> int:
         with SavedActivationBytes(model.parameters()) as saved:
             loss = model(**batch).loss
     del loss
-    stats = getattr(getattr(model, "base_model", None), "last_compression_stats", None)
+    method = find_transform(model)  # full fine-tuning's transform (--lora-r 0), else the PEFT tuner
+    stats = getattr(getattr(model, "base_model", None) if method is None else method, "last_compression_stats", None)
     return saved.bytes if stats is None else stats.stored_bytes
 
 
@@ -198,9 +201,10 @@ def build_method(base, parsed: argparse.Namespace, seed: int, trl_head: bool = F
     # SlimFit decides per step which parameters get gradients: AdamW holds them all and skips those without one.
     params = list(model.parameters()) if slimfit else [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=parsed.learning_rate, weight_decay=0.0)
-    if slimfit:
-        model.slimfit_attach(optimizer)
-    after_step = (lambda: model.slimfit_step(optimizer)) if slimfit else (lambda: None)
+    schedule = find_slimfit(model) if slimfit else None  # the tuner, or the transform with --lora-r 0
+    if schedule is not None:
+        schedule.slimfit_attach(optimizer)
+    after_step = (lambda: schedule.slimfit_step(optimizer)) if slimfit else (lambda: None)
     return model, context, optimizer, after_step
 
 

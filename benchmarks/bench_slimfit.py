@@ -43,6 +43,7 @@ from benchmarks.measure import optimizer_state_bytes, tensor_bytes  # noqa: E402
 from benchmarks.report import markdown_table, mib, write_report  # noqa: E402
 from benchmarks.side_by_side import add_ratios, time_alternating  # noqa: E402
 from peft_slim.memory import SavedActivationBytes, peak_memory_bytes  # noqa: E402
+from peft_slim.slimfit import find_slimfit  # noqa: E402
 from peft_slim.slimfit.observer import snapshot, step_parts  # noqa: E402
 from peft_slim.slimfit.scheduler import score_parts  # noqa: E402
 
@@ -79,20 +80,30 @@ def bert_methods(layers: int, ratios: list[float], rule: dict | None = None) -> 
             fields = {"release_frozen_optimizer_state": False, **rule}
             if not compressed:
                 fields["activation_compression"] = None
-            config = peft_slim.SlimFitConfig(task_type="SEQ_CLS", freeze_ratio=ratio, seed=0, **fields)
+            config = peft_slim.SlimFitConfig(freeze_ratio=ratio, seed=0, always_trainable=HEAD, **fields)
             name = f"slimfit{ratio:g}" + ("+compression" if compressed else "")
-            methods[name] = get_peft_model(copy.deepcopy(base), config)
+            methods[name] = _full_fine_tuning(base, config)
     # Optimizer state freed for units frozen 10 steps in a row (the default frees it after 1).
     release = peft_slim.SlimFitConfig(
-        task_type="SEQ_CLS",
         freeze_ratio=0.9,
         seed=0,
         release_frozen_optimizer_state=True,
         release_after_steps=10,
+        always_trainable=HEAD,
         **rule,
     )
-    methods["slimfit0.9+compression+release"] = get_peft_model(copy.deepcopy(base), release)
+    methods["slimfit0.9+compression+release"] = _full_fine_tuning(base, release)
     return methods
+
+
+HEAD = ["classifier"]  # trained at every step, as PEFT trains a SEQ_CLS adapter's head
+
+
+def _full_fine_tuning(base: torch.nn.Module, config) -> torch.nn.Module:
+    """A copy of ``base`` with SlimFit's full fine-tuning transform."""
+    model = copy.deepcopy(base)
+    peft_slim.slimfit_(model, config)
+    return model
 
 
 def llama_methods(layers: int, token_ratio: float, freeze_ratio: float) -> dict[str, torch.nn.Module]:
@@ -117,12 +128,13 @@ def training_step(model, optimizer, batch) -> None:
         model.slimfit_attach(optimizer)  # (again for an attached one: nothing)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if hasattr(model, "slimfit_step"):
-        model.slimfit_step(optimizer)
+    schedule = find_slimfit(model)
+    if schedule is not None:
+        schedule.slimfit_step(optimizer)
 
 
 def activation_bytes(model, batch) -> tuple[int, int]:
-    tuner = model.base_model if hasattr(model, "peft_config") else None
+    tuner = find_slimfit(model)
     with SavedActivationBytes(model.parameters()) as saved:
         loss = model(**batch).loss
     stats = getattr(tuner, "last_compression_stats", None)
@@ -142,7 +154,7 @@ def measure(methods: dict, batch: dict, warmup_batch: dict, rounds: int) -> dict
         model.train()
         # Steady state first (small batches): the first sweep gives every unit optimizer state; 10 more steps let
         # release_frozen_optimizer_state free that of units frozen since.
-        scheduler = getattr(getattr(model, "base_model", None), "scheduler", None)
+        scheduler = getattr(find_slimfit(model), "scheduler", None)
         sweep = math.ceil(scheduler.num_units / scheduler.num_trained) + 11 if scheduler is not None else 1
         for _ in range(sweep):
             training_step(model, optimizers[name], warmup_batch)

@@ -40,6 +40,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import peft_slim
 from peft_slim.compression import quant
 from peft_slim.memory import peak_memory_bytes
+from peft_slim.recipe import trainable
+from peft_slim.slimfit import find_slimfit
 
 from .report import markdown_table, size, write_report
 
@@ -159,10 +161,11 @@ def slimfit(stack: bool):
         if stack:
             extra = dict(lora=lora_config(), tokentune=peft_slim.TokenSelectionConfig(token_ratio=TOKEN_RATIO, seed=0))
         tuner = peft_slim.SlimFitConfig(freeze_ratio=FREEZE_RATIO, seed=0, task_type="CAUSAL_LM", **extra)
-        model = get_peft_model(base_model(config, device), tuner)
+        model, _ = trainable(base_model(config, device), tuner)  # without LoRA: SlimFit's full fine-tuning transform
+        schedule = find_slimfit(model)
         optimizer = adamw(model, every=True)  # AdamW skips parameters without a gradient (frozen this step)
-        model.slimfit_attach(optimizer)
-        return Built(model, optimizer, after_step=lambda: model.slimfit_step(optimizer))
+        schedule.slimfit_attach(optimizer)
+        return Built(model, optimizer, after_step=lambda: schedule.slimfit_step(optimizer))
 
     return build
 

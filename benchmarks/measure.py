@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
 from peft_slim.memory import SavedActivationBytes, peak_memory_bytes
+from peft_slim.tuner.transform import find_transform
 
 from .methods import Method, Setup
 from .tasks import Task, to_device
@@ -56,7 +57,8 @@ def saved_activation_bytes(model: torch.nn.Module, batch: dict) -> int:
     """Bytes saved for backward by one training forward (the graph is dropped, nothing is updated)."""
     with SavedActivationBytes(model.parameters()) as saved:
         loss = model(**batch).loss
-    stats = getattr(model.base_model, "last_compression_stats", None)
+    method = find_transform(model)  # full fine-tuning's transform, else the PEFT tuner
+    stats = getattr(model.base_model if method is None else method, "last_compression_stats", None)
     del loss
     return saved.bytes if stats is None else stats.stored_bytes
 

@@ -18,7 +18,8 @@ from torch.autograd.graph import save_on_cpu
 
 import peft_slim
 from peft_slim.compat import copy_loading_marks
-from peft_slim.recipe import Recipe
+from peft_slim.recipe import Recipe, trainable
+from peft_slim.slimfit import find_slimfit
 
 from .tasks import Task
 
@@ -110,16 +111,21 @@ def slimfit(task: Task, seed: int, freeze_ratio: float, compression: bool, stack
         catch_up=fields.pop("catch_up", None),
         compression_bits=None if compression else "none",
     )
-    config = recipe.to_peft_config(seed, task.task_type, modules_to_save=task.modules_to_save, **fields)
+    # The task's new head: PEFT's modules_to_save with LoRA; trained at every step in full fine-tuning.
+    head = {"modules_to_save": task.modules_to_save} if stack else {"always_trainable": task.modules_to_save}
+    config = recipe.to_peft_config(seed, task.task_type, **head, **fields)
     base = copy.deepcopy(task.base)
     # A deep copy drops transformers' loading marks, and without them train_new_weights finds no new weights.
     copy_loading_marks(task.base, base)
-    model = get_peft_model(base, config)
+    model, _ = trainable(base, config)  # full fine-tuning: the plain model with SlimFit's transform
+    schedule = find_slimfit(model)
     # Every parameter goes to AdamW: SlimFit decides per step which get gradients; AdamW skips (and keeps no
     # state for) parameters whose gradient is None.
     optimizer = adamw(model, task.lr_adapter, every=True) if stack else adamw(model, task.lr_full, task, every=True)
-    model.slimfit_attach(optimizer)
-    return Setup(model, optimizer, after_step=lambda: model.slimfit_step(optimizer), history=model.slimfit_history)
+    schedule.slimfit_attach(optimizer)
+    return Setup(
+        model, optimizer, after_step=lambda: schedule.slimfit_step(optimizer), history=schedule.slimfit_history
+    )
 
 
 def all_methods() -> dict[str, Method]:

@@ -52,9 +52,14 @@ def main() -> None:
         tokentune=peft_slim.TokenTuneConfig(token_ratio=0.5, seed=0) if args.tokentune else None,
     )
     torch.manual_seed(0)  # the same LoRA initialisation on every rank
-    model = get_peft_model(tiny_llama(), config).to(device)
+    if args.lora:  # a LoRA adapter, through PEFT
+        model = get_peft_model(tiny_llama(), config).to(device)
+        schedule, plain = model.base_model, model.get_base_model()
+    else:  # full fine-tuning: the plain model with SlimFit's transform
+        model = plain = tiny_llama().to(device)
+        schedule = peft_slim.slimfit_(model, config)
     if args.fsdp:
-        for block in model.base_model.model.model.layers:
+        for block in plain.model.layers:
             fully_shard(block)
         fully_shard(model)  # parameters become shards; SlimFit finds them again by name
         wrapped = model
@@ -75,13 +80,18 @@ def main() -> None:
         loss.backward()  # frozen units get no gradient; DDP / FSDP average the others over the ranks
         optimizer.step()
         optimizer.zero_grad()
-        trained = len(model.base_model.trained_units)
-        model.base_model.slimfit_step()  # score, re-rank, freeze: the same decision on every rank
+        trained = len(schedule.trained_units)
+        schedule.slimfit_step()  # score, re-rank, freeze: the same decision on every rank
         print(f"rank {rank} step {step}: loss {loss.item():.4f}, {trained} units trained", flush=True)
 
     peft_slim.distributed.save_pretrained(wrapped, args.output)  # every rank takes part; rank 0 writes
     if rank == 0:
-        reloaded = PeftModel.from_pretrained(tiny_llama(), args.output)  # a single process reads it back
+        # a single process reads it back: the LoRA adapter, or the plain checkpoint of full fine-tuning
+        reloaded = (
+            PeftModel.from_pretrained(tiny_llama(), args.output)
+            if args.lora
+            else type(plain).from_pretrained(args.output)
+        )
         print(f"saved {args.output}; reloaded as {type(reloaded).__name__}")
     dist.destroy_process_group()
 

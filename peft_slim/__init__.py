@@ -3,7 +3,8 @@
 Importing this package registers ``PeftType.TOKENTUNE`` and ``PeftType.SLIMFIT`` with PEFT, so ``get_peft_model``,
 ``PeftConfig.from_pretrained``, ``PeftModel.from_pretrained`` and ``AutoPeftModel*`` know it; nothing of PEFT is
 replaced. A LoRA-stacked adapter saves as a plain LoRA adapter (with the method's settings beside it, read by
-``peft_slim.from_pretrained``).
+``peft_slim.from_pretrained``). Full fine-tuning with a method is a transform of the plain model
+(``peft_slim.tokentune_`` / ``peft_slim.slimfit_``), which saves as the checkpoint it is.
 """
 
 from . import (
@@ -14,9 +15,9 @@ from ._version import __version__
 from .compression import ActivationCompressionConfig, compress_activations
 from .export import export_lora
 from .planner import MemoryEstimate, estimate_memory, plan
-from .slimfit import SlimFitCallback, SlimFitConfig, SlimFitModel
+from .slimfit import SlimFitCallback, SlimFitConfig, SlimFitModel, SlimFitTransform, slimfit_
 from .token_selection import TokenSelectionConfig
-from .tokentune import TokenTuneCallback, TokenTuneConfig, TokenTuneModel
+from .tokentune import TokenTuneCallback, TokenTuneConfig, TokenTuneModel, TokenTuneTransform, tokentune_
 from .tuner.saving import from_pretrained, load_adapter, load_config, save_pretrained
 
 # isort: split
@@ -28,10 +29,12 @@ __all__ = [
     "SlimFitCallback",
     "SlimFitConfig",
     "SlimFitModel",
+    "SlimFitTransform",
     "TokenSelectionConfig",
     "TokenTuneCallback",
     "TokenTuneConfig",
     "TokenTuneModel",
+    "TokenTuneTransform",
     "compress_activations",
     "estimate_memory",
     "export_lora",
@@ -40,5 +43,7 @@ __all__ = [
     "load_config",
     "plan",
     "save_pretrained",
+    "slimfit_",
+    "tokentune_",
     "__version__",
 ]

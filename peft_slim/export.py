@@ -23,12 +23,6 @@ def export_lora(model: PeftModel, out_dir: str, adapter_name: str = "default") -
         raise ValueError(f"export_lora expects a peft.PeftModel of a peft_slim method, got {type(model).__name__}.")
     if adapter_name not in model.peft_config:
         raise ValueError(f"export_lora: no adapter named {adapter_name!r}; have {sorted(model.peft_config)}.")
-    config = model.peft_config[adapter_name]
-    if getattr(config, "lora", None) is None:
-        raise ValueError(
-            f"export_lora: adapter {adapter_name!r} ({config.peft_type}) has no `lora` config; it trained base "
-            "weights. Use save_pretrained, or merge_and_unload() and save the merged model."
-        )
     folder = "" if adapter_name == "default" else adapter_name  # where PEFT's save_pretrained puts it
 
     def rewritten(relative: str) -> bool:

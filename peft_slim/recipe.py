@@ -1,9 +1,10 @@
 """``Recipe``: one training setting (the method, its LoRA, token selection, freezing, compression, checkpointing),
 defined once for ``peft-slim train``, the planner, its measured table and the benchmarks.
 
-A recipe fills in the method's defaults, so that two recipes that train the same way are equal. It gives the PEFT
-config (``to_peft_config``), the ``peft-slim train`` flags (``to_flags``, read back by ``from_train_args``) and the
-key of the planner's measured table (``key``).
+A recipe fills in the method's defaults, so that two recipes that train the same way are equal. It builds the model
+that trains (``apply``: a PeftModel, or for full fine-tuning the model itself with the method's transform) from its
+config (``to_peft_config``), and gives the ``peft-slim train`` flags (``to_flags``, read back by ``from_train_args``)
+and the key of the planner's measured table (``key``).
 """
 
 from __future__ import annotations
@@ -13,15 +14,18 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from peft import LoraConfig
+from peft import LoraConfig, PeftConfig, get_peft_model
+from torch import nn
 
 from .compression import ActivationCompressionConfig
 from .configuration import Boolean, Check, Integer, ModuleNames, OneOf, Real, setting
-from .slimfit import SlimFitConfig
+from .slimfit import SlimFitConfig, slimfit_
 from .slimfit.config import CATCH_UP
 from .token_selection import TokenSelectionConfig
 from .token_selection.config import DEFAULT_TOKEN_RATIO, SELECTION_RULES
-from .tokentune import TokenTuneConfig
+from .tokentune import TokenTuneConfig, tokentune_
+from .tuner import MethodConfig
+from .tuner.transform import MethodTransform
 
 METHODS = ("tokentune", "slimfit", "lora", "full")
 COMPRESSION_BITS = ("none", 8, 4, 2)
@@ -182,9 +186,17 @@ class Recipe:
             return None
         return ActivationCompressionConfig(bits=self.compression_bits)
 
+    def apply(
+        self, model: nn.Module, seed: int | None = None, task_type: str | None = "CAUSAL_LM"
+    ) -> tuple[nn.Module, MethodTransform | None]:
+        """``model`` ready to train this recipe, and the method's transform handle where it has one: see
+        :func:`trainable` (of ``to_peft_config``'s config). 'lora' and 'full' train compressed only inside
+        ``compress_activations(recipe.activation_compression())``."""
+        return trainable(model, self.to_peft_config(seed=seed, task_type=task_type))
+
     def to_peft_config(self, seed: int | None = None, task_type: str | None = "CAUSAL_LM", **fields):
-        """The PEFT config that trains this recipe: a ``LoraConfig``, ``TokenTuneConfig`` or ``SlimFitConfig``; None
-        for 'full' (compressed: as 'lora', in ``compress_activations(recipe.activation_compression())``).
+        """The config that trains this recipe: a ``LoraConfig``, ``TokenTuneConfig`` or ``SlimFitConfig`` (without
+        ``lora`` where ``lora_r`` is 0: the method's full fine-tuning transform); None for 'full'.
         ``seed``: of the token selection and SlimFit's order (None: the defaults); ``fields``: other config fields."""
         if self.method == "full":
             if fields:
@@ -248,6 +260,19 @@ class Recipe:
         bits, own = self.compression_bits, "slimfit default" if self.method == "slimfit" else None
         key["compression_bits"] = {None: own, "none": None}.get(bits, bits)
         return key | {"gradient_checkpointing": self.gradient_checkpointing, "trains_lora": self.uses_lora}
+
+
+def trainable(model: nn.Module, config: PeftConfig | None) -> tuple[nn.Module, MethodTransform | None]:
+    """``model`` ready to train with ``config``, and the transform handle where there is one: the PeftModel of
+    ``get_peft_model(model, config)``; for a peft_slim method's config without ``lora`` (full fine-tuning) ``model``
+    itself with the method's transform (``tokentune_`` / ``slimfit_``); for None ``model`` with every weight
+    trainable."""
+    if config is None:
+        return model.requires_grad_(True), None
+    if isinstance(config, MethodConfig) and config.lora is None:
+        transform = slimfit_ if isinstance(config, SlimFitConfig) else tokentune_
+        return model, transform(model, config)
+    return get_peft_model(model, config), None
 
 
 def _number(value: float) -> str:

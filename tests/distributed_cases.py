@@ -34,7 +34,7 @@ SETUPS = ("random", "all_tokens", "token_mask")
 @dataclass(frozen=True)
 class Case:
     method: str  # "tokentune" or "slimfit"
-    variant: str  # "lora", "standalone" (base weights), or "tokentune" (SlimFit stacked on TokenTune)
+    variant: str  # "lora", or "tokentune" (SlimFit + LoRA stacked on TokenTune)
     engine: str  # "ddp" or "fsdp" (FSDP2 fully_shard: FSDP1 needs an accelerator)
     setup: str
     ddp_options: dict = field(default_factory=dict, compare=False, hash=False)
@@ -67,9 +67,8 @@ def _cases() -> list[Case]:
     cases = []
     for engine in ("ddp", "fsdp"):
         for setup in SETUPS:
-            for variant in ("lora", "standalone"):
-                cases.append(Case("tokentune", variant, engine, setup))
-            for variant in ("lora", "standalone", "tokentune"):
+            cases.append(Case("tokentune", "lora", engine, setup))
+            for variant in ("lora", "tokentune"):
                 if setup == "token_mask" and variant != "tokentune":
                     continue  # token_mask is a TokenTune argument
                 # Frozen units get no gradient: DDP must look for unused parameters (Trainer sets it for a PeftModel).
@@ -90,16 +89,12 @@ def _lora() -> LoraConfig:
 def peft_config(case: Case):
     ratio = 0.5 if case.setup == "random" else 1.0
     if case.method == "tokentune":
-        lora = _lora() if case.variant == "lora" else None
-        targets = None if lora else LORA_TARGETS[ARCH]  # standalone: some base weights train, most stay frozen
-        return TokenTuneConfig(
-            task_type="CAUSAL_LM", token_ratio=ratio, seed=SEED, lora=lora, trainable_modules=targets
-        )
+        return TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=ratio, seed=SEED, lora=_lora())
     tokentune = TokenTuneConfig(token_ratio=ratio, seed=SEED) if case.variant == "tokentune" else None
     return peft_slim.SlimFitConfig(
         task_type="CAUSAL_LM",
         freeze_ratio=0.5,
-        lora=_lora() if case.variant == "lora" else None,
+        lora=_lora(),
         tokentune=tokentune,
         seed=SEED,
         activation_compression=None,  # quantization groups depend on the batch: no exact 1-vs-2-process match
@@ -111,8 +106,10 @@ def trainer_config() -> TokenTuneConfig:
 
 
 def slimfit_trainer_config():
-    """Standalone SlimFit (base weights) for the Trainer + SlimFitCallback run."""
-    return peft_slim.SlimFitConfig(task_type="CAUSAL_LM", freeze_ratio=0.5, seed=SEED, activation_compression=None)
+    """SlimFit over LoRA for the Trainer + SlimFitCallback run."""
+    return peft_slim.SlimFitConfig(
+        task_type="CAUSAL_LM", freeze_ratio=0.5, seed=SEED, activation_compression=None, lora=_lora()
+    )
 
 
 def new_model(config) -> PeftModel:

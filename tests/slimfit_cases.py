@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 from peft import LoraConfig, get_peft_model
-from tiny_models import LORA_TARGETS, build, make_batch
+from tiny_models import LORA_TARGETS, FullFineTuned, build, make_batch
 
-from peft_slim import SlimFitConfig
+from peft_slim import SlimFitConfig, slimfit_
 
 TASK = {"bert": "SEQ_CLS", "vit": None, "gpt2": "CAUSAL_LM", "llama": "CAUSAL_LM"}
 # The paper's rule: count units, no catch-up, norms and new weights scheduled like every other weight.
@@ -14,13 +14,15 @@ PAPER = {"freeze_by": "count", "catch_up": "none", "always_train_norms": False, 
 
 
 def slimfit_model(arch: str, lora: bool = False, seed: int = 0, base_seed: int | None = None, **fields):
+    """SlimFit on a tiny model: a PeftModel with ``lora``, else full fine-tuning (``FullFineTuned``)."""
     fields.setdefault("activation_compression", None)
     for name, value in PAPER.items():  # the shared cases test the paper's rule; test_slimfit_defaults.py the rest
         fields.setdefault(name, value)
-    fields.setdefault("task_type", TASK[arch])
-    if lora:
-        fields["lora"] = LoraConfig(r=4, lora_alpha=8, target_modules=set(LORA_TARGETS[arch]))
     base = build(arch, seed=seed if base_seed is None else base_seed)
+    if not lora:
+        return FullFineTuned(base, slimfit_(base, SlimFitConfig(seed=seed, **fields)))
+    fields.setdefault("task_type", TASK[arch])
+    fields["lora"] = LoraConfig(r=4, lora_alpha=8, target_modules=set(LORA_TARGETS[arch]))
     return get_peft_model(base, SlimFitConfig(seed=seed, **fields))
 
 

@@ -4,10 +4,10 @@
   alone on its own model (weights, token selections, SlimFit schedule); each loaded adapter computes what it computes
   loaded alone; after ``delete_adapter`` the model is bit-identical to one that never had it and trains like it;
   TRL's reference adapter ('ref', a copy of 'default') leaves the training of 'default' unchanged;
-* what cannot be exact is refused by name (standalone adapters beside others, two active adapters, two biased ones);
+* what cannot be exact is refused by name (two active adapters, two biased ones);
 * ``low_cpu_mem_usage=True`` loads give the logits and the training of a normal load;
 * ``peft.inject_adapter_in_model`` + ``get_peft_model_state_dict`` on a bare model: TokenTune + LoRA works as
-  ``get_peft_model`` does; SlimFit (its schedule lives on the tuner) and standalone saving are refused.
+  ``get_peft_model`` does; SlimFit (its schedule lives on the tuner) and a config without LoRA are refused.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tiny_models import build, make_batch
 from trl.trainer.utils import use_adapter
 
 import peft_slim
-from peft_slim import SlimFitConfig, TokenTuneConfig
+from peft_slim import TokenTuneConfig
 
 
 def _step(model, optimizer, seed: int, between=None) -> torch.Tensor | None:
@@ -247,27 +247,14 @@ def test_trl_reference_adapter_leaves_the_training_of_default_unchanged(name):
 
 def test_the_prefix_of_a_lora_stacked_adapter_marks_its_parameters():
     """PEFT's `prefix` is how PEFT's checks and TRL (its vLLM weight sync skips `model.prefix in name`) tell adapter
-    parameters from base ones: for a LoRA-stacked adapter exactly the LoRA weights; standalone, none."""
+    parameters from base ones: for a LoRA-stacked adapter exactly the LoRA weights."""
     model = _two("full_stack")
     marked = {n for n, _ in model.named_parameters() if model.prefix in n}
     assert marked and marked == {n for n, _ in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
-    standalone = get_peft_model(build("llama"), _standalone("tokentune_alone"))
-    assert standalone.prefix == "tokentune_" and type(model.base_model).prefix == "slimfit_"  # the registered ones
-    assert not any(standalone.prefix in n for n, _ in standalone.named_parameters())
+    assert type(model.base_model).prefix == "slimfit_"  # the registered one
 
 
 # ---------------------------------------------------------------------------------------------- refused by name
-
-
-def test_a_standalone_adapter_beside_another_is_refused_by_name():
-    standalone = TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.5, trainable_modules=["q_proj"])
-    model = get_peft_model(build("llama"), method_config("tokentune_lora"))
-    with pytest.raises(ValueError, match=r"adapter 'alone' has no `lora`"):
-        model.add_adapter("alone", standalone)
-    assert list(model.peft_config) == ["default"]
-    model = get_peft_model(build("llama"), standalone)
-    with pytest.raises(ValueError, match=r"adapter 'default' has no `lora`.*trains the base weights in place"):
-        model.add_adapter("other", method_config("tokentune_lora"))
 
 
 def test_two_active_adapters_and_two_biased_adapters_are_refused():
@@ -303,15 +290,9 @@ def test_load_adapter_needs_a_peft_slim_model(two_saved):
 # ---------------------------------------------------------------------------------------------- low_cpu_mem_usage
 
 
-def _standalone(name: str):
-    if name == "tokentune_alone":
-        return TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.5, seed=0, trainable_modules=["q_proj"])
-    return SlimFitConfig(task_type="CAUSAL_LM", freeze_ratio=0.5, seed=0)
-
-
-@pytest.mark.parametrize("name", ["tokentune_lora", "full_stack", "tokentune_alone", "slimfit_alone"])
+@pytest.mark.parametrize("name", ["tokentune_lora", "full_stack"])
 def test_low_cpu_mem_usage_load_equals_a_normal_load(tmp_path, name):
-    config = method_config(name) if name in METHODS else _standalone(name)
+    config = method_config(name)
     trained = get_peft_model(build("llama"), config)
     optimizer = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=1e-2)
     _step(trained, optimizer, 0)
@@ -330,7 +311,7 @@ def test_low_cpu_mem_usage_load_equals_a_normal_load(tmp_path, name):
         masks = [_step(loads[low], optimizers[low], 50 + step) for low in (False, True)]
         assert (masks[0] is None and masks[1] is None) or torch.equal(masks[0], masks[1])
     assert torch.equal(eval_logits(loads[True]), eval_logits(loads[False]))
-    # PEFT's own loader (a standalone adapter's type is peft_slim's, a stacked one is LoRA).
+    # PEFT's own loader (a plain LoRA adapter to it).
     vanilla = PeftModel.from_pretrained(build("llama"), tmp_path / "adapter", low_cpu_mem_usage=True)
     assert torch.equal(eval_logits(vanilla), expected)
 
@@ -363,6 +344,5 @@ def test_inject_adapter_in_model_with_tokentune_lora_trains_and_saves_as_get_pef
 def test_inject_adapter_in_model_refuses_what_cannot_work_on_a_bare_model():
     with pytest.raises(ValueError, match=r"does not support \S*SLIMFIT because it uses shared state.*get_peft_model"):
         inject_adapter_in_model(method_config("slimfit_lora"), build("llama"))
-    bare = inject_adapter_in_model(_standalone("tokentune_alone"), build("llama"))
-    with pytest.raises(ValueError, match=r"standalone adapter.*bare LlamaForCausalLM.*get_peft_model"):
-        get_peft_model_state_dict(bare)
+    with pytest.raises(ValueError, match=r"lora is None.*peft_slim\.tokentune_"):
+        inject_adapter_in_model(TokenTuneConfig(token_ratio=0.5), build("llama"))

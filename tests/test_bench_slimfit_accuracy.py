@@ -53,6 +53,7 @@ def test_the_benchmarks_slimfit_sees_the_weights_the_checkpoint_lacked(tmp_path)
     from transformers import BertConfig, BertForSequenceClassification, BertModel
 
     from benchmarks import methods, tasks
+    from peft_slim.slimfit import find_slimfit
 
     config = BertConfig(
         hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, vocab_size=50
@@ -61,7 +62,7 @@ def test_the_benchmarks_slimfit_sees_the_weights_the_checkpoint_lacked(tmp_path)
     task = tasks.minilm_small(True, "condition", one_lr=1e-4)
     task.base = BertForSequenceClassification.from_pretrained(str(tmp_path), num_labels=3)
     units = {
-        new: methods.slimfit(task, 0, 0.9, False, train_new_weights=new).model.base_model.unit_names
+        new: find_slimfit(methods.slimfit(task, 0, 0.9, False, train_new_weights=new).model).unit_names
         for new in (True, False)
     }
     assert "bert.pooler.dense.weight" in units[False]

@@ -192,11 +192,12 @@ def _selected(positions: dict[int, list[int]], shape=(2, 10)) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("selection", ["answer", "random"])
-def test_loss_kept_counts_the_selected_labelled_positions_and_the_ratio_keeping_them_all(selection):
+def test_loss_kept_counts_the_selected_labelled_positions_and_the_ratio_keeping_them_all(selection, monkeypatch):
     """Row 0: 8 real tokens, labels on tokens 4-7 (so positions 3-6 are scored); row 1: 10 real, labels on 2-9
     (positions 1-8). Selected: 3 of row 0's 4 scored positions, 5 of row 1's 8."""
     from types import SimpleNamespace
 
+    from peft_slim.cli import train
     from peft_slim.cli.train import loss_kept
     from peft_slim.token_selection import TokenSelectionConfig
 
@@ -208,7 +209,8 @@ def test_loss_kept_counts_the_selected_labelled_positions_and_the_ratio_keeping_
     mask = _selected({0: [0, 3, 4, 5, 7], 1: [0, 1, 2, 3, 4, 5, 9]})
     config = TokenSelectionConfig(token_ratio=0.3, selection=selection)
     selector = SimpleNamespace(config=config, last_token_mask=mask)
-    model = SimpleNamespace(base_model=SimpleNamespace(token_selector=selector))
+    model = SimpleNamespace()
+    monkeypatch.setattr(train, "find_token_selector", lambda given: selector if given is model else None)
     text = loss_kept(model, {"attention_mask": attention_mask, "labels": labels})
     rule = "answer tokens first" if selection == "answer" else "random"
     head = f"token selection on the first batch (token ratio 0.3, {rule}): "
@@ -226,8 +228,7 @@ def test_loss_kept_counts_the_selected_labelled_positions_and_the_ratio_keeping_
         loss_kept(model, {"attention_mask": attention_mask, "labels": labels})
         == f"{head}all 5 labelled positions carry the loss"
     )
-    model.base_model.token_selector = None
-    assert loss_kept(model, {"attention_mask": attention_mask, "labels": labels}) is None
+    assert loss_kept(SimpleNamespace(), {"attention_mask": attention_mask, "labels": labels}) is None  # no selector
 
 
 def test_the_baseline_loss_is_the_models_loss_with_the_head_only_at_labelled_positions():
@@ -271,15 +272,13 @@ def test_the_baseline_step_leaves_the_model_as_it_was():
 
 
 def test_slimfit_flags_reach_the_saved_config(trained):
-    """--catch-up as given, and the config's own defaults where a flag is not given (--freeze-ratio, --catch-up)."""
-    records = {"slimfit-lora": "peft_slim_config.json", "slimfit-base": "adapter_config.json"}  # LoRA: beside it
-    configs = {name: json.loads((trained[name][0] / record).read_text()) for name, record in records.items()}
-    assert configs["slimfit-base"]["catch_up"] == "sqrt" != SlimFitConfig().catch_up
-    assert (configs["slimfit-lora"]["freeze_ratio"], configs["slimfit-lora"]["catch_up"]) == (
-        0.5,
-        SlimFitConfig().catch_up,
-    )
-    assert configs["slimfit-base"]["freeze_ratio"] == SlimFitConfig().freeze_ratio
+    """The config's own defaults where a flag is not given (--freeze-ratio, --catch-up); --lora-r 0: a plain model."""
+    config = json.loads((trained["slimfit-lora"][0] / "peft_slim_config.json").read_text())  # beside the LoRA's
+    assert (config["freeze_ratio"], config["catch_up"]) == (0.5, SlimFitConfig().catch_up)
+    # --lora-r 0 is full fine-tuning (SlimFit's transform): a plain checkpoint, nothing of peft_slim in it
+    full = trained["slimfit-base"][0]
+    assert (full / "model.safetensors").exists() and not (full / "adapter_config.json").exists()
+    assert "peft_slim" not in (full / "config.json").read_text()
 
 
 def test_saved_adapters_load_in_a_fresh_process(trained, tiny_model):
@@ -295,7 +294,7 @@ def test_saved_adapters_load_in_a_fresh_process(trained, tiny_model):
     base_logits = AutoModelForCausalLM.from_pretrained(tiny_model)(input_ids=ids).logits.sum().item()
     for name, (output, _) in trained.items():
         logits, kind = loaded[name]
-        assert kind == CONFIG_TYPE[name.split("-")[0]], name
+        assert kind == ("full" if name.endswith("-base") else CONFIG_TYPE[name.split("-")[0]]), name
         if kind == "full":
             here = AutoModelForCausalLM.from_pretrained(output)
         elif kind == "LoraConfig":

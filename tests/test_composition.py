@@ -18,7 +18,14 @@ from torch import nn
 from torch.autograd.graph import save_on_cpu
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from peft_slim import ActivationCompressionConfig, SlimFitConfig, TokenSelectionConfig, TokenTuneConfig
+from peft_slim import (
+    ActivationCompressionConfig,
+    SlimFitConfig,
+    TokenSelectionConfig,
+    TokenTuneConfig,
+    slimfit_,
+    tokentune_,
+)
 from peft_slim.token_selection.blocks import find_blocks
 from peft_slim.tuner import model_kinds
 
@@ -37,6 +44,13 @@ def _grads(model) -> list[torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------------------ DeepSpeed ZeRO-3
+def _apply(model: nn.Module, config):
+    """``config`` on ``model``: through PEFT with `lora`, else the method's full fine-tuning transform."""
+    if config.lora is not None:
+        return get_peft_model(model, config)
+    return (slimfit_ if isinstance(config, SlimFitConfig) else tokentune_)(model, config)
+
+
 def _zero3_sharded(model: nn.Module) -> nn.Module:
     """What DeepSpeed ZeRO-3 leaves before PEFT sees the model: each parameter an empty tensor with ds_* fields."""
     for index, param in enumerate(model.parameters()):
@@ -57,13 +71,13 @@ def _zero3_sharded(model: nn.Module) -> nn.Module:
 )
 def test_zero3_is_refused_naming_what_works(config):
     with pytest.raises(ValueError, match=r"ZeRO-3 \(\d+ parameters partitioned.*FSDP2.*DDP.*ZeRO-1/2"):
-        get_peft_model(_zero3_sharded(build("llama")), config())
+        _apply(_zero3_sharded(build("llama")), config())
 
 
 def test_zero3_enabled_in_transformers_is_refused(monkeypatch):
     monkeypatch.setattr(model_kinds, "is_deepspeed_zero3_enabled", lambda: True)
     with pytest.raises(ValueError, match="ZeRO-3 is enabled"):
-        get_peft_model(build("llama"), SlimFitConfig(task_type="CAUSAL_LM", freeze_ratio=0.5))
+        slimfit_(build("llama"), SlimFitConfig(freeze_ratio=0.5))
 
 
 # ------------------------------------------------------------------------------------- nested saved-tensor hooks
@@ -319,7 +333,7 @@ def _module_and_input(kind: str) -> tuple[torch.nn.Module, torch.Tensor]:
 def test_token_selection_on_a_non_transformers_module_is_refused(kind, method):
     cls, _, targets = MODULES[kind]
     with pytest.raises(ValueError, match=f"needs a transformers model .*got {cls.__name__} \\(no `config`"):
-        get_peft_model(cls(), method(targets))
+        _apply(cls(), method(targets))
 
 
 @pytest.mark.parametrize("kind", sorted(MODULES))
@@ -342,16 +356,17 @@ def test_slimfit_lora_on_a_non_transformers_module_matches_vanilla_lora(kind):
 
 
 @pytest.mark.parametrize("kind", sorted(MODULES))
-def test_standalone_slimfit_on_a_non_transformers_module_trains_the_trained_units_exactly(kind):
+def test_slimfit_full_fine_tuning_of_a_non_transformers_module_trains_the_trained_units_exactly(kind):
     """Base weights trained in place: a trained unit's gradient is autograd's on a plain copy; frozen ones get none."""
     base, x = _module_and_input(kind)
     reference = copy.deepcopy(base)
     reference(x).pow(2).mean().backward()
-    slim = get_peft_model(base, SlimFitConfig(freeze_ratio=0.5, activation_compression=None)).train()
-    slim(x).pow(2).mean().backward()
+    slimfit_(base, SlimFitConfig(freeze_ratio=0.5, activation_compression=None))
+    base.train()
+    base(x).pow(2).mean().backward()
     expected = dict(reference.named_parameters())
     trained = 0
-    for name, param in slim.base_model.model.named_parameters():
+    for name, param in base.named_parameters():
         if param.grad is not None:
             trained += 1  # rounding only: attention takes another kernel path when its weight is frozen
             torch.testing.assert_close(param.grad, expected[name].grad, rtol=1e-5, atol=1e-7, msg=name)

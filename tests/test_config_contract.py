@@ -16,8 +16,10 @@ from peft import LoraConfig, PeftConfig
 
 import peft_slim
 from peft_slim import ActivationCompressionConfig, SlimFitConfig, TokenSelectionConfig, TokenTuneConfig
+from peft_slim.tuner.config import RECORD_NAME
 
 CONFIGS = [TokenTuneConfig, SlimFitConfig, TokenSelectionConfig, ActivationCompressionConfig]
+LORA = LoraConfig(r=2, target_modules=["q_proj"])
 
 
 # ---------------------------------------------------------------------------------------------- unknown keys
@@ -52,14 +54,14 @@ def test_unknown_key_in_slimfit_tokentune_dict_is_an_error():
 
 def test_unknown_keys_in_a_saved_config_warn_and_name_the_saving_version(tmp_path):
     compression = ActivationCompressionConfig(bits=4)
-    TokenTuneConfig(token_ratio=0.25, activation_compression=compression).save_pretrained(str(tmp_path))
-    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    TokenTuneConfig(token_ratio=0.25, activation_compression=compression, lora=LORA).save_pretrained(str(tmp_path))
+    config = json.loads((tmp_path / RECORD_NAME).read_text())
     config["future_field"] = 1
     config["activation_compression"]["future_bits"] = 3
     config["peft_slim_version"] = "9.9.9"
-    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    (tmp_path / RECORD_NAME).write_text(json.dumps(config))
     with pytest.warns(UserWarning) as caught:
-        loaded = PeftConfig.from_pretrained(str(tmp_path))
+        loaded = peft_slim.load_config(str(tmp_path))
     messages = " ".join(str(w.message) for w in caught)
     assert "future_field" in messages and "future_bits" in messages and "9.9.9" in messages
     assert "upgrade peft_slim" in messages
@@ -68,13 +70,13 @@ def test_unknown_keys_in_a_saved_config_warn_and_name_the_saving_version(tmp_pat
 
 @pytest.mark.parametrize("saved_by", [peft_slim.__version__, "0.0.1"])
 def test_a_field_this_version_dropped_warns_without_asking_for_an_upgrade(tmp_path, saved_by):
-    TokenTuneConfig(token_ratio=0.25).save_pretrained(str(tmp_path))
-    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    TokenTuneConfig(token_ratio=0.25, lora=LORA).save_pretrained(str(tmp_path))
+    config = json.loads((tmp_path / RECORD_NAME).read_text())
     config["base_weights"] = None  # a field an earlier build of this version wrote
     config["peft_slim_version"] = saved_by
-    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    (tmp_path / RECORD_NAME).write_text(json.dumps(config))
     with pytest.warns(UserWarning, match=r"\['base_weights'\].*no longer uses them") as caught:
-        PeftConfig.from_pretrained(str(tmp_path))
+        peft_slim.load_config(str(tmp_path))
     assert not any("upgrade" in str(w.message) for w in caught)
 
 
@@ -90,12 +92,12 @@ def test_a_tokentune_config_in_slimfit_gives_its_selection_fields():
 
 
 def test_numpy_values_are_coerced_to_python_and_save(tmp_path):
-    config = TokenTuneConfig(num_tokens=np.int64(8), seed=np.int32(3))
+    config = TokenTuneConfig(num_tokens=np.int64(8), seed=np.int32(3), lora=LORA)
     slim = SlimFitConfig(freeze_ratio=np.float32(0.5), max_frozen_steps=np.int64(7))
     assert type(config.num_tokens) is int and type(config.seed) is int
     assert type(slim.freeze_ratio) is float and type(slim.max_frozen_steps) is int
     config.save_pretrained(str(tmp_path))
-    assert json.loads((tmp_path / "adapter_config.json").read_text())["num_tokens"] == 8
+    assert json.loads((tmp_path / RECORD_NAME).read_text())["num_tokens"] == 8
 
 
 def test_a_single_module_name_is_one_name_not_its_characters():
@@ -123,7 +125,6 @@ def test_a_single_module_name_is_one_name_not_its_characters():
         (SlimFitConfig, {"always_trainable": [None]}, "SlimFitConfig.always_trainable"),
         (TokenTuneConfig, {"token_ratio": True}, "token_ratio"),
         (TokenTuneConfig, {"selection": "randm"}, "did you mean `random`"),
-        (SlimFitConfig, {"keep_base_weights": 1}, "keep_base_weights must be True or False"),
     ],
 )
 def test_bad_values_are_value_errors_naming_the_field(cls, fields, message):
@@ -229,7 +230,7 @@ def test_every_valid_config_round_trips_through_json(tmp_path_factory, ratio, co
     compression = {"bits": bits, "kind_bits": {"activation": 4}}
     for config in (
         TokenTuneConfig(**selection, activation_compression=compression, lora=LoraConfig(r=2)),
-        SlimFitConfig(freeze_ratio=freeze, tokentune=selection, activation_compression=compression),
+        SlimFitConfig(freeze_ratio=freeze, tokentune=selection, activation_compression=compression, lora=LORA),
     ):
         folder = str(tmp_path_factory.mktemp("config"))
         config.save_pretrained(folder)
@@ -239,18 +240,18 @@ def test_every_valid_config_round_trips_through_json(tmp_path_factory, ratio, co
             plain = PeftConfig.from_pretrained(folder)
         assert type(loaded) is type(config)
         assert loaded.to_dict() == config.to_dict()
-        assert type(plain) is (type(config) if config.lora is None else LoraConfig)
+        assert type(plain) is LoraConfig
 
 
 # ---------------------------------------------------------------------------------------------- atomic saves
 
 
 def test_a_failed_config_save_leaves_the_existing_file_untouched(tmp_path):
-    TokenTuneConfig(token_ratio=0.5).save_pretrained(str(tmp_path))
-    before = (tmp_path / "adapter_config.json").read_bytes()
-    broken = TokenTuneConfig(token_ratio=0.5)
+    TokenTuneConfig(token_ratio=0.5, lora=LORA).save_pretrained(str(tmp_path))
+    before = {name: (tmp_path / name).read_bytes() for name in ("adapter_config.json", RECORD_NAME)}
+    broken = TokenTuneConfig(token_ratio=0.5, lora=LORA)
     broken.revision = object()  # not JSON-serialisable: the save must fail before touching the disk
     with pytest.raises(TypeError):
         broken.save_pretrained(str(tmp_path))
-    assert (tmp_path / "adapter_config.json").read_bytes() == before
-    assert os.listdir(tmp_path) == ["adapter_config.json"]  # no temporary file left behind
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    assert sorted(os.listdir(tmp_path)) == sorted(before)  # no temporary file left behind

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from peft import LoraConfig, PeftModel, get_peft_model
 from slimfit_cases import TASK, loss_of
-from tiny_models import CAUSAL_LM, LORA_TARGETS, build, make_batch
+from tiny_models import CAUSAL_LM, LORA_TARGETS, FullFineTuned, build, make_batch
 from tokentune_cases import (
     TASK_TYPES,
     assert_grads_match,
@@ -30,7 +30,7 @@ from tokentune_cases import (
     training_step,
 )
 
-from peft_slim import SlimFitConfig
+from peft_slim import SlimFitConfig, slimfit_, tokentune_
 
 EXAMPLES = int(os.environ.get("PEFT_SLIM_FUZZ_EXAMPLES", "30"))
 
@@ -60,6 +60,22 @@ _FIELD_VALUES = [
 # Heads: causal LMs, encoder and decoder sequence classifiers, ViT image classification.
 _HEADS = [(arch, "lm") for arch in CAUSAL_LM] + [("bert", "cls"), ("roberta", "cls"), ("vit", "cls")]
 _HEADS += [("llama", "seq_cls"), ("qwen2", "seq_cls")]
+
+
+def _trained(base, config):
+    """``config`` on ``base``: through PEFT with `lora`, else the method's full fine-tuning transform."""
+    if config.lora is not None:
+        return get_peft_model(base, config)
+    return FullFineTuned(base, (slimfit_ if isinstance(config, SlimFitConfig) else tokentune_)(base, config))
+
+
+def _saved_and_loaded(model, fresh, folder: str):
+    """``model`` saved to ``folder`` and loaded onto ``fresh``: a LoRA adapter, or the plain checkpoint."""
+    if isinstance(model, FullFineTuned):
+        model.get_base_model().save_pretrained(folder)
+        return type(fresh).from_pretrained(folder, dtype=next(fresh.parameters()).dtype)
+    model.save_pretrained(folder)
+    return PeftModel.from_pretrained(fresh, folder)
 
 
 def _model(arch: str, head: str, dtype: torch.dtype):
@@ -110,7 +126,7 @@ def test_each_case_is_refused_clearly_or_trains_exactly(head, field_value, lora,
     assert valid, f"an invalid value was accepted: {field}={value!r}"
 
     torch.manual_seed(0)
-    model = get_peft_model(_model(arch, kind, dtype), config)
+    model = _trained(_model(arch, kind, dtype), config)
     batch = _batch(arch, kind, padding_side, dtype)
     output, mask, grads = training_step(model, batch)
     assert torch.isfinite(output.loss)
@@ -124,9 +140,8 @@ def test_each_case_is_refused_clearly_or_trains_exactly(head, field_value, lora,
     with torch.no_grad():
         expected = model(**inputs).logits
     with tempfile.TemporaryDirectory() as folder:
-        model.save_pretrained(folder)
         torch.manual_seed(0)
-        loaded = PeftModel.from_pretrained(_model(arch, kind, dtype), folder)
+        loaded = _saved_and_loaded(model, _model(arch, kind, dtype), folder)
     loaded.eval()
     with torch.no_grad():
         assert torch.equal(loaded(**inputs).logits, expected)
@@ -180,11 +195,12 @@ def test_slimfit_case_is_refused_clearly_or_trains_as_defined(arch, field_value,
     compression_value, compression_valid = compression
     if field == "always_trainable" and valid and arch != "bert":
         value = ["ln_f"] if arch == "gpt2" else ["norm"]
-    fields = {field: value, "activation_compression": compression_value, "task_type": TASK[arch]}
+    fields = {field: value, "activation_compression": compression_value}
     if lora:
         fields["lora"] = LoraConfig(r=4, lora_alpha=8, target_modules=set(LORA_TARGETS[arch]))
+        fields["task_type"] = TASK[arch]
     try:
-        model = get_peft_model(build(arch), SlimFitConfig(**fields))
+        model = _trained(build(arch), SlimFitConfig(**fields))
     except (ValueError, TypeError) as error:
         assert not (valid and compression_valid), f"a valid case was refused: {error}"
         named = field in str(error) or "activation_compression" in str(error)
@@ -205,7 +221,10 @@ def test_slimfit_case_is_refused_clearly_or_trains_as_defined(arch, field_value,
     assert trained and all(p.grad is None for p in frozen)
     if compression_value is None:  # exact: the trained units' gradient is the ordinary one
         reference = copy.deepcopy(model)
-        reference.base_model.remove_hooks()
+        if isinstance(reference, FullFineTuned):
+            reference.base_model.remove()
+        else:
+            reference.base_model.remove_hooks()
         reference.requires_grad_(True)
         reference.zero_grad(set_to_none=True)
         loss_of(reference, make_batch(arch)).backward()
@@ -227,8 +246,7 @@ def test_slimfit_case_is_refused_clearly_or_trains_as_defined(arch, field_value,
         expected = model(**inputs)
     expected = expected.logits if hasattr(expected, "logits") else expected[0]
     with tempfile.TemporaryDirectory() as folder:
-        model.save_pretrained(folder)
-        loaded = PeftModel.from_pretrained(build(arch), folder)
+        loaded = _saved_and_loaded(model, build(arch), folder)
     loaded.eval()
     with torch.no_grad():
         result = loaded(**inputs)

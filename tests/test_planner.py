@@ -361,11 +361,8 @@ def test_a_peft_config_that_is_not_one_is_a_type_error_naming_it(peft_config):
 def test_slimfit_worst_step_trains_the_largest_units(freeze_by):
     """The step the planner sizes: by count, the most units the schedule trains, each larger than every other; by
     bytes, the largest units first, each that still fits (1 - freeze_ratio) of all scheduled units' bytes."""
-    model = get_peft_model(
-        transformers.AutoModelForSequenceClassification.from_config(bert_config()),
-        peft_slim.SlimFitConfig(task_type="SEQ_CLS", freeze_ratio=0.75, freeze_by=freeze_by),
-    )
-    tuner = model.base_model
+    model = transformers.AutoModelForSequenceClassification.from_config(bert_config())
+    tuner = peft_slim.slimfit_(model, peft_slim.SlimFitConfig(freeze_ratio=0.75, freeze_by=freeze_by))
     chosen = tuner.train_largest_units()
     params = dict(tuner.model.named_parameters())
 

@@ -176,10 +176,13 @@ _LATE_IMPORT_CHILD = textwrap.dedent(
 
 def test_import_after_peft_loaded_configs_in_fresh_process(tmp_path):
     adapter_dir = tmp_path / "tokentune_adapter"
-    # A standalone adapter (its own PEFT type; a LoRA-stacked one saves as plain LoRA, which PEFT always knows).
-    config = TokenTuneConfig(num_tokens=3, seed=7, task_type="CAUSAL_LM", trainable_modules=["q_proj"])
+    # An adapter_config.json of PEFT type TOKENTUNE (a saved adapter's is plain LoRA, which PEFT always knows; its
+    # TokenTune config, peft_slim_config.json, takes its place).
+    lora = LoraConfig(r=2, target_modules=["q_proj"])
+    config = TokenTuneConfig(num_tokens=3, seed=7, task_type="CAUSAL_LM", lora=lora)
     model = get_peft_model(build("llama"), copy.deepcopy(config))
     model.save_pretrained(adapter_dir)
+    os.replace(adapter_dir / "peft_slim_config.json", adapter_dir / "adapter_config.json")
     expected = PeftConfig.from_pretrained(adapter_dir).to_dict()
 
     script = _LATE_IMPORT_CHILD.format(tests=HERE, tmp=str(tmp_path))
@@ -208,16 +211,7 @@ def test_import_after_peft_loaded_configs_in_fresh_process(tmp_path):
 # ---------------------------------------------------------------------------------------------- config round trip
 
 _CONFIGS = {
-    "standalone_defaults": lambda: TokenTuneConfig(),
-    "standalone_trainable_modules": lambda: TokenTuneConfig(
-        num_tokens=4,
-        selection="answer",
-        seed=3,
-        trainable_modules={"q_proj", "down_proj"},
-        modules_to_save=["score"],
-        task_type="SEQ_CLS",
-    ),
-    "standalone_regex": lambda: TokenTuneConfig(token_ratio=0.25, trainable_modules=r".*\.layers\.1\..*"),
+    "defaults": lambda: TokenTuneConfig(lora=LoraConfig(target_modules=["q_proj"])),
     "lora_causal": lambda: TokenTuneConfig(
         token_ratio=0.2,
         seed=11,
@@ -255,42 +249,35 @@ def _sets_to_sorted_lists(value):
 def test_config_round_trip(tmp_path, name):
     config = _CONFIGS[name]()
     config.save_pretrained(tmp_path)
-    # With LoRA, adapter_config.json is the plain LoraConfig and the whole config is in peft_slim_config.json.
-    record_name = "adapter_config.json" if config.lora is None else "peft_slim_config.json"
+    # adapter_config.json is the plain LoraConfig and the whole config is in peft_slim_config.json.
+    record_name = "peft_slim_config.json"
     with open(tmp_path / record_name) as handle:
         raw = json.load(handle)  # valid JSON
     assert raw["peft_type"] == "TOKENTUNE"
     assert raw["token_ratio"] == config.token_ratio and raw["num_tokens"] == config.num_tokens
     assert raw["selection"] == config.selection and raw["seed"] == config.seed
     assert raw["task_type"] == (None if config.task_type is None else str(config.task_type))
-    if config.lora is None:
-        assert raw["lora"] is None
-    else:
-        assert raw["lora"]["peft_type"] == "LORA"
-        assert raw["lora"]["target_modules"] == sorted(config.lora.target_modules)
-        assert raw["lora"]["r"] == config.lora.r
+    assert raw["lora"]["peft_type"] == "LORA"
+    assert raw["lora"]["target_modules"] == sorted(config.lora.target_modules)
+    assert raw["lora"]["r"] == config.lora.r
 
     via_peft = PeftConfig.from_pretrained(tmp_path)
     direct = TokenTuneConfig.from_pretrained(tmp_path)
     explicit = peft_slim.load_config(str(tmp_path))
-    if config.lora is not None:
-        assert type(via_peft) is LoraConfig  # what vanilla PEFT reads: the nested LoRA, with the owner's fields
-        assert via_peft.r == config.lora.r and via_peft.task_type == config.task_type
-        assert set(via_peft.target_modules) == set(config.lora.target_modules)
-        via_peft = explicit
+    assert type(via_peft) is LoraConfig  # what vanilla PEFT reads: the nested LoRA, with the owner's fields
+    assert via_peft.r == config.lora.r and via_peft.task_type == config.task_type
+    assert set(via_peft.target_modules) == set(config.lora.target_modules)
+    via_peft = explicit
     for loaded in (via_peft, direct, explicit):
         assert type(loaded) is TokenTuneConfig
         assert loaded.peft_type is PeftType.TOKENTUNE
         assert loaded.to_dict() == config.to_dict()
         assert json.loads(json.dumps(_sets_to_sorted_lists(loaded.to_dict()))) == raw
-        if config.lora is None:
-            assert loaded.lora is None
-        else:
-            assert isinstance(loaded.lora, LoraConfig)
-            assert set(loaded.lora.target_modules) == set(config.lora.target_modules)
-            assert loaded.lora.to_dict() == config.lora.to_dict() or (
-                _sets_to_sorted_lists(loaded.lora.to_dict()) == _sets_to_sorted_lists(config.lora.to_dict())
-            )
+        assert isinstance(loaded.lora, LoraConfig)
+        assert set(loaded.lora.target_modules) == set(config.lora.target_modules)
+        assert loaded.lora.to_dict() == config.lora.to_dict() or (
+            _sets_to_sorted_lists(loaded.lora.to_dict()) == _sets_to_sorted_lists(config.lora.to_dict())
+        )
     # Saving the loaded config again writes the same file.
     direct.save_pretrained(tmp_path / "again")
     with open(tmp_path / "again" / record_name) as handle:
@@ -300,15 +287,12 @@ def test_config_round_trip(tmp_path, name):
 def test_peft_model_from_pretrained_dispatches_to_tokentune(tmp_path):
     """`get_peft_model` routes TOKENTUNE to our tuner via PEFT's mappings; `PeftModel.from_pretrained` loads the
     saved LoRA-stacked adapter as plain LoRA, `peft_slim.from_pretrained` (PEFT's loader with the saved record) as
-    TokenTune, and `PeftModel.from_pretrained` a standalone one as TokenTune."""
+    TokenTune."""
     config = TokenTuneConfig(token_ratio=0.5, seed=0, lora=LoraConfig(r=2, target_modules=["q_proj"]))
     model = get_peft_model(build("llama"), config)
     assert isinstance(model.base_model, TokenTuneModel)
     model.save_pretrained(tmp_path)
     assert type(PeftModel.from_pretrained(build("llama"), tmp_path).base_model).__name__ == "LoraModel"
-    standalone = get_peft_model(build("llama"), TokenTuneConfig(trainable_modules=["q_proj"]))
-    standalone.save_pretrained(tmp_path / "standalone")
-    assert isinstance(PeftModel.from_pretrained(build("llama"), tmp_path / "standalone").base_model, TokenTuneModel)
     loaded = peft_slim.from_pretrained(build("llama"), tmp_path)
     assert isinstance(loaded.base_model, TokenTuneModel)
     assert isinstance(loaded.peft_config["default"], TokenTuneConfig)

@@ -26,41 +26,18 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 import peft_slim
 from peft_slim import TokenTuneConfig, TokenTuneModel, export_lora
-from peft_slim.tuner.record import RECORD_KEY
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PREFIX = "base_model.model."
 
-# name -> (arch, task_type, lora?, trainable_modules, modules_to_save)
+# name -> (arch, task_type, modules_to_save)
 CASES = {
-    "llama_lora": ("llama", "CAUSAL_LM", True, None, None),
-    "llama_lora_notask": ("llama", None, True, None, None),
-    "bert_lora": ("bert", "SEQ_CLS", True, None, ["classifier"]),
-    "gpt2_full": ("gpt2", "CAUSAL_LM", False, None, None),
-    "llama_subset": ("llama", None, False, ["q_proj", "down_proj"], None),
-    "bert_subset": ("bert", "SEQ_CLS", False, ["query", "value"], ["classifier"]),
-    # GPT-2 ties lm_head to wte: naming the head trains (and saves, once) the shared tensor.
-    "gpt2_tied_head": ("gpt2", "CAUSAL_LM", False, ["lm_head"], None),
+    "llama_lora": ("llama", "CAUSAL_LM", None),
+    "llama_lora_notask": ("llama", None, None),
+    "bert_lora": ("bert", "SEQ_CLS", ["classifier"]),
 }
 
 
-def _expected_standalone_keys(name, base_names):
-    """Base parameter names (without the PEFT prefix) that a standalone case trains and saves."""
-    if name == "gpt2_full":
-        return set(base_names)  # every parameter, the tied wte/lm_head once
-
-    def under(targets):
-        return {n for n in base_names if n.rsplit(".", 1)[0].split(".")[-1] in targets}
-
-    return {
-        "llama_subset": lambda: under({"q_proj", "down_proj"}),
-        "bert_subset": lambda: under({"query", "value"}) | {"classifier.weight", "classifier.bias"},
-        "gpt2_tied_head": lambda: {"transformer.wte.weight"},
-    }[name]()
-
-
-LORA_CASES = [name for name, case in CASES.items() if case[2]]
-STANDALONE_CASES = [name for name, case in CASES.items() if not case[2]]
 AUTO_CLASS = {"llama": AutoModelForCausalLM, "gpt2": AutoModelForCausalLM, "bert": AutoModelForSequenceClassification}
 
 
@@ -73,14 +50,9 @@ def _lora_config(arch, task_type):
 
 
 def _tokentune_config(name):
-    arch, task_type, lora, trainable, to_save = CASES[name]
+    arch, task_type, to_save = CASES[name]
     return TokenTuneConfig(
-        token_ratio=0.5,
-        seed=0,
-        task_type=task_type,
-        lora=_lora_config(arch, task_type) if lora else None,
-        trainable_modules=trainable,
-        modules_to_save=to_save,
+        token_ratio=0.5, seed=0, task_type=task_type, lora=_lora_config(arch, task_type), modules_to_save=to_save
     )
 
 
@@ -218,7 +190,7 @@ class Case:
 
     def __init__(self, name, root):
         self.name = name
-        self.arch, self.task_type, self.has_lora, self.trainable, self.to_save = CASES[name]
+        self.arch, self.task_type, self.to_save = CASES[name]
         self.dir = os.path.join(root, name)
         self.base_dir = os.path.join(self.dir, "base")
         self.adapter_dir = os.path.join(self.dir, "adapter")
@@ -239,8 +211,7 @@ class Case:
         self.logits = _eval_logits(self.model, self.batch)
         self.model.save_pretrained(self.adapter_dir)
         torch.save(self.batch, self.batch_path)
-        if self.has_lora:
-            export_lora(self.model, self.export_dir)
+        export_lora(self.model, self.export_dir)
 
     def load_base(self):
         return _auto_class(self.arch).from_pretrained(self.base_dir, attn_implementation="sdpa")
@@ -266,7 +237,7 @@ def run(tmp_path_factory):
         json.dump([case.job() for case in cases.values()], handle)
     export_jobs_path = os.path.join(root, "export_jobs.json")
     with open(export_jobs_path, "w") as handle:
-        json.dump([cases[name].job() for name in LORA_CASES], handle)
+        json.dump([case.job() for case in cases.values()], handle)
     slim = _run_child(_SLIM_CHILD.format(tests=HERE, jobs=jobs_path))
     return {"cases": cases, "slim": slim, "export_jobs": export_jobs_path}
 
@@ -281,14 +252,11 @@ def vanilla(run):
 
 
 def _saved(case):
-    """Files, config and tensors of the case's adapter; a standalone one's base-model record (metadata, checked in
-    test_saving.py) is left out of the tensors, and must be there."""
+    """Files, config and tensors of the case's adapter."""
     files = set(os.listdir(case.adapter_dir))
     with open(os.path.join(case.adapter_dir, "adapter_config.json")) as handle:
         config = json.load(handle)
     tensors = load_file(os.path.join(case.adapter_dir, "adapter_model.safetensors"))
-    record = tensors.pop(RECORD_KEY, None)
-    assert (record is None) == case.has_lora
     return files, config, tensors
 
 
@@ -300,21 +268,17 @@ def test_save_pretrained_writes_config_and_safetensors(run, name):
     assert "adapter_model.bin" not in files
     assert config["base_model_name_or_path"] == case.base_dir
     assert config["inference_mode"] is True
-    if case.has_lora:  # a plain LoRA adapter, the method's settings beside it
-        assert config["peft_type"] == "LORA"
-        with open(os.path.join(case.adapter_dir, "peft_slim_config.json")) as handle:
-            record = json.load(handle)
-        assert record["peft_type"] == "TOKENTUNE" and record["token_ratio"] == 0.5
-        assert record["lora"]["r"] == 4 and record["base_model_name_or_path"] == case.base_dir
-    else:  # a standalone adapter stays a format of its own
-        assert config["peft_type"] == "TOKENTUNE" and config["lora"] is None
-        assert "peft_slim_config.json" not in files
+    assert config["peft_type"] == "LORA"  # a plain LoRA adapter, the method's settings beside it
+    with open(os.path.join(case.adapter_dir, "peft_slim_config.json")) as handle:
+        record = json.load(handle)
+    assert record["peft_type"] == "TOKENTUNE" and record["token_ratio"] == 0.5
+    assert record["lora"]["r"] == 4 and record["base_model_name_or_path"] == case.base_dir
     assert tensors, "saved an empty adapter"
     # The in-memory config is not left in inference mode by saving.
     assert case.model.peft_config["default"].inference_mode is False
 
 
-@pytest.mark.parametrize("name", LORA_CASES)
+@pytest.mark.parametrize("name", list(CASES))
 def test_lora_state_dict_keys_match_plain_lora(run, name, tmp_path):
     case = run["cases"][name]
     _, _, tensors = _saved(case)
@@ -361,39 +325,8 @@ def test_lora_state_dict_keys_match_plain_lora(run, name, tmp_path):
         assert not torch.equal(value, case.initial[key.removeprefix(PREFIX)]), f"{key} was not trained"
 
 
-@pytest.mark.parametrize("name", STANDALONE_CASES)
-def test_standalone_state_dict_holds_trained_base_tensors(run, name):
-    case = run["cases"][name]
-    _, _, tensors = _saved(case)
-    base_names = set(case.initial)
-    expected = _expected_standalone_keys(name, base_names)
-    assert expected <= base_names
-    if case.trainable is not None:
-        assert expected and len(expected) < len(base_names) / 2
-    assert {k.removeprefix(PREFIX) for k in tensors} == expected
-    assert all(k.startswith(PREFIX) for k in tensors)
-    # The saved tensors are the trained values: equal to the live parameters, different from the init.
-    live = dict(case.model.get_base_model().named_parameters())
-    live.update(
-        {
-            n.replace(".modules_to_save.default", ""): p
-            for n, p in case.model.get_base_model().named_parameters()
-            if ".modules_to_save.default." in n
-        }
-    )
-    changed = 0
-    for key, value in tensors.items():
-        name_ = key.removeprefix(PREFIX)
-        assert torch.equal(value, live[name_].detach()), key
-        changed += not torch.equal(value, case.initial[name_])
-    assert changed >= 0.8 * len(tensors), f"only {changed}/{len(tensors)} saved tensors differ from init"
-    # Parameters that were not trained are neither saved nor changed.
-    for param_name in base_names - expected:
-        assert torch.equal(live[param_name].detach(), case.initial[param_name]), param_name
-
-
 def test_trainable_before_training_matches_saved_set(run):
-    """What TokenTune trains is what it saves (standalone: base params; LoRA: lora_A/B + heads)."""
+    """What TokenTune trains is what it saves (lora_A/B + heads)."""
     for case in run["cases"].values():
         _, _, tensors = _saved(case)
         trained = {
@@ -411,7 +344,7 @@ def test_fresh_process_from_pretrained_gives_identical_logits(run, name):
     case = run["cases"][name]
     report = run["slim"][name]
     assert report["tuner_cls"] == "TokenTuneModel"  # peft_slim.from_pretrained: the method
-    assert report["plain_tuner_cls"] == ("LoraModel" if case.has_lora else "TokenTuneModel")  # PEFT's own loader
+    assert report["plain_tuner_cls"] == "LoraModel"  # PEFT's own loader
     assert report["trainable"] == 0
     loaded = torch.load(case.out + ".peft.pt")
     assert torch.equal(loaded, case.logits)
@@ -426,7 +359,7 @@ def test_fresh_process_auto_peft_model(run, name):
     report = run["slim"][name]
     causal = case.arch in ("llama", "gpt2")
     assert report["auto_cls"] == ("PeftModelForCausalLM" if causal else "PeftModelForSequenceClassification")
-    assert report["auto_tuner_cls"] == ("LoraModel" if case.has_lora else "TokenTuneModel")
+    assert report["auto_tuner_cls"] == "LoraModel"
     assert report["auto_base_cls"] == type(case.vanilla_base).__name__
     assert torch.equal(torch.load(case.out + ".auto.pt"), case.logits)
 
@@ -434,7 +367,7 @@ def test_fresh_process_auto_peft_model(run, name):
 # ---------------------------------------------------------------------------------------------- export
 
 
-@pytest.mark.parametrize("name", LORA_CASES)
+@pytest.mark.parametrize("name", list(CASES))
 def test_export_lora_is_a_plain_lora_adapter(run, name, tmp_path):
     case = run["cases"][name]
     with open(os.path.join(case.export_dir, "adapter_config.json")) as handle:
@@ -456,7 +389,7 @@ def test_export_lora_is_a_plain_lora_adapter(run, name, tmp_path):
         assert "classifier" in config["modules_to_save"]
 
 
-@pytest.mark.parametrize("name", LORA_CASES)
+@pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("kind", ["adapter", "export"])
 def test_saved_and_exported_lora_load_in_vanilla_peft_without_peft_slim_or_a_warning(run, vanilla, name, kind):
     case = run["cases"][name]
@@ -470,14 +403,6 @@ def test_saved_and_exported_lora_load_in_vanilla_peft_without_peft_slim_or_a_war
     assert torch.equal(torch.load(case.out + f".vanilla_{kind}.pt"), case.logits)
     if case.arch != "bert":
         assert torch.equal(torch.load(case.out + f".vanilla_auto_{kind}.pt"), case.logits)
-
-
-@pytest.mark.parametrize("name", STANDALONE_CASES)
-def test_export_lora_on_standalone_raises(run, name, tmp_path):
-    case = run["cases"][name]
-    with pytest.raises(ValueError, match="lora"):
-        export_lora(case.model, str(tmp_path / "out"))
-    assert not os.path.exists(tmp_path / "out" / "adapter_model.safetensors")
 
 
 def test_export_lora_rejects_non_peft_model_and_unknown_adapter(run, tmp_path):
@@ -507,7 +432,7 @@ def _assert_plain_transformers(model, reference, attn_implementation="sdpa"):
     assert set(model.state_dict()) == set(reference.state_dict())
 
 
-@pytest.mark.parametrize("name", ["llama_lora", "bert_lora", "gpt2_full", "bert_subset"])
+@pytest.mark.parametrize("name", ["llama_lora", "bert_lora"])
 def test_merge_and_unload_returns_plain_transformers_model(run, name):
     case = run["cases"][name]
     model = peft_slim.from_pretrained(case.load_base(), case.adapter_dir, is_trainable=True)
@@ -525,12 +450,11 @@ def test_merge_and_unload_returns_plain_transformers_model(run, name):
     assert out.loss is not None and torch.isfinite(out.loss)
 
 
-@pytest.mark.parametrize("lora", [True, False])
-def test_merge_and_unload_restores_eager_attention_after_training_and_errors(lora):
+def test_merge_and_unload_restores_eager_attention_after_training_and_errors():
     base = build("llama", attn_implementation="eager")
     reference = copy.deepcopy(base)
     batch = make_batch("llama")
-    config = TokenTuneConfig(token_ratio=0.5, seed=0, lora=_lora_config("llama", None) if lora else None)
+    config = TokenTuneConfig(token_ratio=0.5, seed=0, lora=_lora_config("llama", None))
     model = get_peft_model(base, config)
     model.train()
     model(**batch).loss.backward()
@@ -571,7 +495,7 @@ def test_unload_gives_the_base_without_lora(run, name):
 # ---------------------------------------------------------------------------------------------- push_to_hub
 
 
-@pytest.mark.parametrize("name", ["llama_lora", "bert_lora", "gpt2_full"])
+@pytest.mark.parametrize("name", ["llama_lora", "bert_lora"])
 def test_push_to_hub_uploads_the_saved_files(run, name, offline_hub, tmp_path):
     case = run["cases"][name]
     case.model.push_to_hub("someone/tiny-tokentune", private=True)
@@ -588,8 +512,8 @@ def test_push_to_hub_uploads_the_saved_files(run, name, offline_hub, tmp_path):
         assert uploaded["adapter_model.safetensors"] == handle.read()
     with open(tmp_path / "adapter_config.json") as handle:
         assert json.loads(uploaded["adapter_config.json"]) == json.load(handle)
-    assert json.loads(uploaded["adapter_config.json"])["peft_type"] == ("LORA" if case.has_lora else "TOKENTUNE")
-    assert ("peft_slim_config.json" in uploaded) == case.has_lora
+    assert json.loads(uploaded["adapter_config.json"])["peft_type"] == "LORA"
+    assert "peft_slim_config.json" in uploaded
     # ...and they are the files the first save wrote.
     with open(os.path.join(case.adapter_dir, "adapter_model.safetensors"), "rb") as handle:
         assert uploaded["adapter_model.safetensors"] == handle.read()
@@ -614,15 +538,8 @@ def test_is_trainable_flag(run, name):
     assert trainable.peft_config["default"].inference_mode is False
     names = _trainable_names(trainable)
     assert names == _expected_trainable(case)
-    if case.has_lora:
-        assert names and all(".lora_" in n or ".modules_to_save." in n for n in names)
-        assert any(".lora_A." in n for n in names) and any(".lora_B." in n for n in names)
-    else:
-        assert not any(".lora_" in n for n in names)
-        if case.trainable is None:
-            n_params = len(list(trainable.get_base_model().named_parameters()))
-            n_wrapped = sum(".original_module." in n for n, _ in trainable.get_base_model().named_parameters())
-            assert len(names) == n_params - n_wrapped
+    assert names and all(".lora_" in n or ".modules_to_save." in n for n in names)
+    assert any(".lora_A." in n for n in names) and any(".lora_B." in n for n in names)
     # It trains: a step moves the trainable weights and the outputs (with TokenTune active).
     before = {n: p.detach().clone() for n, p in trainable.named_parameters() if p.requires_grad}
     _train(trainable, make_batch(case.arch, seed=4), steps=1)

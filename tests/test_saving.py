@@ -1,6 +1,7 @@
 """Saving and loading peft_slim adapters: peft_slim.save_pretrained's atomic saves, missing and unexpected keys, the
-nested LoraConfig honoured as vanilla LoRA honours it, the model card, and standalone adapters tied to the base model
-they came from. (Plain LoRA files and crash consistency under SIGKILL: tests/test_lora_artifacts.py.)
+nested LoraConfig honoured as vanilla LoRA honours it, the model card, resuming, and the refusal of an earlier
+version's adapters without LoRA (full fine-tuning is a transform now). (Plain LoRA files and crash consistency under
+SIGKILL: tests/test_lora_artifacts.py.)
 """
 
 from __future__ import annotations
@@ -23,15 +24,14 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from slimfit_cases import slimfit_model
 from slimfit_cases import train as slimfit_train
-from tiny_models import build, make_batch
-from transformers import AutoModelForCausalLM
+from tiny_models import TEXT_SIZES, build, make_batch
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import peft_slim
 import peft_slim.export
 import peft_slim.tuner.config
 from peft_slim import SlimFitConfig, SlimFitModel, TokenTuneConfig, compat, export_lora
 from peft_slim.tuner.card import CARD_END, CARD_START
-from peft_slim.tuner.record import RECORD_KEY, record_from_tensor, record_tensor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -46,13 +46,6 @@ MODELS = {
             build("llama"), TokenTuneConfig(task_type="CAUSAL_LM", lora=LoraConfig(**LLAMA_LORA), seed=0)
         ),
     ),
-    "tokentune_subset": (
-        "llama",
-        lambda: get_peft_model(
-            build("llama"), TokenTuneConfig(task_type="CAUSAL_LM", trainable_modules=["q_proj", "down_proj"], seed=0)
-        ),
-    ),
-    "slimfit_standalone": ("bert", lambda: slimfit_model("bert", freeze_ratio=0.8)),
     "slimfit_lora": ("llama", lambda: slimfit_model("llama", lora=True, freeze_ratio=0.5)),
 }
 
@@ -388,9 +381,9 @@ def test_nested_modules_to_save_joins_the_configs_own_and_a_string_is_one_name()
     )
     assert config.modules_to_save == ["classifier", "pooler"]
     assert config.bias == "none" and config.target_modules == {"q_proj"}
-    standalone = SlimFitConfig()
-    assert standalone.bias == "none" and standalone.target_modules is None
-    assert not hasattr(standalone, "runtime_config")
+    without = SlimFitConfig()  # a config for the full fine-tuning transform
+    assert without.bias == "none" and without.target_modules is None
+    assert not hasattr(without, "runtime_config")
 
 
 # ---------------------------------------------------------------------------------------------- 4. the model card
@@ -465,7 +458,7 @@ def test_the_model_card_names_peft_slim_and_the_import_and_its_snippet_loads(tmp
 
 
 def test_the_card_keeps_the_users_text_and_holds_one_section(tmp_path):
-    model = _trained("slimfit_standalone", steps=1)
+    model = _trained("slimfit_lora", steps=1)
     (tmp_path / "README.md").write_text("---\nlicense: mit\n---\n# My adapter\n\nMy own notes.\n")
     peft_slim.save_pretrained(model, tmp_path)
     peft_slim.save_pretrained(model, tmp_path)
@@ -473,7 +466,7 @@ def test_the_card_keeps_the_users_text_and_holds_one_section(tmp_path):
     assert card.data.license == "mit" and "My own notes." in card.text
     assert card.text.count(CARD_START) == 1 and card.text.count(CARD_END) == 1
     assert card.text.index("# My adapter") < card.text.index(CARD_START)
-    assert "**SlimFit** adapter" in card.text and "exact base model it was trained from" in card.text
+    assert "trained with peft_slim's **SlimFit**" in card.text
     assert {"peft_slim", "slimfit"} <= set(card.data.tags)
 
 
@@ -493,115 +486,32 @@ def test_push_to_hub_of_vanilla_lora_is_transformers_own(offline_hub):
     assert "peft_slim" not in offline_hub["uploaded"]["README.md"].decode()
 
 
-# ---------------------------------------------------------------------------------------------- 5. which base model
+# ---------------------------------------------------------------------------------------------- 5. resuming
 
 
-def _record(folder) -> dict:
-    """The base-model record a standalone adapter's file holds (JSON bytes under RECORD_KEY)."""
-    return json.loads(load_file(folder / "adapter_model.safetensors")[RECORD_KEY].numpy().tobytes())
-
-
-@pytest.mark.parametrize("name", ["slimfit_standalone", "tokentune_subset"])
-def test_a_standalone_adapter_loads_exactly_onto_its_base_and_refuses_another(name, tmp_path):
-    arch, _ = MODELS[name]
-    model = _trained(name)
-    model.save_pretrained(tmp_path)
-    expected = _logits(model, arch)
-    record = _record(tmp_path)
-    held = sorted(
-        key.removeprefix(PREFIX) for key in load_file(tmp_path / "adapter_model.safetensors") if key != RECORD_KEY
-    )
-    # ...every tensor the file holds but PEFT's own modules_to_save copies (the classifier of a SEQ_CLS model).
-    assert set(record["saved"]) <= set(held)
-    assert all(key.startswith("classifier.") for key in set(held) - set(record["saved"]))
-    assert record["others"]["count"] > 0  # the adapter relies on base tensors it does not hold
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        same = PeftModel.from_pretrained(build(arch), tmp_path)  # standalone: PEFT's loader, after import peft_slim
-    assert torch.equal(_logits(same, arch), expected)
-
-    with pytest.raises(ValueError, match="this base model is not the one the adapter was trained on") as error:
-        PeftModel.from_pretrained(build(arch, seed=1), tmp_path)  # same shapes, other weights
-    message = str(error.value)
-    count = record["others"]["count"]
-    assert f"the other {count} come from the model it is loaded onto" in message
-    assert record["others"]["blake2b"][:16] in message and "ignore_base_mismatch=True" in message
-
-    with pytest.raises(ValueError, match=r"dtypes here \['torch.bfloat16'\], then \['torch.float32'\]"):
-        peft_slim.from_pretrained(build(arch).to(torch.bfloat16), tmp_path)
-
-    with pytest.warns(UserWarning, match=r"Loaded anyway \(ignore_base_mismatch=True\)"):
-        forced = PeftModel.from_pretrained(build(arch, seed=1), tmp_path, ignore_base_mismatch=True)
-    saved = load_file(tmp_path / "adapter_model.safetensors")
-    parameters = dict(forced.named_parameters())
-    assert all(torch.equal(parameters[key], value) for key, value in saved.items() if key in parameters)
-
-
-def test_reloading_an_earlier_checkpoint_into_the_trained_model_is_accepted(tmp_path):
-    """What Trainer(load_best_model_at_end=True) does: the checkpoint's own record is checked, not the model's,
-    and (with the originals kept) the result equals a fresh load of that checkpoint."""
-    model = slimfit_model("bert", freeze_ratio=0.8, keep_base_weights=True)
-    optimizer = slimfit_train(model, "bert", steps=1)
-    model.save_pretrained(tmp_path / "early")
-    slimfit_train(model, "bert", steps=3, optimizer=optimizer)
-    model.save_pretrained(tmp_path / "late")
-    early, late = _record(tmp_path / "early"), _record(tmp_path / "late")
-    assert set(early["saved"]) < set(late["saved"])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        result = model.load_adapter(tmp_path / "early", "default")
-    assert result.missing_keys == [] and result.unexpected_keys == []
-    fresh = PeftModel.from_pretrained(build("bert"), tmp_path / "early")
-    assert torch.equal(_logits(model, "bert"), _logits(fresh, "bert"))
-
-
-@pytest.mark.parametrize("name", ["tokentune_lora", "tokentune_subset"])
-def test_resume_from_checkpoint_loads_without_missing_keys_and_checks_the_base_model(name, tmp_path):
+def test_resume_from_checkpoint_loads_without_missing_keys(tmp_path):
     """Trainer's resume_from_checkpoint calls model.load_adapter(checkpoint, 'default', is_trainable=True) on a model
-    that already has the adapter (its own config, not the checkpoint's): no missing keys, as for LoRA, and a
-    standalone checkpoint is refused on another base model (the record is read from the file)."""
+    that already has the adapter (its own config, not the checkpoint's): no missing keys, as for LoRA; a LoRA
+    adapter applies to any base model of its shapes, as with PEFT; a tensor missing from it is reported."""
     from test_tokentune_resume import _trainer
 
-    _trainer(tmp_path / "run", MODELS[name][1](), max_steps=2, save_strategy="steps", save_steps=2).train()
+    make = MODELS["tokentune_lora"][1]
+    _trainer(tmp_path / "run", make(), max_steps=2, save_strategy="steps", save_steps=2).train()
     checkpoint = str(tmp_path / "run" / "checkpoint-2")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", category=FutureWarning)
-        result = MODELS[name][1]().load_adapter(checkpoint, "default", is_trainable=True)
+        result = make().load_adapter(checkpoint, "default", is_trainable=True)
         assert result.missing_keys == [] and result.unexpected_keys == []
-        _trainer(tmp_path / "run", MODELS[name][1](), max_steps=3).train(resume_from_checkpoint=checkpoint)
-    other = get_peft_model(build("llama", seed=3), MODELS[name][1]().peft_config["default"])
-    if name == "tokentune_lora":  # a LoRA adapter applies to any base model of its shapes, as with PEFT
-        _trainer(tmp_path / "run", other, max_steps=3).train(resume_from_checkpoint=checkpoint)
-        return
-    with pytest.raises(ValueError, match=rf"{re.escape(checkpoint)}'?: this base model is not the one|not the one"):
-        _trainer(tmp_path / "run", other, max_steps=3).train(resume_from_checkpoint=checkpoint)
-    # A tensor missing from the checkpoint is reported, in PEFT's words.
+        _trainer(tmp_path / "run", make(), max_steps=3).train(resume_from_checkpoint=checkpoint)
+    other = get_peft_model(build("llama", seed=3), make().peft_config["default"])
+    _trainer(tmp_path / "run", other, max_steps=3).train(resume_from_checkpoint=checkpoint)
     tensors = load_file(os.path.join(checkpoint, "adapter_model.safetensors"))
-    dropped = sorted(key for key in tensors if key != RECORD_KEY)[0]
+    dropped = sorted(tensors)[0]
     del tensors[dropped]
     save_file(tensors, os.path.join(checkpoint, "adapter_model.safetensors"), metadata={"format": "pt"})
-    with pytest.warns(UserWarning, match=rf"Found missing adapter keys.*{re.escape(dropped)}"):
-        MODELS[name][1]().load_adapter(checkpoint, "default", is_trainable=True)
-
-
-def test_an_adapter_saved_without_a_record_loads_with_a_warning(tmp_path):
-    model = _trained("slimfit_standalone")
-    model.save_pretrained(tmp_path)
-    tensors = load_file(tmp_path / "adapter_model.safetensors")
-    del tensors[RECORD_KEY]  # a file not written by save_pretrained
-    save_file(tensors, tmp_path / "adapter_model.safetensors", metadata={"format": "pt"})
-    with pytest.warns(UserWarning, match="saved without a record of its base model"):
-        loaded = PeftModel.from_pretrained(build("bert"), tmp_path)
-    assert torch.equal(_logits(loaded, "bert"), _logits(model, "bert"))
-
-
-def test_a_record_that_is_not_one_is_refused():
-    with pytest.raises(ValueError, match=r"here: peft_slim\.base_weights must be the record save_pretrained writes"):
-        record_from_tensor(record_tensor({"saved": "all"}), "here")
+    with pytest.warns(UserWarning, match=rf"Found missing adapter keys.*{re.escape(_model_key(dropped))}"):
+        make().load_adapter(checkpoint, "default", is_trainable=True)
 
 
 # ---------------------------------------------------------------------------------------------- compat entries
@@ -614,15 +524,39 @@ def test_lora_state_dict_hooks_are_loras_own():
     assert any(key.endswith("lora_magnitude_vector.default") for key in ours)  # DoRA's saved name
 
 
-def test_a_standalone_adapter_saved_over_a_lora_stacked_one_loads(tmp_path):
-    """The bug: PEFT's save of a standalone adapter left the earlier LoRA-stacked adapter's peft_slim_config.json,
-    which every load read instead of the new config: the folder was refused as "describe different LoRA adapters",
-    and saving again did not help."""
-    lora = LoraConfig(r=4, target_modules=["q_proj"])
-    get_peft_model(build("llama"), TokenTuneConfig(task_type="CAUSAL_LM", lora=lora)).save_pretrained(tmp_path)
-    alone = get_peft_model(build("llama"), TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.5))
-    alone.save_pretrained(tmp_path)
-    assert not (tmp_path / "peft_slim_config.json").exists()
+def _standalone_folder(folder, config) -> None:
+    """What an earlier peft_slim saved for a method without `lora` (base tensors trained in place): its whole config as
+    ``adapter_config.json`` (PEFT type TOKENTUNE or SLIMFIT) and the tensors training changed."""
+    folder.mkdir(exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps(config.to_dict()))
+    weights = {PREFIX + "model.norm.weight": torch.ones(TEXT_SIZES["hidden_size"])}
+    save_file(weights, folder / "adapter_model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    ("config", "transform"),
+    [(TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.5), "tokentune_"), (SlimFitConfig(), "slimfit_")],
+    ids=["tokentune", "slimfit"],
+)
+def test_an_old_standalone_adapter_is_refused_naming_the_transform(config, transform, tmp_path):
+    _standalone_folder(tmp_path, config)
+    model = build("llama")
+    given = {name: p.detach().clone() for name, p in model.named_parameters()}
+    expected = rf"without LoRA .*peft_slim\.{transform}\(model, config\).*model\.save_pretrained"
     for load in (PeftModel.from_pretrained, peft_slim.from_pretrained):
-        config = load(build("llama"), tmp_path).peft_config["default"]
-        assert type(config) is TokenTuneConfig and config.lora is None and config.token_ratio == 0.5
+        with pytest.raises(ValueError, match=expected):
+            load(model, str(tmp_path))
+    with pytest.raises(ValueError, match=expected):
+        peft_slim.load_config(str(tmp_path))
+    assert type(model) is LlamaForCausalLM and not hasattr(model, "peft_config")
+    assert all(torch.equal(p, given[name]) for name, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("config", [TokenTuneConfig(token_ratio=0.5), SlimFitConfig()], ids=["tokentune", "slimfit"])
+def test_a_config_without_lora_is_refused_by_get_peft_model_naming_the_transform(config):
+    model = build("llama")
+    transform = "slimfit_" if isinstance(config, SlimFitConfig) else "tokentune_"
+    with pytest.raises(ValueError, match=rf"\.lora is None: set lora=peft\.LoraConfig.*peft_slim\.{transform}"):
+        get_peft_model(model, config)
+    assert not any(module._forward_pre_hooks or module._forward_hooks for module in model.modules())
+    assert all(p.requires_grad for p in model.parameters())

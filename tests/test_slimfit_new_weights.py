@@ -9,12 +9,12 @@ import warnings
 import pytest
 import torch
 from peft import get_peft_model
-from slimfit_cases import loss_of
+from slimfit_cases import FullFineTuned, loss_of
 from tiny_models import make_batch
 from transformers import BertConfig, BertForSequenceClassification, BertModel
 from transformers.utils import logging as hf_logging
 
-from peft_slim import SlimFitConfig
+from peft_slim import SlimFitConfig, slimfit_
 from peft_slim.planner.setup import base_model, resolve_workload
 
 CONFIG = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=97)
@@ -42,12 +42,12 @@ def load(path: str, **kwargs) -> BertForSequenceClassification:
 
 
 def wrap(model, note: str = "were not in the checkpoint", **fields):
-    """``model`` wrapped with SlimFit, and the warnings that say ``note``."""
+    """``model`` with SlimFit's full fine-tuning, and the warnings that say ``note``."""
     fields.setdefault("activation_compression", None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        peft_model = get_peft_model(model, SlimFitConfig(freeze_ratio=0.9, **fields))
-    return peft_model, [str(w.message) for w in caught if note in str(w.message)]
+        transformed = FullFineTuned(model, slimfit_(model, SlimFitConfig(freeze_ratio=0.9, **fields)))
+    return transformed, [str(w.message) for w in caught if note in str(w.message)]
 
 
 def test_the_new_weights_are_transformers_missing_keys(checkpoint):
@@ -84,13 +84,9 @@ def test_new_weights_train_at_every_step_and_the_others_follow_the_schedule(chec
             assert not torch.equal(param.detach(), before[name]), f"{name} did not change at step {step}"
 
 
-def test_one_warning_names_the_new_weights_and_peft_s_head(checkpoint):
+def test_one_warning_names_the_new_weights(checkpoint):
     _, notes = wrap(load(checkpoint))
     assert len(notes) == 1 and "bert.pooler.dense, classifier." in notes[0] and "train_new_weights=False" in notes[0]
-    model, notes = wrap(load(checkpoint), task_type="SEQ_CLS")  # PEFT trains and saves the classifier itself
-    assert len(notes) == 1 and ": bert.pooler.dense." in notes[0] and "modules_to_save (classifier)" in notes[0]
-    units = model.base_model.unit_names
-    assert "bert.pooler.dense.weight" not in units and not any("classifier" in name for name in units)
 
 
 def test_a_model_built_from_a_config_keeps_every_weight_scheduled():
@@ -120,8 +116,14 @@ def test_the_field_off_schedules_them_like_the_others(checkpoint):
 def test_with_lora_the_base_model_stays_frozen(checkpoint):
     from peft import LoraConfig
 
-    model, notes = wrap(load(checkpoint), lora=LoraConfig(r=2, target_modules=["query", "value"]))
-    assert not notes and not model.base_model.model.get_parameter(NEW[0]).requires_grad
+    lora = LoraConfig(r=2, target_modules=["query", "value"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = get_peft_model(
+            load(checkpoint), SlimFitConfig(freeze_ratio=0.9, activation_compression=None, lora=lora)
+        )
+    assert not [w for w in caught if "were not in the checkpoint" in str(w.message)]
+    assert not model.base_model.model.get_parameter(NEW[0]).requires_grad
 
 
 def test_the_byte_budget_counts_the_scheduled_units_only(checkpoint):

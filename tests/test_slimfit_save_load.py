@@ -1,4 +1,5 @@
-"""SlimFit save → load (fresh processes), export_lora, merge_and_unload, unload, and eval-mode outputs."""
+"""SlimFit save → load (fresh processes): a LoRA adapter (also exported for vanilla PEFT) and a fully fine-tuned
+plain checkpoint; merge_and_unload, and eval-mode outputs."""
 
 from __future__ import annotations
 
@@ -10,15 +11,14 @@ import textwrap
 
 import pytest
 import torch
+from peft import LoraConfig
 from safetensors.torch import load_file
 from slimfit_cases import slimfit_model, train
 from tiny_models import build, make_batch
-from transformers import PreTrainedModel
 
 from peft_slim import (
     ActivationCompressionConfig,
     SlimFitConfig,
-    SlimFitModel,
     TokenSelectionConfig,
     TokenTuneConfig,
     export_lora,
@@ -51,14 +51,14 @@ def test_eval_outputs_equal_the_base_model_before_training():
         assert torch.equal(_eval_logits(slimfit_model(arch), arch), base_logits)
 
 
-# A fresh process loads both saved SlimFit adapters (one import of peft_slim, transformers and PEFT for both);
-# another, which never imports peft_slim, loads the exported LoRA adapter with vanilla PEFT.
+# A fresh process loads the saved SlimFit adapter; another, which never imports peft_slim, loads the exported LoRA
+# adapter with vanilla PEFT and the fully fine-tuned checkpoint with transformers.
 _SLIM_CHILD = """
     import json, sys, torch, peft_slim
     from peft import PeftModel
     from tiny_models import build, make_batch
     report = {{}}
-    for name, arch in (("standalone", "bert"), ("adapter", "llama")):
+    for name, arch in (("adapter", "llama"),):
         model = peft_slim.from_pretrained(build(arch), {root!r} + "/" + name).eval()
         batch = {{k: v for k, v in make_batch(arch).items() if k != "labels"}}
         with torch.no_grad():
@@ -81,6 +81,11 @@ _VANILLA_CHILD = """
         with torch.no_grad():
             torch.save(model(**batch).logits, {root!r} + "/" + name + ".vanilla.pt")
         report[name] = type(model.base_model).__name__
+    from transformers import BertForSequenceClassification
+    model = BertForSequenceClassification.from_pretrained({root!r} + "/full").eval()
+    batch = {{k: v for k, v in make_batch("bert").items() if k != "labels"}}
+    with torch.no_grad():
+        torch.save(model(**batch).logits, {root!r} + "/full.reloaded.pt")
     report["slim_imported"] = any(m.startswith("peft_slim") for m in sys.modules)
     print("RESULT=" + json.dumps(report))
 """
@@ -88,12 +93,12 @@ _VANILLA_CHILD = """
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """A standalone SlimFit BERT and a SlimFit + TokenTune + LoRA + compression Llama, trained, saved (the stack
-    also exported as plain LoRA), and loaded again in fresh processes."""
+    """A fully fine-tuned SlimFit BERT and a SlimFit + TokenTune + LoRA + compression Llama, trained, saved (the
+    stack also exported as plain LoRA), and loaded again in fresh processes."""
     root = tmp_path_factory.mktemp("slimfit_saved")
-    standalone = slimfit_model("bert", freeze_ratio=0.9, max_frozen_steps=50)
-    train(standalone, "bert", steps=2)
-    standalone.save_pretrained(root / "standalone")
+    full = slimfit_model("bert", freeze_ratio=0.9, max_frozen_steps=50)
+    train(full, "bert", steps=2)
+    full.save_pretrained(root / "full")  # the plain model's own save_pretrained
 
     tokentune = TokenTuneConfig(token_ratio=0.5, seed=0)
     compression = ActivationCompressionConfig(bits=4, min_numel=0)
@@ -106,32 +111,19 @@ def saved(tmp_path_factory):
 
     slim = _run_fresh(_SLIM_CHILD.format(root=str(root)))
     vanilla = _run_fresh(_VANILLA_CHILD.format(root=str(root)))
-    return {"root": root, "standalone": standalone, "stack": stack, "slim": slim, "vanilla": vanilla}
+    return {"root": root, "full": full, "stack": stack, "slim": slim, "vanilla": vanilla}
 
 
-def test_standalone_saves_only_changed_tensors_and_reloads_exactly(saved):
-    model, root = saved["standalone"], saved["root"]
-    tuner = model.base_model
-    ever_trained = {
-        n
-        for i, unit in enumerate(tuner._state.units)
-        if any(r[i] for r in tuner.scheduler.history)
-        for n in unit.param_names
-    }
-    adapter = load_file(root / "standalone" / "adapter_model.safetensors")
-    base = dict(build("bert").named_parameters())
-    tuned = {n.removeprefix(PREFIX): p for n, p in model.named_parameters()}
-    changed = {n for n, p in base.items() if n in tuned and not torch.equal(p, tuned[n])}
-    assert changed, "training changed nothing: the test would prove nothing"
-    keys = {k.removeprefix(PREFIX).replace("base_model.model.", "") for k in adapter}
-    # every changed base tensor is saved; never-trained units (unchanged) are not
-    assert changed <= keys
-    never = {n for unit in tuner._state.units for n in unit.param_names} - ever_trained
-    assert never and not (never & keys)
-    assert {k for k in keys if k.startswith("classifier")} == {"classifier.weight", "classifier.bias"}
-    # a fresh process loads it (through PEFT's registry) to the same outputs
-    assert saved["slim"]["standalone"]["tuner"] == "SlimFitModel"
-    assert torch.equal(torch.load(root / "standalone.reloaded.pt"), _eval_logits(model, "bert"))
+def test_full_fine_tuning_saves_a_plain_checkpoint_that_reloads_exactly(saved):
+    model, root = saved["full"], saved["root"]
+    assert sorted(os.listdir(root / "full")) == ["config.json", "model.safetensors"]
+    assert "peft_slim" not in (root / "full" / "config.json").read_text()
+    saved_tensors = load_file(root / "full" / "model.safetensors")
+    assert not any("peft_slim" in key or "base_model" in key for key in saved_tensors)
+    assert not torch.equal(_eval_logits(model, "bert"), _eval_logits(build("bert"), "bert"))  # training changed it
+    # transformers alone, in a process that never imports peft_slim, loads it to the same outputs
+    assert saved["vanilla"]["slim_imported"] is False
+    assert torch.equal(torch.load(root / "full.reloaded.pt"), _eval_logits(model, "bert"))
 
 
 def test_lora_stack_saves_reloads_and_exports_for_vanilla_peft(saved):
@@ -151,17 +143,6 @@ def test_lora_stack_saves_reloads_and_exports_for_vanilla_peft(saved):
     assert torch.equal(torch.load(root / "lora.vanilla.pt"), expected)
 
 
-def test_merge_and_unload_returns_a_plain_tuned_model():
-    model = slimfit_model("llama", freeze_ratio=0.5)
-    train(model, "llama", steps=2)
-    expected = _eval_logits(model, "llama")
-    merged = model.merge_and_unload()
-    assert isinstance(merged, PreTrainedModel) and not isinstance(merged, SlimFitModel)
-    assert not merged._forward_pre_hooks and not merged._forward_hooks
-    assert all(p.requires_grad for p in merged.parameters())
-    assert torch.equal(_eval_logits(merged, "llama"), expected)
-
-
 def test_merge_and_unload_with_lora():
     model = slimfit_model("llama", lora=True, freeze_ratio=0.5)
     train(model, "llama", steps=2)
@@ -171,27 +152,6 @@ def test_merge_and_unload_with_lora():
     assert torch.allclose(_eval_logits(merged, "llama"), expected, atol=1e-5)
 
 
-def test_unload_without_kept_weights_is_refused_and_with_them_restores_the_base():
-    model = slimfit_model("llama", freeze_ratio=0.5)
-    train(model, "llama", steps=2)
-    with pytest.raises(ValueError, match="keep_base_weights=True"):
-        model.unload()
-    assert _eval_logits(model, "llama") is not None  # still usable after the refusal
-
-    kept = slimfit_model("llama", freeze_ratio=0.5, keep_base_weights=True)
-    train(kept, "llama", steps=2)
-    base = build("llama")
-    restored = kept.unload()
-    for (name, a), b in zip(restored.named_parameters(), base.parameters()):
-        assert torch.equal(a, b), name
-    assert not restored._forward_pre_hooks
-
-
-def test_unload_untrained_model_is_allowed():
-    model = slimfit_model("bert")
-    assert model.unload() is not None
-
-
 def test_config_round_trip_through_json(tmp_path):
     config = SlimFitConfig(
         freeze_ratio=0.8,
@@ -199,6 +159,7 @@ def test_config_round_trip_through_json(tmp_path):
         tokentune=TokenTuneConfig(num_tokens=8),
         activation_compression={"bits": 4},
         task_type="CAUSAL_LM",
+        lora=LoraConfig(r=2, target_modules=["q_proj"]),
     )
     config.save_pretrained(tmp_path)
     loaded = SlimFitConfig.from_pretrained(tmp_path)
@@ -208,7 +169,7 @@ def test_config_round_trip_through_json(tmp_path):
 
 
 def test_push_to_hub_uploads_the_saved_files(offline_hub, tmp_path):
-    model = slimfit_model("bert", freeze_ratio=0.8)
+    model = slimfit_model("bert", lora=True, freeze_ratio=0.8)
     train(model, "bert", steps=2)
     model.push_to_hub("someone/tiny-slimfit", private=True)
     assert offline_hub["http"] == []
@@ -216,4 +177,5 @@ def test_push_to_hub_uploads_the_saved_files(offline_hub, tmp_path):
     model.save_pretrained(tmp_path)
     assert set(uploaded) == set(os.listdir(tmp_path))
     assert uploaded["adapter_model.safetensors"] == (tmp_path / "adapter_model.safetensors").read_bytes()
-    assert json.loads(uploaded["adapter_config.json"])["peft_type"] == "SLIMFIT"
+    assert json.loads(uploaded["adapter_config.json"])["peft_type"] == "LORA"
+    assert json.loads(uploaded["peft_slim_config.json"])["peft_type"] == "SLIMFIT"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from slimfit_cases import PAPER, TASK, loss_of, slimfit_model, train
+from slimfit_cases import PAPER, TASK, FullFineTuned, loss_of, slimfit_model, train
 from test_training_loops import make_dataset, make_tokenizer, training_args
 from tiny_models import LORA_TARGETS, build, make_batch
 from tokentune_cases import assert_grads_match, reference_loss_and_grads
@@ -111,11 +111,10 @@ def test_default_compression_is_on_and_close_to_exact():
 
 
 def _default_compression_model():
-    from peft import get_peft_model
+    from peft_slim import SlimFitConfig, slimfit_
 
-    from peft_slim import SlimFitConfig
-
-    return get_peft_model(build("bert"), SlimFitConfig(freeze_ratio=0.5, seed=0, task_type="SEQ_CLS", **PAPER))
+    base = build("bert")
+    return FullFineTuned(base, slimfit_(base, SlimFitConfig(freeze_ratio=0.5, seed=0, **PAPER)))
 
 
 def test_compression_config_is_applied_with_lora():
@@ -142,7 +141,7 @@ def slimfit_trainer(tmp_path, model, steps: int, callbacks=(), evaluate: bool = 
         **overrides,
     )
     return Trainer(
-        model=model,
+        model=model.get_base_model() if isinstance(model, FullFineTuned) else model,
         args=args,
         train_dataset=make_dataset(tokenizer, [9, 7, 12, 8] * 4),
         eval_dataset=make_dataset(tokenizer, [10, 6, 11, 9], seed=1) if evaluate else None,

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 from peft import IA3Config, LoraConfig, get_peft_model
-from tiny_models import TEXT_SIZES, VOCAB, build, decoder_config, make_batch
+from tiny_models import TEXT_SIZES, VOCAB, FullFineTuned, build, decoder_config, make_batch
 from tokentune_cases import tokentune_config, tokentune_model
 from transformers import (
     BertConfig,
@@ -23,7 +23,7 @@ from transformers import (
     LlamaForSequenceClassification,
 )
 
-from peft_slim import TokenTuneConfig
+from peft_slim import TokenTuneConfig, tokentune_
 from peft_slim.token_selection.attention import REGISTERED_NAMES
 
 # ---------------------------------------------------------------------------------------------- config
@@ -183,7 +183,7 @@ def _deberta():
     return DebertaV2ForSequenceClassification._from_config(config, attn_implementation="eager")
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["standalone", "lora"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize(
     ("builder", "block_class", "lora_targets"),
     [
@@ -206,7 +206,8 @@ def test_blocks_without_registry_attention_are_refused(builder, block_class, lor
         task_type="SEQ_CLS" if classifier else "CAUSAL_LM",
         lora=LoraConfig(r=4, target_modules=lora_targets) if lora else None,
     )
-    model = get_peft_model(builder(), config)
+    base = builder()
+    model = get_peft_model(base, config) if lora else FullFineTuned(base, tokentune_(base, config))
     batch = {"input_ids": torch.randint(3, VOCAB, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
     batch["labels"] = torch.tensor([0, 1]) if classifier else batch["input_ids"]
     model.train()
@@ -251,40 +252,6 @@ def test_unknown_head_class_refused_at_get_peft_model():
     for task_type in (None, "QUESTION_ANS"):
         with pytest.raises(ValueError, match="BertForQuestionAnswering"):
             get_peft_model(base, TokenTuneConfig(task_type=task_type, lora=LoraConfig(r=4, target_modules=["query"])))
-
-
-# ---------------------------------------------------------------------------------------------- standalone unloading
-
-
-def _trained_standalone():
-    model = tokentune_model("llama", lora=False).train()
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    model(**make_batch("llama")).loss.backward()
-    optimizer.step()
-    return model
-
-
-def test_standalone_unload_is_refused_it_cannot_give_the_base_model_back():
-    model = _trained_standalone()
-    trained = {name: p.detach().clone() for name, p in model.get_base_model().named_parameters()}
-    with pytest.raises(ValueError, match=r"cannot return the base model.*merge_and_unload\(\).*lora=LoraConfig"):
-        model.unload()
-    assert model.base_model.token_selector._handles  # still TokenTune: the refusal changed nothing
-    merged = model.merge_and_unload()  # the tuned model, as documented
-    assert all(torch.equal(p, trained[name]) for name, p in merged.named_parameters())
-
-
-def test_standalone_disable_adapter_is_refused_with_our_reason():
-    model = _trained_standalone().eval()
-    batch = make_batch("llama")
-    with torch.no_grad():
-        tuned = model(**batch).logits
-    refused = r"trains \d+ base tensors in place.*no adapter to disable.*LoraConfig"
-    with pytest.raises(ValueError, match=refused), model.disable_adapter():
-        pass
-    with torch.no_grad():
-        assert torch.equal(model(**batch).logits, tuned)
-    assert model.get_model_status().enabled is True
 
 
 def test_disable_adapter_and_unload_with_lora_are_peft_s():

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from reference import reference_forward
-from tiny_models import CAUSAL_LM, TEXT_SIZES, VOCAB, build, decoder_config, make_batch
+from tiny_models import CAUSAL_LM, TEXT_SIZES, VOCAB, FullFineTuned, build, decoder_config, make_batch
 from tokentune_cases import (
     ARCHS,
     IMPLEMENTATIONS,
@@ -30,7 +30,7 @@ from tokentune_cases import (
 )
 from transformers import CLIPTextConfig, CLIPTextModel, LlamaModel
 
-from peft_slim import TokenTuneConfig
+from peft_slim import TokenTuneConfig, tokentune_
 from peft_slim.token_selection.blocks import find_blocks
 
 
@@ -42,7 +42,7 @@ def _eval_logits(model, batch: dict) -> torch.Tensor:
     return logits
 
 
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "standalone"])
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_gradient_and_loss_match_equivalent_definition(arch, implementation, lora):
@@ -148,11 +148,11 @@ def test_full_token_training_would_fail_the_reference_check():
 
 
 @pytest.mark.parametrize("arch", ["llama", "bert"])
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "standalone"])
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 def test_task_type_none_with_explicit_token_mask(arch, lora):
     """Plain PeftModel (task_type=None) bypasses the tuner's forward; an explicit token_mask overrides the draw."""
     model = tokentune_model(arch, lora=lora, task_type=None)
-    assert type(model).__name__ == "PeftModel"
+    assert type(model).__name__ == ("PeftModel" if lora else "FullFineTuned")
     batch = make_batch(arch, length=12)
     real = batch["attention_mask"].bool()
     token_mask = torch.zeros_like(real)
@@ -331,7 +331,7 @@ def _random_draw_in_first_block(model):
     return feed_forward.register_forward_hook(lambda module, args, output: torch.rand(1) * 0 + output)
 
 
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "standalone"])
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("arch", ["llama", "bert", "gpt2"])
 def test_selected_tokens_run_once_in_the_forward(arch, implementation, lora):
@@ -354,7 +354,7 @@ def test_selected_tokens_run_once_in_the_forward(arch, implementation, lora):
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "standalone"])
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("arch", ["llama", "bert"])
 def test_gradient_checkpointing_gives_same_gradients(arch, implementation, lora, reentrant):
@@ -366,7 +366,8 @@ def test_gradient_checkpointing_gives_same_gradients(arch, implementation, lora,
 
     base = build(arch, implementation)
     base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
-    checkpointed = get_peft_model(base, tokentune_config(arch, lora=lora))
+    config = tokentune_config(arch, lora=lora)
+    checkpointed = get_peft_model(base, config) if lora else FullFineTuned(base, tokentune_(base, config))
     assert checkpointed.get_base_model().is_activation_checkpointing
     calls_ckpt, output_ckpt, mask_ckpt, grads_ckpt = _counted_step(checkpointed, batch)
     assert calls_ckpt == (1, 2)

@@ -159,3 +159,32 @@ ONE_SGD_STEP = dict(
     weight_decay=0.0,
     max_grad_norm=0.0,
 )
+
+
+class FullFineTuned:
+    """A plain model with a full fine-tuning transform (``peft_slim.tokentune_`` / ``slimfit_``), handled as the
+    tests handle a PeftModel: calls and attributes go to the model, the method's own (``slimfit_step``,
+    ``last_token_mask``, ...) to the transform's handle, also reached as ``base_model``."""
+
+    def __init__(self, model, handle):
+        self.__dict__.update(model=model, base_model=handle)
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):  # copy and pickle ask for their hooks before the instance has its attributes
+            raise AttributeError(name)
+        handle = self.__dict__["base_model"]
+        return getattr(handle, name) if hasattr(handle, name) else getattr(self.__dict__["model"], name)
+
+    def get_base_model(self):
+        return self.model
+
+    def get_nb_trainable_parameters(self) -> tuple[int, int]:
+        params = list(self.model.parameters())
+        return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+    @property
+    def peft_config(self) -> dict:
+        return {"default": self.base_model._config}

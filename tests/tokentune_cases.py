@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from peft import LoraConfig, get_peft_model
 from reference import reference_forward, selected_causal_lm_loss
-from tiny_models import BUILDERS, CAUSAL_LM, LORA_TARGETS, build
+from tiny_models import BUILDERS, CAUSAL_LM, LORA_TARGETS, FullFineTuned, build
 
-from peft_slim import TokenTuneConfig
+from peft_slim import TokenTuneConfig, tokentune_
 from peft_slim.token_selection.blocks import find_blocks
 
 ARCHS = tuple(BUILDERS)
@@ -29,17 +29,19 @@ def tokentune_config(arch: str, lora: bool = True, task_type=_DEFAULT, **kwargs)
     if "num_tokens" not in kwargs:
         kwargs.setdefault("token_ratio", 0.4)
     kwargs.setdefault("seed", 0)
+    if not lora:  # for peft_slim.tokentune_
+        return TokenTuneConfig(**kwargs)
     if arch == "vit":
         kwargs.setdefault("modules_to_save", ["classifier"])
-    nested = None
-    if lora:
-        nested = LoraConfig(r=4, target_modules=LORA_TARGETS[arch], init_lora_weights=False)
+    nested = LoraConfig(r=4, target_modules=LORA_TARGETS[arch], init_lora_weights=False)
     return TokenTuneConfig(task_type=task_type, lora=nested, **kwargs)
 
 
 def tokentune_model(arch: str, implementation: str = "sdpa", lora: bool = True, task_type=_DEFAULT, **kwargs):
+    """TokenTune on a tiny model: a PeftModel with ``lora``, else full fine-tuning (``FullFineTuned``)."""
     base = build(arch, implementation)
-    return get_peft_model(base, tokentune_config(arch, lora=lora, task_type=task_type, **kwargs))
+    config = tokentune_config(arch, lora=lora, task_type=task_type, **kwargs)
+    return get_peft_model(base, config) if lora else FullFineTuned(base, tokentune_(base, config))
 
 
 def vanilla_lora_model(arch: str, implementation: str, tokentune_peft_model):

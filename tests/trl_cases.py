@@ -16,8 +16,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 
 from peft_slim import SlimFitCallback, SlimFitConfig, TokenTuneCallback
-from peft_slim.slimfit import SlimFitModel
-from peft_slim.tuner import find_tuner
+from peft_slim.slimfit import find_slimfit
+from peft_slim.tokentune import find_token_selector
 
 datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
@@ -90,7 +90,7 @@ class ForwardRecorder:
         if not (module.training and torch.is_grad_enabled()):
             return
         inputs = {k: v.detach().clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-        mask = self.peft_model.base_model.last_token_mask if self.selects else None
+        mask = find_token_selector(self.peft_model).last_token_mask if self.selects else None
         self.calls.append({"inputs": inputs, "mask": None if mask is None else mask.detach().clone()})
 
     def remove(self):
@@ -193,7 +193,7 @@ def run_sft_step(tmp_path, dataset, model=None, peft_config=None, selects: bool 
     calls and gradient."""
     tokenizer = sft_tokenizer()
     callbacks = [TokenTuneCallback()] if selects else []
-    if isinstance(peft_config, SlimFitConfig) or (model is not None and find_tuner(model, SlimFitModel)):
+    if isinstance(peft_config, SlimFitConfig) or (model is not None and find_slimfit(model)):
         callbacks.append(SlimFitCallback())
     trainer = trl.SFTTrainer(
         model=model,

@@ -31,6 +31,7 @@ from ..quiet import warning_silenced
 from ..recipe import DEFAULT_LORA_R, Recipe
 from ..token_selection.chunked_loss import chunk_rows, chunked_head_loss
 from ..token_selection.selection import labelled_positions, ratio_keeping_labels
+from ..tokentune import find_token_selector
 from ..tuner.saving import save_pretrained
 from . import models, sft_data
 from .flags import MAX_EPOCHS, MAX_SEED, MAX_STEPS, add_fields
@@ -262,10 +263,8 @@ def check_lora_targets(config, args: argparse.Namespace) -> None:
 def wrap(model, args: argparse.Namespace):
     """The model ready to train, and the context every training forward runs in (compression for lora/full)."""
     recipe = Recipe.from_train_args(args)
-    if args.method == "full":
-        model.requires_grad_(True)
-    else:
-        model = _get_peft_model(model, recipe.to_peft_config(seed=args.seed))
+    with warning_silenced(FutureWarning, "`is_gradient_checkpointing` is deprecated"):  # as in _get_peft_model
+        model, _ = recipe.apply(model, seed=args.seed)  # --lora-r 0: the plain model, transformed
     compression = recipe.activation_compression() if args.method in ("lora", "full") else None
     return model, (lambda: compress_activations(compression)) if compression is not None else nullcontext
 
@@ -294,7 +293,7 @@ def loss_kept(model, batch: dict) -> str | None:
     """What the token selection of ``batch`` (drawn in the latest training forward) kept of its loss: the loss covers
     the selected positions only. Under answer-first selection also the lowest ratio at which every row's budget
     holds all its labelled positions besides the first and last token (always selected). None without selection."""
-    selector = getattr(model.base_model, "token_selector", None)
+    selector = find_token_selector(model)  # the PEFT tuner's, or the transform's (--lora-r 0)
     if selector is None or selector.last_token_mask is None:
         return None
     config, mask = selector.config, selector.last_token_mask.cpu()

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import torch
 import transformers
 from huggingface_hub.errors import StrictDataclassError
-from peft import PeftConfig, PeftModel, get_peft_model
+from peft import PeftConfig, PeftModel
 from torch import nn
 
 from ..compat import copy_loading_marks, storage_key
 from ..configuration import Boolean, Integer
-from ..slimfit import SlimFitModel
+from ..recipe import trainable
+from ..slimfit import find_slimfit
 
 TASKS = ("causal_lm", "sequence_classification", "image_classification")
 OPTIMIZERS = ("adamw", "sgd")
@@ -266,9 +267,7 @@ def trainable_model(base: nn.Module, peft_config: PeftConfig | None, gradient_ch
         if not getattr(base, "supports_gradient_checkpointing", False):
             raise ValueError(f"gradient_checkpointing: {type(base).__name__} does not support it.")
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if peft_config is None:
-        return base.requires_grad_(True).train()
-    model = get_peft_model(base, copy.deepcopy(peft_config))
+    model, _ = trainable(base, copy.deepcopy(peft_config))  # a method without `lora`: its transform on `base`
     after_step(model)  # SlimFit sized at its worst step: the largest units train
     return model.train()
 
@@ -296,17 +295,17 @@ def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
     """The optimizer over every parameter that can train (SlimFit's frozen units get no gradient and no state)."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4) if name == "adamw" else torch.optim.SGD(params, lr=1e-4)
-    tuner = getattr(model, "base_model", None)
-    if isinstance(tuner, SlimFitModel):
-        tuner.slimfit_attach(optimizer)  # its steps are scored, as in training
+    schedule = find_slimfit(model)  # the tuner, or the transform's handle
+    if schedule is not None:
+        schedule.slimfit_attach(optimizer)  # its steps are scored, as in training
     return optimizer
 
 
 def after_step(model: nn.Module) -> None:
     """Keep SlimFit on its worst step (the largest units train) for the next step too."""
-    tuner = getattr(model, "base_model", None)
-    if isinstance(tuner, SlimFitModel):
-        tuner.train_largest_units()
+    schedule = find_slimfit(model)
+    if schedule is not None:
+        schedule.train_largest_units()
 
 
 def storage_bytes(tensors) -> int:

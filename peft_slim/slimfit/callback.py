@@ -6,8 +6,7 @@ from transformers import TrainerCallback
 
 from ..compat import ExportableState
 from ..trainer_state import stored_callback_attribute
-from ..tuner import find_tuner
-from .model import SlimFitModel
+from .transform import find_slimfit
 
 
 class SlimFitCallback(TrainerCallback, ExportableState):
@@ -15,10 +14,8 @@ class SlimFitCallback(TrainerCallback, ExportableState):
     and saves the schedule with every checkpoint.
 
     The scheduler state goes into ``trainer_state.json`` and is restored on resuming, whether or not
-    ``restore_callback_states_from_checkpoint`` is set. During ``trainer.train()`` a standalone SlimFit checkpoint
-    holds every tensor SlimFit trains, so that ``load_best_model_at_end`` loads it into the trained model exactly.
-    When the Trainer is built and when training ends, every scheduled unit requires grad again, so that another
-    Trainer (or optimizer) on the same model holds them all.
+    ``restore_callback_states_from_checkpoint`` is set. When the Trainer is built and when training ends, every
+    scheduled unit requires grad again, so that another Trainer (or optimizer) on the same model holds them all.
     """
 
     def __init__(self):
@@ -26,14 +23,17 @@ class SlimFitCallback(TrainerCallback, ExportableState):
         self._tuner = None
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
-        tuner = find_tuner(model, SlimFitModel) if model is not None else None
+        tuner = find_slimfit(model) if model is not None else None
         if tuner is not None and not tuner.slimfit_paused:
             tuner._unfreeze()  # the Trainer builds its optimizer from what requires grad when train() starts
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        self._tuner = find_tuner(model, SlimFitModel) if model is not None else None
+        self._tuner = find_slimfit(model) if model is not None else None
         if self._tuner is None:
-            raise ValueError("SlimFitCallback: the Trainer's model has no SlimFit adapter.")
+            raise ValueError(
+                "SlimFitCallback: the Trainer's model has no SlimFit: wrap it with get_peft_model(model, "
+                "SlimFitConfig(lora=...)) or apply peft_slim.slimfit_(model, SlimFitConfig()) first."
+            )
         if self._tuner.slimfit_paused:
             raise ValueError(
                 "SlimFitCallback: the SlimFit schedule is paused (model.slimfit_pause()). Call model.slimfit_resume() "
@@ -45,7 +45,6 @@ class SlimFitCallback(TrainerCallback, ExportableState):
         if restored is not None:
             self._tuner.load_slimfit_state_dict(restored)
         self.scheduler_state = None
-        self._tuner.slimfit_full_checkpoints(True)
         if optimizer is not None:
             self._tuner.slimfit_attach(optimizer)
 
@@ -53,7 +52,6 @@ class SlimFitCallback(TrainerCallback, ExportableState):
         self._tuner.slimfit_step(optimizer)  # used only with release_frozen_optimizer_state
 
     def on_train_end(self, args, state, control, **kwargs):
-        self._tuner.slimfit_full_checkpoints(False)
         self._tuner._unfreeze()
 
     def state(self) -> dict:

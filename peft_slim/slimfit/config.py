@@ -63,9 +63,9 @@ class SlimFitConfig(MethodConfig):
     last time they trained (the paper's inter-layer scheduling); the first steps sweep every unit once, in a
     seeded random order, and no unit stays frozen for more than `max_frozen_steps` (by default one round of
     1 / (1 - freeze_ratio) steps). A unit that trains after missing steps moves further to make up for them
-    (`catch_up`, by default k times for k steps). Without `lora` the base model's own weights are the units (full
-    fine-tuning); with `lora` the LoRA adapters are. Call `model.slimfit_step()` after each `optimizer.step()`, or
-    use `peft_slim.SlimFitCallback` with Trainer.
+    (`catch_up`, by default k times for k steps). Through PEFT the units are the LoRA adapters of `lora`; with
+    `peft_slim.slimfit_` (full fine-tuning, no `lora`) the model's own weights. Call `slimfit_step()` after each
+    `optimizer.step()`, or use `peft_slim.SlimFitCallback` with Trainer.
     """
 
     method: ClassVar[str] = "SLIMFIT"
@@ -100,16 +100,16 @@ class SlimFitConfig(MethodConfig):
     )
     always_train_norms: bool = setting(
         True,
-        "Without `lora`: the weights of normalisation layers (modules whose class name contains 'Norm', "
-        "e.g. LayerNorm, RMSNorm) train at every step, like biases, instead of being scheduled (a few KiB per "
-        "layer). False: scheduled like other weights (the paper's rule).",
+        "Full fine-tuning (slimfit_) only: the weights of normalisation layers (modules whose class name "
+        "contains 'Norm', e.g. LayerNorm, RMSNorm) train at every step, like biases, instead of being scheduled "
+        "(a few KiB per layer). False: scheduled like other weights (the paper's rule).",
         Boolean(),
     )
     train_new_weights: bool = setting(
         True,
-        "Without `lora`: the weights the checkpoint did not provide, which transformers' from_pretrained "
-        "initialised (its missing keys, e.g. a new pooler or classification head, and weights of another shape "
-        "with ignore_mismatched_sizes), train at every step and are never scheduled, like PEFT's "
+        "Full fine-tuning (slimfit_) only: the weights the checkpoint did not provide, which transformers' "
+        "from_pretrained initialised (its missing keys, e.g. a new pooler or classification head, and weights of "
+        "another shape with ignore_mismatched_sizes), train at every step and are never scheduled, like PEFT's "
         "`modules_to_save`; a warning names them. They are outside `freeze_ratio`'s budget. A model built from "
         "a config (nothing loaded) has none. False: scheduled like the pretrained weights.",
         Boolean(),
@@ -120,7 +120,7 @@ class SlimFitConfig(MethodConfig):
         "matching the same regex with the same captured groups form one unit, e.g. r'.*layers\\.(\\d+)\\..*' "
         "makes one unit per layer. Parameters matched by no regex keep the default: each weight tensor (a "
         "matrix, an embedding, a norm gain) is its own unit, or each LoRA adapter with `lora`. Biases always "
-        "train (without `lora`).",
+        "train (full fine-tuning).",
         Regexes(),
     )
     always_trainable: list[str] | str | None = setting(
@@ -199,11 +199,4 @@ class SlimFitConfig(MethodConfig):
         1,
         "Frozen steps (>= 1) after which `release_frozen_optimizer_state` applies.",
         Integer(1),
-    )
-    keep_base_weights: bool = setting(
-        False,
-        "Keep a CPU copy of the original weights of every scheduled unit and bias, so that unload() and "
-        "disable_adapter() can give the base model back (without `lora`). Costs one copy of those weights in CPU "
-        "memory.",
-        Boolean(),
     )

@@ -7,7 +7,7 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -18,8 +18,7 @@ from ..compat import active_ddp_module
 from ..token_selection import TokenSelectionConfig
 from ..trainable import peft_wrapped_names
 from ..tuner import MethodTuner
-from ..tuner.model import AdapterState, BaseWeightsSwitch
-from .base_weights import BaseWeights
+from ..tuner.model import AdapterState
 from .config import SlimFitConfig, rotation_steps
 from .observer import StepObserver
 from .scheduler import FreezeScheduler
@@ -36,29 +35,23 @@ class SlimFitState(AdapterState):
     units: list[Unit] = field(default_factory=list)
     scheduler: FreezeScheduler | None = None
     observer: StepObserver | None = None  # None when loaded for inference
-    base_weights: BaseWeights | None = None  # without LoRA: the base weights trained in place
     applied: bool = False  # the schedule's requires_grad is set (since the last training forward)
     paused: bool = False  # slimfit_pause()
-    swapped: dict[str, torch.Tensor] | None = None  # inside disable_adapter(): the tuned weights
-    swapped_requires_grad: dict[str, bool] = field(default_factory=dict)
-    full_checkpoints: bool = False  # slimfit_full_checkpoints()
 
 
-class SlimFitModel(MethodTuner):
-    """Freeze most scheduling units at every step, chosen by training dynamics (Ardakani et al., NAACL 2024).
+class SlimFitSchedule:
+    """SlimFit's schedule on a model, shared by its PEFT tuner (``SlimFitModel``: the LoRA adapters are the units) and
+    its transform (``slimfit_``: the model's own weights are). Reads the method's state, config and model from
+    ``self._state``, ``self._config`` and ``self.model``.
 
     A frozen unit has ``requires_grad=False`` from the start of the training forward to the optimizer step: no
     gradient (so no optimizer update, weight decay or momentum) and no cached input for backward. The training
     context (``training_context.py``) applies the decision at every forward of the transformers model, so it holds
-    for every PEFT forward path; optimizer hooks score
-    the units that trained; ``slimfit_step()`` re-ranks. With ``tokentune``, the token selection is attached too.
+    for every forward path; optimizer hooks score the units that trained; ``slimfit_step()`` re-ranks. With
+    ``tokentune``, the token selection is attached too.
     """
 
-    prefix: str = "slimfit_"
-    # The schedule lives on this tuner and advances through slimfit_step(), which a bare model from
-    # peft.inject_adapter_in_model could not reach: PEFT refuses direct injection of such tuners (use get_peft_model).
-    uses_shared_state = True
-    state_cls = SlimFitState
+    trains_lora: ClassVar[bool]  # the units: the LoRA adapters (the tuner), or the model's own weights (the transform)
 
     def _token_selection(self, config: SlimFitConfig) -> TokenSelectionConfig | None:
         return config.tokentune
@@ -68,15 +61,10 @@ class SlimFitModel(MethodTuner):
 
     def _setup(self, model: nn.Module, config: SlimFitConfig) -> None:
         state = self._state
-        new = new_weights(model, config)
-        state.units, always = find_units(model, config, new)
+        new = [] if self.trains_lora else new_weights(model, config)
+        state.units = find_units(model, config, new, lora=self.trains_lora)
         if new and not config.inference_mode:
             warn_new_weights(new, peft_wrapped_names(model, config.modules_to_save))
-        if config.lora is None:
-            tracked = {id(p) for unit in state.units for p in unit.params} | {id(p) for p in always}
-            named = {name: p for name, p in model.named_parameters() if id(p) in tracked}
-            state.base_weights = BaseWeights(named, keep_copies=config.keep_base_weights)
-            self.slimfit_base_weights = BaseWeightsSwitch(self.active_adapters[0])
         sizes = unit_bytes(state.units) if config.freeze_by == "bytes" else None
         waits = rotation_steps(config.freeze_ratio) if config.max_frozen_steps is None else config.max_frozen_steps
         state.scheduler = FreezeScheduler(
@@ -119,14 +107,6 @@ class SlimFitModel(MethodTuner):
 
     def _freezing(self) -> Callable[[nn.Module], None] | None:
         return None if self._state.observer is None else self._before_forward
-
-    def _after_set_adapter(self) -> None:
-        state = self._state
-        # PEFT just made every LoRA weight of the adapter trainable; where the schedule had frozen units, freeze them
-        # again now, not at the next forward: TRL switches to its reference adapter and back between a training
-        # forward and its backward, which (gradient checkpointing) recomputes the forward with the same flags.
-        if state.applied and not state.paused and state.swapped is None:
-            self._apply_schedule()
 
     # ------------------------------------------------------------------ the schedule
 
@@ -172,7 +152,6 @@ class SlimFitModel(MethodTuner):
                 "SlimFit: slimfit_step() while the schedule is paused (slimfit_pause()): no unit was scheduled, so "
                 "there is no step to close. Call model.slimfit_resume() first."
             )
-        self._refuse_while_disabled("slimfit_step()")
         observer, config = self._state.observer, self._config
         self.scheduler.advance(observer.take_scores(stacklevel=2) if observer is not None else {})
         self._apply_schedule()
@@ -201,7 +180,6 @@ class SlimFitModel(MethodTuner):
         """Suspend the schedule: every scheduled unit requires grad again, as when the model was wrapped. Until
         ``slimfit_resume()``, training forwards freeze nothing, optimizer steps are not scored and ``slimfit_step()``
         raises; the schedule's state (scores, frozen ages, history) is kept."""
-        self._refuse_while_disabled("slimfit_pause()")
         self._unfreeze()
         self._state.paused = True
         if self._state.observer is not None:
@@ -209,7 +187,6 @@ class SlimFitModel(MethodTuner):
 
     def slimfit_resume(self) -> None:
         """End a pause: the schedule freezes again from the next training forward, where it stopped."""
-        self._refuse_while_disabled("slimfit_resume()")
         self._state.paused = False
         if self._state.observer is not None:
             self._state.observer.active = True
@@ -279,7 +256,7 @@ class SlimFitModel(MethodTuner):
         """Before every forward with grad enabled (the training context calls it): the schedule applied in train
         mode, and a training step opened."""
         state = self._state
-        if not torch.is_grad_enabled() or state.paused or state.swapped is not None:
+        if not torch.is_grad_enabled() or state.paused:
             return
         if model.training:
             check_ddp(active_ddp_module(), state.scheduler)
@@ -287,45 +264,7 @@ class SlimFitModel(MethodTuner):
                 self._apply_schedule()
         state.observer.note_forward()  # any forward that can produce gradients opens a training step
 
-    # ------------------------------------------------------------------ disable_adapter()
-
-    def disable_adapter_layers(self) -> None:
-        """What PEFT's ``disable_adapter()`` calls. Without LoRA the adapter is the base weights trained in place:
-        swap the kept originals in (exactly, by copy) and freeze them. With LoRA, PEFT's own switch."""
-        state = self._state
-        if self._config.lora is None and state.swapped is None:
-            if not state.base_weights.kept:
-                raise ValueError(
-                    "SlimFit: disable_adapter() cannot give the base model's outputs: without `lora` SlimFit trains "
-                    "the base weights in place and did not keep the originals (keep_base_weights=False). Set "
-                    "SlimFitConfig(keep_base_weights=True) (a CPU copy of the original weights), or train a LoRA with "
-                    "SlimFit (SlimFitConfig(lora=LoraConfig(...)): the base weights then never change)."
-                )
-            params = {name: self.model.get_parameter(name) for name in state.base_weights.names}
-            state.swapped_requires_grad = {name: p.requires_grad for name, p in params.items()}
-            for param in params.values():
-                param.requires_grad_(False)  # the base model is frozen while disabled, as LoRA's is
-            state.swapped = state.base_weights.swap_in(self.model)
-            if state.observer is not None:
-                state.observer.weights_written()
-            self.slimfit_base_weights.enable_adapters(False)
-        super().disable_adapter_layers()
-
-    def enable_adapter_layers(self) -> None:
-        """Undo ``disable_adapter_layers``: the tuned weights back, exactly."""
-        state = self._state
-        if self._config.lora is None and state.swapped is not None:
-            swapped, state.swapped = state.swapped, None
-            state.base_weights.restore(self.model, swapped)
-            if state.observer is not None:
-                state.observer.weights_written()
-            for name, requires_grad in state.swapped_requires_grad.items():
-                self.model.get_parameter(name).requires_grad_(requires_grad)
-            self.slimfit_base_weights.enable_adapters(True)
-        super().enable_adapter_layers()
-
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self._refuse_while_disabled("optimizer.step()")
         if not self._state.applied:
             # Only training-mode forwards apply the schedule: a loop that trains in eval mode (no dropout) reaches
             # its first step (or its first after slimfit_resume() or a Trainer run) with every unit's gradient. The
@@ -343,78 +282,25 @@ class SlimFitModel(MethodTuner):
                 "torch's AdamW), or set release_frozen_optimizer_state=False to keep all state."
             )
 
-    def _refuse_while_disabled(self, what: str) -> None:
-        if self._state.swapped is not None:
-            raise RuntimeError(
-                f"SlimFit: {what} inside disable_adapter(): the model holds the original base weights there, not "
-                "the tuned ones. Leave the disable_adapter() context first."
-            )
 
-    # ------------------------------------------------------------------ unloading and saving
+class SlimFitModel(SlimFitSchedule, MethodTuner):
+    """Freeze most scheduling units at every step, chosen by training dynamics (Ardakani et al., NAACL 2024): PEFT's
+    tuner, whose units are the LoRA adapters (``SlimFitSchedule``)."""
 
-    def _unload_and_optionally_merge(self, merge: bool = True, **kwargs):
-        self._refuse_while_disabled("unload() / merge_and_unload()")
-        config = self._config
-        if config.lora is None and not merge and self._state.base_weights.any_changed(self.model):
-            if not self._state.base_weights.kept:
-                raise ValueError(
-                    "SlimFit trained the base weights in place and did not keep the originals, so unload() cannot "
-                    "return the base model. Use merge_and_unload() for the tuned model, reload the base model, or "
-                    "set SlimFitConfig(keep_base_weights=True)."
-                )
-            self._state.base_weights.restore(self.model)
-        if config.lora is None:
-            self.model.requires_grad_(True)  # a plain model again
-        return super()._unload_and_optionally_merge(merge=merge, **kwargs)
+    prefix: str = "slimfit_"
+    # The schedule lives on this tuner and advances through slimfit_step(), which a bare model from
+    # peft.inject_adapter_in_model could not reach: PEFT refuses direct injection of such tuners (use get_peft_model).
+    uses_shared_state = True
+    state_cls = SlimFitState
+    trains_lora = True
 
-    def slimfit_full_checkpoints(self, enabled: bool) -> None:
-        """Without LoRA: whether a save holds every base tensor SlimFit trains (``enabled``; ``SlimFitCallback`` during
-        ``trainer.train()``, so that ``load_best_model_at_end`` is exact) or only those changed since wrapping."""
-        self._state.full_checkpoints = enabled
-
-    def _kept_base_entry(self, name: str) -> tuple[str, tuple, bytes] | None:
-        state = self._active_state()
-        kept = None if state is None else state.base_weights  # before _setup (a loaded adapter's base check): none
-        return None if kept is None else kept.entry(name)
-
-    def _saves_base_tensor(self, name: str, tensor: torch.Tensor) -> bool:
-        # Standalone SlimFit trains base tensors in place: save those that changed (modules_to_save are PEFT's);
-        # in Trainer checkpoints all it trains, so that loading one into the trained model is exact.
-        self._refuse_while_disabled("save_pretrained()")
-        weights = self._state.base_weights
-        return weights.entry(name) is not None if self._state.full_checkpoints else weights.changed(name, tensor)
-
-    @classmethod
-    def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
-        state_dict = super()._remap_adapter_state_dict_for_load(
-            model=model, config=config, adapter_name=adapter_name, state_dict=state_dict
-        )
-        tuner = getattr(model, "base_model", None)
-        if config.lora is None and isinstance(tuner, cls):
-            prefix = "base_model.model."
-            tuner._before_loading({key[len(prefix) :] for key in state_dict if key.startswith(prefix)})
-        return state_dict
-
-    def _before_loading(self, names: set[str]) -> None:
-        """A standalone adapter file holds only the tensors its training changed: the others must hold the base
-        model's values for the load to be exact. Restore them (kept originals) or refuse."""
+    def _after_set_adapter(self) -> None:
         state = self._state
-        self._refuse_while_disabled("loading an adapter")
-        stale = state.base_weights.changed_except(self.model, names)
-        if not stale:
-            return
-        if state.base_weights.kept:
-            state.base_weights.restore(self.model)  # every tracked tensor; the file's then overwrite theirs
-            return
-        raise ValueError(
-            f"SlimFit: loading a standalone SlimFit adapter into this model would mix two sets of weights: the file "
-            f"holds only the base tensors its training changed, and {len(stale)} tensor(s) it does not hold were "
-            f"trained in this model since it was wrapped (e.g. {stale[:3]}) and would keep their trained values. "
-            "Load it onto a fresh base model (PeftModel.from_pretrained(base_model, path)), or set "
-            "SlimFitConfig(keep_base_weights=True) so that the originals are restored first. With "
-            "Trainer(load_best_model_at_end=True), pass peft_slim.SlimFitCallback(): its checkpoints hold every "
-            "tensor SlimFit trains."
-        )
+        # PEFT just made every LoRA weight of the adapter trainable; where the schedule had frozen units, freeze them
+        # again now, not at the next forward: TRL switches to its reference adapter and back between a training
+        # forward and its backward, which (gradient checkpointing) recomputes the forward with the same flags.
+        if state.applied and not state.paused:
+            self._apply_schedule()
 
 
 def unit_bytes(units: list[Unit]) -> list[int]:

@@ -26,9 +26,9 @@ class Unit:
 
 
 def new_weights(model: nn.Module, config: SlimFitConfig) -> list[str]:
-    """With `train_new_weights` and without LoRA: the parameters ``from_pretrained`` initialised rather than loaded
-    (the checkpoint lacked them), outside PEFT's `modules_to_save`. Empty for a model built from a config."""
-    if not config.train_new_weights or config.lora is not None:
+    """With `train_new_weights`, for full fine-tuning: the parameters ``from_pretrained`` initialised rather than
+    loaded (the checkpoint lacked them). Empty for a model built from a config."""
+    if not config.train_new_weights:
         return []
     wrapped = peft_wrapped_names(model, config.modules_to_save)
     new = [name for name in newly_initialized_parameters(model) or [] if not is_under(name, wrapped)]
@@ -44,54 +44,48 @@ def new_weights(model: nn.Module, config: SlimFitConfig) -> list[str]:
     return new
 
 
-def find_units(
-    model: nn.Module, config: SlimFitConfig, new: Collection[str] = ()
-) -> tuple[list[Unit], list[nn.Parameter]]:
-    """The scheduled units of ``model`` (after LoRA injection) and the parameters that train at every step.
-
-    Without LoRA every parameter is a candidate except biases (they always train, as in the paper); with
-    LoRA only the adapters are (the base model stays frozen). Candidates under `always_trainable` modules (and,
-    with `always_train_norms`, the weights of normalisation layers; and the parameters ``new`` names, see
-    ``new_weights``) train at every step; PEFT's `modules_to_save` copies are PEFT's and always train.
+def find_units(model: nn.Module, config: SlimFitConfig, new: Collection[str] = (), lora: bool = True) -> list[Unit]:
+    """The scheduled units of ``model``: its LoRA adapters (``lora``, after injection; the base model stays frozen)
+    or, for full fine-tuning, every parameter except biases (they always train, as in the paper). Candidates under
+    `always_trainable` modules (and, for full fine-tuning, with `always_train_norms` the weights of normalisation
+    layers, and the parameters ``new`` names, see ``new_weights``) train at every step; PEFT's `modules_to_save`
+    copies are PEFT's and always train.
     """
     wrapped = peft_wrapped_names(model, config.modules_to_save)
-    always_names = set(new) if config.lora is None else set()
+    always_names = set() if lora else set(new)
     if config.always_trainable is not None:
         always_names |= set(
             trainable_parameter_names(model, config.always_trainable, "SlimFitConfig.always_trainable")
         )
-    if config.always_train_norms and config.lora is None:
+    if config.always_train_norms and not lora:
         always_names |= {
             f"{module_name}.{param_name}" if module_name else param_name
             for module_name, module in model.named_modules()
             if "norm" in type(module).__name__.lower()
             for param_name, _ in module.named_parameters(recurse=False)
         }
-    candidates, always = [], []
+    candidates = []
     for name, param in model.named_parameters():
         if is_under(name, wrapped):
             continue  # PEFT trains and saves modules_to_save itself
-        if config.lora is not None:
-            if LORA_MARK not in name or not param.requires_grad:
-                continue  # a frozen base weight (or another adapter)
-            (always if name in always_names else candidates).append((name, param))
-        elif name in always_names or name == "bias" or name.endswith(".bias"):
-            always.append((name, param))
-        else:
+        if lora and (LORA_MARK not in name or not param.requires_grad):
+            continue  # a frozen base weight (or another adapter)
+        trains_always = name in always_names or (not lora and (name == "bias" or name.endswith(".bias")))
+        if not trains_always:
             candidates.append((name, param))
-    units = _group(candidates, config)
+    units = _group(candidates, config, lora)
     if not units:
         raise ValueError(
             "SlimFit: no parameter left to schedule (every candidate is a bias, under `always_trainable` or "
             "`modules_to_save`"
-            + (", or LoRA matched no module" if config.lora is not None else "")
+            + (", or LoRA matched no module" if lora else "")
             + (", or missing from the checkpoint: train_new_weights" if new else "")
             + ")."
         )
-    return units, [param for _, param in always]
+    return units
 
 
-def _group(candidates: list[tuple[str, nn.Parameter]], config: SlimFitConfig) -> list[Unit]:
+def _group(candidates: list[tuple[str, nn.Parameter]], config: SlimFitConfig, lora: bool) -> list[Unit]:
     patterns = [re.compile(regex) for regex in config.units or []]
     used = [False] * len(patterns)
     groups: dict[tuple, Unit] = {}
@@ -103,7 +97,7 @@ def _group(candidates: list[tuple[str, nn.Parameter]], config: SlimFitConfig) ->
                 unit_name = f"{pattern.pattern}{list(match.groups()) if match.groups() else ''}"
                 break
         else:
-            unit_name = name.split(LORA_MARK)[0] if config.lora is not None and config.lora_units == "pair" else name
+            unit_name = name.split(LORA_MARK)[0] if lora and config.lora_units == "pair" else name
             key = ("default", unit_name)
         unit = groups.setdefault(key, Unit(unit_name, [], []))
         unit.param_names.append(name)

@@ -4,7 +4,15 @@ from ..registry import register_method
 from .callback import TokenTuneCallback, find_token_selector
 from .config import TokenTuneConfig
 from .model import TokenTuneModel
+from .transform import TokenTuneTransform, tokentune_
 
-__all__ = ["TokenTuneCallback", "TokenTuneConfig", "TokenTuneModel", "find_token_selector"]
+__all__ = [
+    "find_token_selector",
+    "tokentune_",
+    "TokenTuneCallback",
+    "TokenTuneConfig",
+    "TokenTuneModel",
+    "TokenTuneTransform",
+]
 
 register_method("tokentune", TokenTuneConfig, TokenTuneModel)

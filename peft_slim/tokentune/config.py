@@ -15,16 +15,16 @@ class TokenTuneConfig(MethodConfig, TokenSelectionConfig):
 
     The forward pass sees every token; gradients flow only through a selected subset of positions, so
     activations are cached only for that subset. The selection fields (`token_ratio` or `num_tokens`,
-    `selection`, `seed`) are those of [`TokenSelectionConfig`]. With `lora`, a LoRA adapter is trained;
-    without it, the base model's own weights are (all of them, or those named by `trainable_modules`).
+    `selection`, `seed`) are those of [`TokenSelectionConfig`]. Through PEFT the LoRA adapter `lora` is trained;
+    with `peft_slim.tokentune_` (no `lora`), the model's own weights (all, or those named by `trainable_modules`).
     """
 
     method: ClassVar[str] = "TOKENTUNE"
 
     trainable_modules: list[str] | str | None = setting(
         None,
-        "Without `lora` only: module names (suffix match, like LoRA's target_modules) or one regex "
-        "(full match) whose parameters train. None trains every parameter (full fine-tuning).",
+        "Full fine-tuning (peft_slim.tokentune_, no `lora`) only: module names (suffix match, like LoRA's "
+        "target_modules) or one regex (full match) whose parameters train. None trains every parameter.",
         ModuleNames(),
     )
 

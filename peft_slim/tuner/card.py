@@ -16,8 +16,8 @@ CARD_END = "<!-- /peft_slim -->"
 
 
 def card_section(peft_model: Any) -> str:
-    """The card's "how to load" section: with plain PEFT (LoRA) or with peft_slim (standalone), and how to
-    continue training with the method."""
+    """The card's "how to load" section: with plain PEFT (a LoRA adapter), and how to continue training with the
+    method."""
     tuner = peft_model.base_model
     config = tuner._config
     base_cls = type(peft_model.get_base_model())
@@ -35,26 +35,14 @@ def card_section(peft_model: Any) -> str:
         "```",
         "",
     ]
-    if config.lora is not None:
-        lines = [
-            f"This is a plain PEFT **LoRA** adapter, trained with peft_slim's **{tuner.method_name}** (its settings "
-            f"are in `{RECORD_NAME}`). It loads without peft_slim:",
-            "",
-            *code,
-            f"To continue training with {tuner.method_name} and the same settings: "
-            f'`peft_slim.from_pretrained(base, "{adapter_ref}", is_trainable=True)`.',
-        ]
-    else:
-        peft_type = str(getattr(config.peft_type, "value", config.peft_type))
-        code.insert(1, "import peft_slim  # registers TokenTune and SlimFit with PEFT")
-        lines = [
-            f"This is a standalone **{tuner.method_name}** adapter (PEFT type `{peft_type}`) made with peft_slim: it "
-            "holds only the base tensors training changed. PEFT knows this type once `peft_slim` is imported; load "
-            "it onto the exact base model it was trained from (peft_slim checks this and refuses another one):",
-            "",
-            *code,
-            "`model.merge_and_unload()` gives the tuned model as a plain transformers model.",
-        ]
+    lines = [
+        f"This is a plain PEFT **LoRA** adapter, trained with peft_slim's **{tuner.method_name}** (its settings "
+        f"are in `{RECORD_NAME}`). It loads without peft_slim:",
+        "",
+        *code,
+        f"To continue training with {tuner.method_name} and the same settings: "
+        f'`peft_slim.from_pretrained(base, "{adapter_ref}", is_trainable=True)`.',
+    ]
     return "\n".join([CARD_START, "## Loading this adapter (peft_slim)", "", *lines, CARD_END])
 
 
@@ -62,8 +50,7 @@ def add_card_section(path: str, peft_model: Any) -> None:
     """Add peft_slim's tags and loading section to the model card at ``path`` (replacing an older section)."""
     card = ModelCard.load(path)
     tuner = peft_model.base_model
-    lora_tag = ["lora"] if tuner._config.lora is not None else []
-    card.data.tags = list(dict.fromkeys([*(card.data.tags or []), *lora_tag, "peft_slim", tuner.method_name.lower()]))
+    card.data.tags = list(dict.fromkeys([*(card.data.tags or []), "lora", "peft_slim", tuner.method_name.lower()]))
     section = card_section(peft_model)
     pattern = re.compile(re.escape(CARD_START) + r".*?" + re.escape(CARD_END), re.DOTALL)
     text = card.text

@@ -3,7 +3,6 @@ and reading a saved adapter's config back (:func:`load_config`, from a folder or
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from typing import Any, ClassVar
@@ -32,20 +31,20 @@ from ..nested_lora import check_lora_fields, merged_modules_to_save
 from ..registry import add_peft_type
 
 RECORD_NAME = "peft_slim_config.json"  # a LoRA-stacked adapter's method and settings
-MISMATCH_FLAG = "ignore_base_mismatch"  # the loading keyword that accepts another base model
 _HUB_KEYWORDS = ("revision", "cache_dir", "token", "local_files_only", "force_download")
 
 
 def _lora_value(name: str, without_lora: Any) -> property:
-    """A config property read from its nested LoRA (``without_lora`` when it has none)."""
-    return property(lambda self: without_lora if self.lora is None else getattr(self.lora, name))
+    """A config property read from its nested LoRA (``without_lora`` when it has none: a transform's config)."""
+    return property(lambda self: getattr(self.lora, name, without_lora))
 
 
 @config_dataclass
 class MethodConfig(PeftConfig, ValidatedConfig):
     """Base of the PEFT configs of peft_slim's methods (a subclass sets ``method``, e.g. "TOKENTUNE").
 
-    With `lora`, the method trains that LoRA adapter; without it, base weights. Every field, nested ones
+    Through PEFT the method trains the LoRA adapter `lora` (required there); without it the config is for the
+    method's full fine-tuning transform (``peft_slim.tokentune_`` / ``slimfit_``). Every field, nested ones
     included, is checked and serialised by ``peft_slim.configuration``; ``save_pretrained`` is atomic.
     """
 
@@ -53,7 +52,8 @@ class MethodConfig(PeftConfig, ValidatedConfig):
 
     lora: LoraConfig | dict | None = setting(
         None,
-        "A peft.LoraConfig: train this LoRA adapter. None: train the base model's weights.",
+        "A peft.LoraConfig: the LoRA adapter the method trains (required by get_peft_model). None: only for "
+        "full fine-tuning with peft_slim.tokentune_ / slimfit_, which train the model's own weights.",
         Lora(),
     )
     modules_to_save: list[str] | None = setting(
@@ -87,7 +87,7 @@ class MethodConfig(PeftConfig, ValidatedConfig):
     # PEFT's own code reads these from an adapter's config, as from a LoraConfig (`bias`: which biases train and
     # are saved; `target_modules` and `trainable_token_indices`: whether save_pretrained's
     # save_embedding_layers="auto" saves the embedding layers). A stacked adapter answers with its LoRA's values,
-    # so that PEFT treats it exactly as that LoRA adapter; without LoRA, as a config that has none of them.
+    # so that PEFT treats it exactly as that LoRA adapter.
 
     bias = _lora_value("bias", "none")
     target_modules = _lora_value("target_modules", None)
@@ -106,23 +106,16 @@ class MethodConfig(PeftConfig, ValidatedConfig):
     def save_pretrained(self, save_directory: str, **kwargs) -> None:
         """Write the adapter's config files, each atomically (a failure leaves the file that was there untouched).
 
-        With `lora`: ``adapter_config.json`` is the plain LoraConfig of the adapter (what vanilla PEFT reads, so the
-        folder is a standard LoRA adapter) and ``peft_slim_config.json`` this whole config (what
-        ``peft_slim.from_pretrained`` reads to continue with the method); the record is written first, so the file
-        PEFT writes last stays last. Without `lora`: ``adapter_config.json`` is this config.
+        ``adapter_config.json`` is the plain LoraConfig of the adapter (what vanilla PEFT reads, so the folder is a
+        standard LoRA adapter) and ``peft_slim_config.json`` this whole config (what ``peft_slim.from_pretrained``
+        reads to continue with the method); the record is written first, so the file PEFT writes last stays last.
         """
         if os.path.isfile(save_directory):
             raise ValueError(f"save_pretrained: {save_directory!r} is a file; give a directory.")
         auto_mapping = kwargs.pop("auto_mapping_dict", None)
         extra = {} if auto_mapping is None else {"auto_mapping": auto_mapping}
-        record_text = dump_json({**self.to_dict(), **extra})  # fails here, before the disk is touched
-        if self.lora is None:
-            atomic_write_text(os.path.join(save_directory, CONFIG_NAME), record_text)
-            # A LoRA-stacked adapter's record saved here before would be read instead of this config: the folder
-            # would not load (after this write: a kill before it leaves the old adapter's files as they were).
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(save_directory, RECORD_NAME))
-            return
+        # Both fail here, before the disk is touched.
+        record_text = dump_json({**self.to_dict(), **extra})
         lora_text = dump_json({**to_json_value(self.lora_export_config()), **extra})
         atomic_write_text(os.path.join(save_directory, RECORD_NAME), record_text)
         atomic_write_text(os.path.join(save_directory, CONFIG_NAME), lora_text)
@@ -130,22 +123,23 @@ class MethodConfig(PeftConfig, ValidatedConfig):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None, **kwargs):
         """The saved config: ``peft_slim_config.json`` where the folder has one (a LoRA-stacked adapter), else
-        ``adapter_config.json``. ``ignore_base_mismatch`` (from ``PeftModel.from_pretrained``'s keywords) is kept
-        for the base-model check of a standalone adapter."""
-        ignore_mismatch = bool(kwargs.pop(MISMATCH_FLAG, False))
+        ``adapter_config.json`` (refused: an adapter of an earlier peft_slim without LoRA)."""
         hub_kwargs = {key: value for key, value in kwargs.items() if key in _HUB_KEYWORDS}
         if adapter_file(pretrained_model_name_or_path, RECORD_NAME, subfolder, **hub_kwargs) is not None:
             config = load_config(pretrained_model_name_or_path, subfolder=subfolder, **hub_kwargs)
         else:
             config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
-        config._ignore_base_mismatch = ignore_mismatch
+            refuse_standalone(config, pretrained_model_name_or_path)
         config._loaded_from = str(pretrained_model_name_or_path)
         return config
 
     def lora_export_config(self) -> LoraConfig:
         """The plain LoraConfig that vanilla PEFT would save for this adapter's nested ``lora``."""
         if self.lora is None:
-            raise ValueError(f"{type(self).__name__}.lora is None: this adapter trains base weights, not LoRA.")
+            raise ValueError(
+                f"{type(self).__name__}.lora is None: there is no LoRA adapter to save. Set lora=LoraConfig(...); a "
+                "config without it is for full fine-tuning (peft_slim.tokentune_ / slimfit_), saved as the model."
+            )
         values = {
             key: sorted(value) if isinstance(value, set) else value for key, value in self.lora.to_dict().items()
         }
@@ -163,8 +157,7 @@ class MethodConfig(PeftConfig, ValidatedConfig):
 
 
 def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> Any:
-    """The peft_slim config of the adapter at ``model_id``: from ``peft_slim_config.json`` (LoRA-stacked adapters),
-    else from ``adapter_config.json`` (standalone adapters).
+    """The peft_slim config of the adapter at ``model_id``, from its ``peft_slim_config.json``.
 
     A LoRA-stacked adapter's LoRA is written twice, in ``adapter_config.json`` (what vanilla PEFT loads) and in
     ``peft_slim_config.json``: where the two differ (one was edited), the adapter is refused, naming the fields.
@@ -178,6 +171,7 @@ def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> An
                 f"peft_slim's {RECORD_NAME}: it was not saved from a peft_slim method. Load it with "
                 "peft.PeftModel.from_pretrained."
             )
+        refuse_standalone(config, model_id)
         config._loaded_from = str(model_id)
         return config
     with open(record) as handle:
@@ -200,10 +194,23 @@ def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> An
         config = config_cls(**values)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{record}: {error}") from None
-    if config.lora is not None:
-        _check_same_lora(config, record, model_id, subfolder, hub_kwargs)
+    refuse_standalone(config, model_id)
+    _check_same_lora(config, record, model_id, subfolder, hub_kwargs)
     config._loaded_from = str(model_id)
     return config
+
+
+def refuse_standalone(config: Any, model_id: str) -> None:
+    """Refuse a saved adapter without LoRA (the base weights trained in place, by an earlier peft_slim), naming the
+    way that replaced it."""
+    if config.lora is None:
+        transform = f"peft_slim.{str(getattr(config.peft_type, 'value', config.peft_type)).lower()}_"
+        raise ValueError(
+            f"{model_id!r} is a {type(config).__name__} adapter without LoRA (base weights trained in place), which "
+            f"peft_slim no longer loads: full fine-tuning is now {transform}(model, config) on a plain model, saved "
+            "as a model checkpoint (model.save_pretrained). To keep these weights, load adapter_model.safetensors "
+            "into the base model (keys without 'base_model.model.', load_state_dict(strict=False)) and save that."
+        )
 
 
 # Fields of adapter_config.json that name things rather than define the adapter: PEFT sets `inference_mode` at load,

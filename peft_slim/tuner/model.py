@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from peft.tuners.lora import LoraLayer
-from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, delete_adapter
+from peft.tuners.tuners_utils import BaseTuner, delete_adapter
 from torch import nn
 
 from ..compat import lora_adapter_state_dict, lora_state_dict_for_load
@@ -26,44 +26,8 @@ from ..nested_lora import inject_lora
 from ..token_selection import TokenSelectionConfig, TokenSelector
 from ..trainable import is_under, peft_wrapped_names
 from ..training_context import TrainingContext
-from .config import MISMATCH_FLAG, MethodConfig
+from .config import MethodConfig
 from .model_kinds import check_model_kind
-from .record import (
-    RECORD_KEY,
-    base_parameter_names,
-    identity,
-    record_from_tensor,
-    record_tensor,
-    tensor_digest,
-)
-
-
-class BaseWeightsSwitch(nn.Module, BaseTunerLayer):
-    """A standalone method's adapter, as PEFT's adapter-layer status sees it: the base weights trained in place.
-
-    PEFT's ``disable_adapter()`` looks for adapter layers before it calls the tuner, and a method without LoRA has
-    none; this one (no parameters, outside the transformers model) says whether the adapter is enabled, while the
-    tuner's ``disable_adapter_layers`` swaps the weights (SlimFit) or refuses (TokenTune).
-    """
-
-    def __init__(self, adapter_name: str):
-        super().__init__()
-        self.set_adapter(adapter_name)
-        self.merged_adapters = []
-
-    def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device: Any = None) -> None:
-        """Nothing to move (PEFT calls it after a ``low_cpu_mem_usage`` load): this layer has no base layer and no
-        weights, and BaseTunerLayer's own would look for a base layer's weight forever."""
-
-    # BaseTunerLayer's `weight` and `bias` are its base layer's, and this layer is its own base layer: it has none
-    # (read through BaseTunerLayer's, they would recurse forever).
-    @property
-    def weight(self) -> torch.Tensor:
-        raise AttributeError(f"{type(self).__name__} holds no weight: the base weights are trained in place.")
-
-    @property
-    def bias(self) -> torch.Tensor:
-        raise AttributeError(f"{type(self).__name__} holds no bias: the base weights are trained in place.")
 
 
 class InferenceOnly:
@@ -154,7 +118,7 @@ def unchanged_if_raises(model: nn.Module) -> Iterator[None]:
 class MethodTuner(BaseTuner):
     """PEFT's ``BaseTuner`` for a peft_slim method: no replaced modules, hooks instead.
 
-    Trains the nested LoRA when the config has one, else the base parameters the method names. In training
+    Trains the config's LoRA (required: full fine-tuning is a transform, ``tuner/transform.py``). In training
     forwards the token selection (if any) and the activation compression (if any) are active. Outside
     training (eval mode or no grad) the model computes exactly what the base model (+ LoRA) does.
 
@@ -175,10 +139,9 @@ class MethodTuner(BaseTuner):
         watched = _NEW_TUNERS.get()
         if watched is not None and watched[0] is model:
             watched[1].append(self)
-        if config.lora is not None:
-            # What `prefix` tells PEFT and its users (TRL's vLLM weight sync, PEFT's own checks): the marker of the
-            # adapter's parameter names, which are LoRA's. The class keeps the registered, unique one.
-            self.prefix = "lora_"
+        # What `prefix` tells PEFT and its users (TRL's vLLM weight sync, PEFT's own checks): the marker of the
+        # adapter's parameter names, which are LoRA's. The class keeps the registered, unique one.
+        self.prefix = "lora_"
 
     @property
     def method_name(self) -> str:
@@ -192,10 +155,6 @@ class MethodTuner(BaseTuner):
 
     def _check_model(self, model: nn.Module, config: MethodConfig) -> None:
         """Raise for a model the method cannot train exactly, before anything is changed."""
-
-    def _trainable_base_parameters(self, model: nn.Module, config: MethodConfig) -> list[str]:
-        """Names of the base parameters that train (and are saved) without LoRA."""
-        raise NotImplementedError
 
     def _setup(self, model: nn.Module, config: MethodConfig) -> None:
         """The method's own state and hooks, once LoRA is injected and trainability is set."""
@@ -230,6 +189,7 @@ class MethodTuner(BaseTuner):
         low_cpu_mem_usage: bool = False,
         state_dict: dict[str, torch.Tensor] | None = None,
     ) -> None:
+        self._require_lora(self.peft_config[adapter_name])
         others = [name for name in self.peft_config if name != adapter_name]
         if not others or not self.active_adapters:
             try:
@@ -280,11 +240,10 @@ class MethodTuner(BaseTuner):
         if selection is not None:
             TokenSelector.check(model)
         self._check_model(model, config)
-        if config.lora is not None:
-            inject_lora(model, config, adapter_name, low_cpu_mem_usage=low_cpu_mem_usage, state_dict=state_dict)
-            keep_lora_inputs_narrow(model)  # no fp32 copies of bf16/fp16 inputs saved for the adapters
-            if len(self.peft_config) > 1:  # only this adapter's LoRA trainable while it is set up, as PEFT sets it
-                BaseTuner.set_adapter(self, adapter_name)
+        inject_lora(model, config, adapter_name, low_cpu_mem_usage=low_cpu_mem_usage, state_dict=state_dict)
+        keep_lora_inputs_narrow(model)  # no fp32 copies of bf16/fp16 inputs saved for the adapters
+        if len(self.peft_config) > 1:  # only this adapter's LoRA trainable while it is set up, as PEFT sets it
+            BaseTuner.set_adapter(self, adapter_name)
         self._mark_only_adapters_as_trainable(model)
         self._setup(model, config)
         if config.inference_mode:  # the method's hooks are not set up: a forward that would train it is refused
@@ -297,17 +256,17 @@ class MethodTuner(BaseTuner):
         if selection is not None or config.activation_compression is not None or freezing is not None:
             state.context = TrainingContext(model, config.activation_compression, state.selector, freezing)
 
+    def _require_lora(self, config: MethodConfig) -> None:
+        """Refuse a config without ``lora``: through PEFT a method trains a LoRA adapter."""
+        if config.lora is None:
+            transform = f"peft_slim.{self.method_name.lower()}_"
+            raise ValueError(
+                f"{type(config).__name__}.lora is None: set lora=peft.LoraConfig(...) to train a LoRA adapter with "
+                f"get_peft_model, or fine-tune the model's own weights with {transform}(model, config) (no PEFT)."
+            )
+
     def _check_another_adapter(self, adapter_name: str, others: list[str]) -> None:
-        """Refuse a second adapter where two cannot be exact: a standalone one (base weights trained in place, which
-        every adapter of the model would share), or two adapters with LoRA biases (PEFT's own rule)."""
-        for name in [adapter_name, *others]:
-            if self.peft_config[name].lora is None:
-                raise ValueError(
-                    f"{self.method_name}: cannot add adapter {adapter_name!r} beside {others}: adapter {name!r} has "
-                    "no `lora`, it trains the base weights in place, and every adapter on the model would share (and "
-                    "change) those weights. Several adapters on one model need `lora=LoraConfig(...)` in each; or "
-                    "load the other adapter onto its own base model."
-                )
+        """Refuse a second adapter where two cannot be exact: two adapters with LoRA biases (PEFT's own rule)."""
         biased = [name for name in [adapter_name, *others] if self.peft_config[name].lora.bias != "none"]
         if len(biased) > 1:
             raise ValueError(
@@ -355,13 +314,6 @@ class MethodTuner(BaseTuner):
         had the adapter. Deleting the active one makes the adapter PEFT activates next live."""
         if adapter_name not in self.peft_config:
             raise ValueError(f"Adapter {adapter_name} does not exist")
-        if self.peft_config[adapter_name].lora is None:
-            raise ValueError(
-                f"{self.method_name}: cannot delete adapter {adapter_name!r}: it has no `lora`, it trains the base "
-                "weights in place, and deleting it would leave the model with those weights and no adapter. Use "
-                "merge_and_unload() for the tuned model as a plain model, or load the base model again (SlimFit "
-                "with keep_base_weights=True: unload() returns it)."
-            )
         active = adapter_name in self.active_adapters  # else parked: its hooks are off the model already
         if active:
             self.remove_hooks()
@@ -376,15 +328,6 @@ class MethodTuner(BaseTuner):
 
     def _prepare_adapter_config(self, peft_config: MethodConfig, model_config: dict) -> MethodConfig:
         return peft_config
-
-    def _mark_only_adapters_as_trainable(self, model: nn.Module) -> None:
-        config: MethodConfig = self._config
-        if config.lora is not None:
-            super()._mark_only_adapters_as_trainable(model)
-            return
-        trainable = set(self._trainable_base_parameters(model, config))
-        for name, param in model.named_parameters():
-            param.requires_grad = name in trainable
 
     @property
     def _config(self) -> MethodConfig:
@@ -427,7 +370,7 @@ class MethodTuner(BaseTuner):
 
     def _take_off(self) -> None:
         """Undo this tuner's wrapping of a get_peft_model or load that raised: the method's hooks off, LoRA layers
-        and PEFT's wrappers out (as ``unload()``, which a standalone method may refuse), every parameter's
+        and PEFT's wrappers out (as ``unload()``), every parameter's
         requires_grad as given. Nothing of the base model's values changed: a load refuses before it writes."""
         self.remove_hooks()
         BaseTuner._unload_and_optionally_merge(self, merge=False)
@@ -440,53 +383,15 @@ class MethodTuner(BaseTuner):
 
     @classmethod
     def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
-        if config.lora is not None:  # a LoRA adapter: what LoRA saves for the same LoraConfig (bias, DoRA, ...)
-            return lora_adapter_state_dict(model, config.lora, adapter_name, state_dict, unwanted_adapter_names)
-        tuner = getattr(model, "base_model", None)
-        if not isinstance(tuner, cls):
-            raise ValueError(
-                f"{cls.__name__}: a standalone adapter (no `lora`: base tensors trained in place) is saved with the "
-                "record of the base model it needs, which only the PeftModel holds; this is a bare "
-                f"{type(model).__name__} (peft.inject_adapter_in_model). Wrap it with get_peft_model and save that, "
-                "or train with lora=LoraConfig(...), whose LoRA weights get_peft_model_state_dict saves from a bare "
-                "model."
-            )
-        # By name and from ``state_dict``'s tensors: under FSDP those are gathered, the model's are shards.
-        prefix = tuner._state_dict_prefix(model)
-        saved = {
-            key: value
-            for key, value in state_dict.items()
-            if key.startswith(prefix) and tuner._saves_base_tensor(key[len(prefix) :], value)
-        }
-        # What loading checks, saved in the file beside the tensors it describes (every load reads it, Trainer's
-        # resume_from_checkpoint included): which tensors the file holds, which base model the others come from.
-        names = {key[len(prefix) :] for key in saved}
-        record = {"saved": sorted(names), "others": tuner._base_identity(names, lambda n: state_dict.get(prefix + n))}
-        saved[RECORD_KEY] = record_tensor(record)
-        return saved
+        # What LoRA saves for the same LoraConfig (bias, DoRA, ...).
+        return lora_adapter_state_dict(model, config.lora, adapter_name, state_dict, unwanted_adapter_names)
 
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
-        state_dict = dict(state_dict)
-        stored = state_dict.pop(RECORD_KEY, None)
-        if config.lora is not None:
-            remapped = lora_state_dict_for_load(model, config.lora, adapter_name, state_dict)
-        else:
-            remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
+        remapped = lora_state_dict_for_load(model, config.lora, adapter_name, dict(state_dict))
         tuner = getattr(model, "base_model", None)
-        if not isinstance(tuner, MethodTuner):
-            return remapped
-        record = None
-        if config.lora is None:  # a standalone adapter, before its weights load
-            loaded_from = getattr(config, "_loaded_from", None)  # set by the config's from_pretrained
-            if stored is not None:
-                record = record_from_tensor(stored, loaded_from or "the adapter file")
-            # Checked unless there is neither a record nor a file (a Trainer resuming from a checkpoint of an earlier
-            # peft_slim loads with its own config); a file without the record is warned about.
-            if stored is not None or loaded_from is not None:
-                ignore = getattr(config, "_ignore_base_mismatch", False)
-                tuner._check_base_model(record, config.base_model_name_or_path, loaded_from, ignore)
-        tuner._check_loaded(model, config, adapter_name, remapped, record)
+        if isinstance(tuner, MethodTuner):
+            tuner._check_loaded(model, config, adapter_name, remapped)
         return remapped
 
     @classmethod
@@ -497,77 +402,9 @@ class MethodTuner(BaseTuner):
             "`lora`), load that with peft.PeftModel.from_pretrained and convert it with PEFT."
         )
 
-    def _saves_base_tensor(self, name: str, tensor: torch.Tensor) -> bool:
-        """Without LoRA: whether base parameter ``name`` (relative to the base model), now ``tensor``, is saved."""
-        raise NotImplementedError
-
-    def _state_dict_prefix(self, peft_model: nn.Module) -> str:
-        """What the keys of ``peft_model``'s state dict put before a base parameter's name."""
-        return next(name for name, module in peft_model.named_modules() if module is self.model) + "."
-
-    # ------------------------------------------------------------------ which base model (standalone adapters)
-
-    def _kept_base_entry(self, name: str) -> tuple[str, tuple, bytes] | None:
-        """``(dtype, shape, digest)`` of base parameter ``name`` as it was when the model was wrapped, for a method
-        that trains base tensors in place and keeps their digests (SlimFit overrides it); None: hash the tensor as it
-        is, which is the same for a tensor the method never changes."""
-        return None
-
-    def _base_identity(self, held: set[str], tensor_of) -> dict[str, Any]:
-        """Count, dtypes and joint digest of the base parameters an adapter file does not hold (``held``: those it
-        does) as they were when the model was wrapped (``tensor_of(name)``: the tensor to hash when the method kept
-        no digest; None: the model's own)."""
-        others = [name for name in base_parameter_names(self.model) if name not in held]
-        entries = []
-        for name in others:
-            entry = self._kept_base_entry(name)
-            if entry is None:
-                tensor = tensor_of(name)
-                tensor = self.model.get_parameter(name) if tensor is None else tensor
-                entry = (str(tensor.dtype), tuple(tensor.shape), tensor_digest(tensor))
-            entries.append((name, *entry))
-        return identity(entries)
-
-    def _check_base_model(self, record: dict | None, base_name: str | None, where: str | None, ignore_mismatch: bool):
-        """Refuse to load the standalone adapter whose file holds ``record`` (see ``_get_adapter_state_dict``; from
-        ``where``) onto a base model whose parameters (those the adapter file does not hold) differ from the ones it
-        was trained with. Run before its weights load; a LoRA adapter applies to any base model of the right shapes,
-        as with PEFT."""
-        where = f" {where!r}" if where else ""
-        if record is None:
-            warnings.warn(
-                f"{self.method_name} adapter{where} was saved without a record of its base model (by an older "
-                "peft_slim): neither a tensor missing from its file nor a base model other than the one it was "
-                "trained on can be detected. Save it again to add the record.",
-                stacklevel=3,
-            )
-            return
-        here = self._base_identity(set(record["saved"]), lambda name: None)
-        then = record["others"]
-        if here["blake2b"] == then["blake2b"] and here["count"] == then["count"]:
-            return
-        dtypes = "" if here["dtypes"] == then["dtypes"] else f"; dtypes here {here['dtypes']}, then {then['dtypes']}"
-        message = (
-            f"{self.method_name} adapter{where}: this base model is not the one the adapter was trained on "
-            f"({base_name or 'name not recorded'}). The adapter file holds only the "
-            f"{len(record['saved'])} base tensors training changed; the other {then['count']} come from the model it "
-            f"is loaded onto, and this model's differ (blake2b {here['blake2b'][:16]}... over {here['count']} "
-            f"tensors here, {then['blake2b'][:16]}... over {then['count']} when saved{dtypes}). Load it onto the "
-            "exact base model (same checkpoint and dtype) it was trained from"
-        )
-        if not ignore_mismatch:
-            raise ValueError(
-                f"{message}, or pass {MISMATCH_FLAG}=True to PeftModel.from_pretrained or peft_slim.from_pretrained "
-                "to load it anyway (the result is then this model with the saved tensors replaced, not the tuned "
-                "model)."
-            )
-        warnings.warn(f"{message}. Loaded anyway ({MISMATCH_FLAG}=True).", stacklevel=3)
-
-    def _check_loaded(
-        self, peft_model: nn.Module, config: MethodConfig, adapter_name: str, loaded: dict, record: dict | None
-    ) -> None:
+    def _check_loaded(self, peft_model: nn.Module, config: MethodConfig, adapter_name: str, loaded: dict) -> None:
         """Refuse an adapter file with tensors of other shapes than this model's, before any is loaded (torch would
-        load the others first, base tensors of a standalone adapter or LoRA's biases among them). Then warn about the
+        load the others first, LoRA's biases among them). Then warn about the
         keys it should have set but did not (PEFT's own report keeps only keys with the tuner's prefix, which none of
         ours have), and about tensors it holds that this model has no place for."""
         state_dict = peft_model.state_dict()
@@ -584,16 +421,10 @@ class MethodTuner(BaseTuner):
                 f"of other shapes ({config.base_model_name_or_path or 'name not recorded'}): load it onto that model. "
                 "Nothing was loaded."
             )
-        if config.lora is not None:
-            # PEFT's rule for LoRA (tuner prefix and adapter name in the key), plus the biases `lora.bias` saves.
-            expected = {key for key in state_dict if "lora_" in key and _names_adapter(key, adapter_name)}
-            saved_by_lora = lora_adapter_state_dict(peft_model, config.lora, adapter_name, state_dict, [])
-            expected |= {key for key in saved_by_lora if "lora_" not in key and key in state_dict}
-        elif record is not None:  # the record read with this file names what it holds
-            prefix = self._state_dict_prefix(peft_model)
-            expected = {prefix + name for name in record["saved"]}
-        else:
-            expected = set()
+        # PEFT's rule for LoRA (tuner prefix and adapter name in the key), plus the biases `lora.bias` saves.
+        expected = {key for key in state_dict if "lora_" in key and _names_adapter(key, adapter_name)}
+        saved_by_lora = lora_adapter_state_dict(peft_model, config.lora, adapter_name, state_dict, [])
+        expected |= {key for key in saved_by_lora if "lora_" not in key and key in state_dict}
         missing = sorted(expected - loaded.keys())
         if missing:  # PEFT's wording
             warnings.warn(f"Found missing adapter keys while loading the checkpoint: {missing}.", stacklevel=2)

@@ -4,10 +4,9 @@ PEFT's ``PeftModel.save_pretrained`` (and so ``push_to_hub`` and Trainer checkpo
 adapter as a plain LoRA adapter: the config's own ``save_pretrained`` (``MethodConfig``) writes LoRA's
 ``adapter_config.json`` and, beside it, the method and its settings in ``peft_slim_config.json``. Vanilla PEFT loads
 such a folder as LoRA, without peft_slim; :func:`from_pretrained` loads it with the method, to continue training.
-A standalone adapter (base tensors, no LoRA) keeps peft_slim's own type in ``adapter_config.json``.
 
-Nothing of PEFT is replaced: what PEFT's methods cannot do for us is done by the tuner's hooks (the base-model
-check at injection, missing and unexpected keys at load) or here: :func:`save_pretrained` (atomic, with peft_slim's
+Nothing of PEFT is replaced: what PEFT's methods cannot do for us is done by the tuner's hooks (missing and
+unexpected keys at load) or here: :func:`save_pretrained` (atomic, with peft_slim's
 section in the model card; ``peft-slim train`` uses it), :func:`from_pretrained` and :func:`load_adapter` (with the
 config ``tuner.config.load_config`` reads, which ``PeftModel.load_adapter`` cannot be given), both reading one save
 of a folder (:func:`consistent_read`).
@@ -238,19 +237,16 @@ def from_pretrained(
     model_id: str,
     adapter_name: str = "default",
     is_trainable: bool = False,
-    ignore_base_mismatch: bool = False,
     **kwargs,
 ) -> Any:
     """``PeftModel.from_pretrained`` with the adapter's peft_slim method and settings, e.g. to continue training.
 
     ``PeftModel.from_pretrained`` alone loads a LoRA-stacked adapter as the plain LoRA adapter it is (same outputs,
-    no token selection, freezing or compression). ``ignore_base_mismatch=True`` loads a standalone adapter onto a
-    base model other than the one it was trained on. ``kwargs`` go to ``PeftModel.from_pretrained``. A load that
+    no token selection, freezing or compression). ``kwargs`` go to ``PeftModel.from_pretrained``. A load that
     raises leaves ``model`` as it was given. ``is_trainable=False`` sets up no method: training it is refused.
     """
     hub_kwargs = {key: kwargs[key] for key in ("subfolder", "revision", "cache_dir", "token") if key in kwargs}
     config = load_config(model_id, **hub_kwargs)
-    config._ignore_base_mismatch = ignore_base_mismatch  # read by the tuner at injection
     with unchanged_if_raises(model):  # a refused load leaves the model as it was given
         return PeftModel.from_pretrained(
             model, model_id, adapter_name=adapter_name, is_trainable=is_trainable, config=config, **kwargs

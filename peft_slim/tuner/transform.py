@@ -1,0 +1,144 @@
+"""Full fine-tuning with a peft_slim method: the method's mechanisms attached to a plain model, in the style of
+torchao's ``quantize_(model, config)``. No adapter and no PEFT wrapper: the model trains in any loop or Trainer and
+saves as the checkpoint it is (``model.save_pretrained``); ``remove()`` takes the method off again."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+from ..compression import CompressionStats
+from ..token_selection import TokenSelectionConfig, TokenSelector
+from ..training_context import TrainingContext
+from .config import MethodConfig
+from .model import AdapterState
+from .model_kinds import check_model_kind
+
+# Where a transform's handle sits on the model it changed: a plain attribute, so nothing of it is saved.
+HANDLE = "_peft_slim_transform"
+
+
+class MethodTransform:
+    """The handle a transform returns: what it attached to ``model`` (the method's hooks, its token selection and
+    training-forward compression, which parameters train), until ``remove()``.
+
+    A method subclasses it with ``config_cls`` and the hooks ``_token_selection``, ``_trainable_base_parameters``,
+    ``_setup`` and ``_remove_method_hooks`` (those of its PEFT tuner, which it may share).
+    """
+
+    config_cls: ClassVar[type[MethodConfig]]
+    transform_name: ClassVar[str]  # the public function, for messages
+    state_cls: ClassVar[type[AdapterState]] = AdapterState
+
+    def __init__(self, model: nn.Module, config: MethodConfig):
+        name = f"peft_slim.{self.transform_name}"
+        if not isinstance(config, self.config_cls):
+            raise TypeError(f"{name}: config must be a {self.config_cls.__name__}, got {type(config).__name__}.")
+        if config.lora is not None:
+            raise ValueError(
+                f"{name}: the config has `lora`; train that LoRA adapter with peft.get_peft_model(model, config). "
+                f"{name} trains the model's own weights: give the config without `lora`."
+            )
+        if config.modules_to_save:
+            raise ValueError(
+                f"{name}: modules_to_save={config.modules_to_save!r} is PEFT's (a trained copy beside a frozen "
+                "module); full fine-tuning trains the modules themselves: leave it unset."
+            )
+        if config.inference_mode:
+            raise ValueError(f"{name}: inference_mode=True; a transform is for training: leave it False.")
+        wrapped = [n for n, module in model.named_modules() if isinstance(module, BaseTunerLayer)]
+        if wrapped or hasattr(model, "peft_config"):
+            raise ValueError(
+                f"{name}: the model holds PEFT adapters ({wrapped[:3] or type(model).__name__}); full fine-tuning "
+                "transforms a plain model. Merge them first (merge_and_unload()), or train the adapter through PEFT."
+            )
+        if find_transform(model) is not None:
+            raise ValueError(f"{name}: the model already has a peft_slim transform; call its remove() first.")
+        self.model = model
+        self._config = config
+        self._state = self.state_cls()
+        self._given_requires_grad = {n: p.requires_grad for n, p in model.named_parameters()}
+        selection = self._token_selection(config)
+        check_model_kind(model, self.method_name, selects_tokens=selection is not None)
+        if selection is not None:
+            TokenSelector.check(model)
+        try:
+            trainable = set(self._trainable_base_parameters(model, config))
+            for parameter_name, param in model.named_parameters():
+                param.requires_grad = parameter_name in trainable
+            self._setup(model, config)
+            state = self._state
+            if selection is not None:
+                state.selector = TokenSelector.attach(model, selection)
+            freezing = self._freezing()
+            if selection is not None or config.activation_compression is not None or freezing is not None:
+                state.context = TrainingContext(model, config.activation_compression, state.selector, freezing)
+        except BaseException:
+            self.remove()
+            raise
+        model.__dict__[HANDLE] = self
+
+    @property
+    def method_name(self) -> str:
+        return self.config_cls.__name__.removesuffix("Config")
+
+    def remove(self) -> None:
+        """Take the method off the model: its hooks, token selection and compression, and every parameter's
+        requires_grad as it was given. The weights keep what they were trained to."""
+        self._state.detach()
+        self._remove_method_hooks()
+        for parameter_name, param in self.model.named_parameters():
+            param.requires_grad = self._given_requires_grad.get(parameter_name, param.requires_grad)
+        if self.model.__dict__.get(HANDLE) is self:
+            del self.model.__dict__[HANDLE]
+
+    def _active_state(self) -> AdapterState:
+        return self._state
+
+    # ------------------------------------------------------------------ the hooks a method fills in
+
+    def _token_selection(self, config: MethodConfig) -> TokenSelectionConfig | None:
+        return None
+
+    def _trainable_base_parameters(self, model: nn.Module, config: MethodConfig) -> list[str]:
+        raise NotImplementedError
+
+    def _setup(self, model: nn.Module, config: MethodConfig) -> None:
+        pass
+
+    def _remove_method_hooks(self) -> None:
+        pass
+
+    def _freezing(self) -> Callable[[nn.Module], None] | None:
+        """What the training context calls before every forward with grad enabled (SlimFit's schedule), or None."""
+        return None
+
+    # ------------------------------------------------------------------ what the last training forward did
+
+    @property
+    def token_selector(self) -> TokenSelector | None:
+        return self._state.selector
+
+    @property
+    def last_token_mask(self) -> torch.Tensor | None:
+        """The positions selected in the latest training forward ([batch, length], bool); None without selection."""
+        return None if self._state.selector is None else self._state.selector.last_token_mask
+
+    @property
+    def last_compression_stats(self) -> CompressionStats | None:
+        context = self._state.context
+        return None if context is None or context.compression is None else context.last_stats
+
+
+def find_transform(model: nn.Module, cls: type[MethodTransform] = MethodTransform) -> Any:
+    """The ``cls`` handle of the transform on ``model`` (or on a module inside it: a DDP or accelerate wrapper's),
+    or None."""
+    for module in model.modules():
+        handle = module.__dict__.get(HANDLE)
+        if isinstance(handle, cls):
+            return handle
+    return None
