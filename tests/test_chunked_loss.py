@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from peft import LoraConfig, get_peft_model
 from reference import reference_forward, selected_causal_lm_loss
-from tiny_models import VOCAB, decoder_config, make_batch
+from tiny_models import VOCAB, FullFineTuned, decoder_config, make_batch
 from tokentune_cases import assert_grads_match, grads_of_trainable, training_step
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from peft_slim import TokenTuneConfig
+from peft_slim import TokenTuneConfig, tokentune_
 from peft_slim.token_selection import chunked_loss
 from peft_slim.token_selection.blocks import find_blocks
 from peft_slim.token_selection.chunked_loss import chunked_head_loss
@@ -150,7 +150,8 @@ def _model(tied: bool, lora_head: bool, chunked: bool, dtype=torch.float32, lora
     targets = ["q_proj", "v_proj", "down_proj"] + (["lm_head"] if lora_head else [])
     nested = LoraConfig(r=4, target_modules=targets, init_lora_weights=False) if lora else None
     config = TokenTuneConfig(task_type="CAUSAL_LM", lora=nested, token_ratio=0.4, seed=0, chunked_loss=chunked)
-    return get_peft_model(_llama(tied, dtype, **extra), config)
+    base = _llama(tied, dtype, **extra)
+    return get_peft_model(base, config) if lora else FullFineTuned(base, tokentune_(base, config))
 
 
 def _batch() -> dict:
@@ -163,7 +164,7 @@ def _reference(model, batch: dict, mask: torch.Tensor) -> tuple[torch.Tensor, di
     """The selected-token loss from the full logits of an ordinary forward (tests/reference.py), and its gradients."""
     model.zero_grad(set_to_none=True)
     model.eval()
-    inner = model.base_model.model
+    inner = model.get_base_model()
     with reference_forward(inner, find_blocks(inner)[1], mask):
         inputs = {key: value for key, value in batch.items() if key != "labels"}
         loss = selected_causal_lm_loss(model(**inputs).logits, batch["labels"], mask)
@@ -195,7 +196,7 @@ def test_tokentune_gradients_exact(small_chunks, tied, lora_head, lora):
     if lora_head:
         assert any("lm_head.lora_B" in name and grad.abs().max() > 0 for name, grad in grads.items())
     if tied and not lora:  # the tied weight gets the embedding's and the head's gradient
-        assert grads["base_model.model.model.embed_tokens.weight"].abs().max() > 0
+        assert grads["model.embed_tokens.weight"].abs().max() > 0
 
     materialised = _model(tied, lora_head, chunked=False, lora=lora)
     output_m, mask_m, grads_m = training_step(materialised, batch)

@@ -25,7 +25,7 @@ from tokentune_cases import (
 )
 from transformers import LlamaForSequenceClassification, ModernBertConfig, Wav2Vec2Config
 
-from peft_slim import TokenTuneConfig
+from peft_slim import TokenTuneConfig, tokentune_
 from peft_slim.token_selection.attention import SUPPORTED_IMPLEMENTATIONS
 from peft_slim.token_selection.blocks import find_blocks
 from peft_slim.token_selection.heads import (
@@ -372,8 +372,7 @@ def test_readme_architectures():
         torch.manual_seed(0)
         model = builder()
         head = head_of(model).kind
-        config = TokenTuneConfig(task_type="SEQ_CLS" if head == "classification" else "CAUSAL_LM")
-        model = get_peft_model(model, config)
+        tokentune_(model, TokenTuneConfig(task_type="SEQ_CLS" if head == "classification" else "CAUSAL_LM"))
         ids = torch.randint(3, VOCAB, (2, 8))
         labels = torch.tensor([0, 1]) if head == "classification" else ids
         model.train()
