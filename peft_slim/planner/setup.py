@@ -21,6 +21,7 @@ from torch import nn
 
 from ..compat import copy_loading_marks, storage_key
 from ..configuration import Boolean, Integer
+from ..quiet import warning_silenced
 from ..slimfit import SlimFitModel
 
 TASKS = ("causal_lm", "sequence_classification", "image_classification")
@@ -268,7 +269,10 @@ def trainable_model(base: nn.Module, peft_config: PeftConfig | None, gradient_ch
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if peft_config is None:
         return base.requires_grad_(True).train()
-    model = get_peft_model(base, copy.deepcopy(peft_config))
+    # PEFT reads transformers' deprecated `is_gradient_checkpointing` (a FutureWarning per model wrapped: per setting
+    # of a plan); nothing the caller can change.
+    with warning_silenced(FutureWarning, "`is_gradient_checkpointing` is deprecated"):
+        model = get_peft_model(base, copy.deepcopy(peft_config))
     after_step(model)  # SlimFit sized at its worst step: the largest units train
     return model.train()
 
