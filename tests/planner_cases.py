@@ -75,7 +75,8 @@ MEASURED_CASES = {
 }
 
 _CHILD = """
-import gc, json, re, sys, warnings
+import ctypes, gc, json, re, sys, warnings
+ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: no 2 MiB page makes the resident set jump
 warnings.simplefilter("ignore")
 from planner_cases import MEASURED_CASES
 from peft_slim.planner.setup import after_step, make_optimizer, training_step

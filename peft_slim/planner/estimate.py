@@ -15,6 +15,7 @@ import torch
 from peft import PeftConfig
 
 from ..quiet import warning_silenced
+from ..slimfit import SlimFitConfig
 from .fake import fake_tensor_mode, one_sequence_per_row
 from .setup import (
     gradient_bytes,
@@ -71,7 +72,8 @@ def estimate_memory(
     """
     step = (peft_config, batch_size, seq_len, optimizer, dtype, task, gradient_checkpointing)
     workload = resolve_workload(model, *step[:-1])
-    if workload.module is None and depth_scalable(workload.config):
+    # SlimFit trains a share of the units, which does not grow by the same number per block: never scaled.
+    if workload.module is None and not isinstance(peft_config, SlimFitConfig) and depth_scalable(workload.config):
         scaled = scaled_by_depth(workload.config, step)
         if scaled is not None:
             return scaled
@@ -96,23 +98,24 @@ def depth_scalable(config) -> bool:
 
 def scaled_by_depth(config, step: tuple) -> MemoryEstimate | None:
     """The estimate of the full depth from traces of the same model 1, 2 and 3 blocks deep, or None where that is not
-    exact. Each field must grow by the same bytes per block (parameters, gradients, optimizer state, activations: sums
-    over the blocks). Every moment of a step of identical blocks holds what a moment of one block's forward or
-    backward holds plus, per other block, at most its saved activations or its gradients: so once the peak grows
-    per block by the larger of the two, its moment stays the highest at any depth."""
+    exact. Parameters, gradients, optimizer state and activations are sums over the blocks: each must grow by the
+    same bytes per block. The peak: every moment of a step of identical blocks holds what a moment of one block's
+    forward, backward or update holds plus, per other block, either its saved activations or its gradients, so no
+    moment grows by more than the larger of the two per block. When the peak grows by just that from 2 to 3 blocks,
+    its moment at 3 blocks is one that grows so, and it stays the highest at any depth."""
     points = []
     for depth in SCALING_DEPTHS:
         shallow = copy.deepcopy(config)
         shallow.num_hidden_layers = depth
         points.append(traced(shallow, step).to_dict())
-    growth = {name: points[1][name] - points[0][name] for name in points[0]}
-    if any(points[2][name] - points[1][name] != growth[name] for name in growth):
+    growth = {name: points[2][name] - points[1][name] for name in points[0]}
+    if any(points[1][name] - points[0][name] != growth[name] for name in growth if name != "peak"):
         return None  # the blocks do not add alike (SlimFit's share of units, a layer pattern)
     held = growth["parameters"] + growth["optimizer_state"]
     if growth["peak"] - held != max(growth["activations"], growth["gradients"]):
         return None  # the highest moment at 3 blocks may not be the highest deeper
-    extra = config.num_hidden_layers - SCALING_DEPTHS[0]
-    return MemoryEstimate(**{name: points[0][name] + extra * growth[name] for name in growth})
+    extra = config.num_hidden_layers - SCALING_DEPTHS[-1]
+    return MemoryEstimate(**{name: points[-1][name] + extra * growth[name] for name in growth})
 
 
 def traced(model, step: tuple) -> MemoryEstimate:

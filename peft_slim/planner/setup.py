@@ -243,7 +243,7 @@ def base_model(workload: Workload, device: str) -> nn.Module:
     model, config, task, dtype = workload.module, workload.config, workload.task, workload.dtype
     if model is None:
         with torch.device(device):
-            built = _AUTO_CLASSES[task].from_config(config)
+            built = _AUTO_CLASSES[task].from_config(copy.deepcopy(config))  # the model keeps its config: a copy
         return built.to(dtype)
     if isinstance(model, PeftModel):
         raise ValueError(
@@ -267,6 +267,8 @@ def trainable_model(base: nn.Module, peft_config: PeftConfig | None, gradient_ch
         if not getattr(base, "supports_gradient_checkpointing", False):
             raise ValueError(f"gradient_checkpointing: {type(base).__name__} does not support it.")
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if getattr(base.config, "use_cache", False):  # what transformers does at the first forward, saying so
+            base.config.use_cache = False
     if peft_config is None:
         return base.requires_grad_(True).train()
     # PEFT reads transformers' deprecated `is_gradient_checkpointing` (a FutureWarning per model wrapped: per setting
