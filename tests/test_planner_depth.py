@@ -33,9 +33,12 @@ def full_depth(config, peft_config, gradient_checkpointing=False):
 
 SETTINGS = ladder(4, 0.3)
 SETTINGS = [*SETTINGS, *(replace(c, gradient_checkpointing=True) for c in SETTINGS)]
+QUICK = {"lora+lora-r4", "tokentune-0.3+lora-r4", "tokentune-0.5+lora-r4+8bit", "tokentune-0.3+lora-r4+4bit+ckpt"}
+# A few settings by default, every one of the ladder in the slow run (two traces of a deep model each).
+PARAMS = [pytest.param(c, id=c.name, marks=() if c.name in QUICK else pytest.mark.slow) for c in SETTINGS]
 
 
-@pytest.mark.parametrize("candidate", SETTINGS, ids=[c.name for c in SETTINGS])
+@pytest.mark.parametrize("candidate", PARAMS)
 def test_scaled_by_depth_is_the_full_depth_trace(candidate):
     config = llama_config(num_hidden_layers=DEEP)
     peft_config = candidate.peft_config("CAUSAL_LM", "all-linear")
