@@ -50,6 +50,7 @@ DEFAULTS = {
     "no_checkpointing": False,
     "task": None,
     "rank": "measured",
+    "verbose": False,
 }
 # (option strings, default, choices, required, help), in the order the help lists them.
 FLAGS = [
@@ -91,6 +92,13 @@ FLAGS = [
         False,
         "Order of the settings that fit: 'measured' (default): those the equal-budget benchmark ran first, soonest "
         "to reach LoRA's final perplexity; 'ladder': cheapest in time and accuracy first, unmeasured.",
+    ),
+    (
+        ("--verbose",),
+        False,
+        None,
+        False,
+        "Give each setting's evidence in full: the measured numbers and where they come from.",
     ),
 ]
 
@@ -185,6 +193,7 @@ CASES = [
         (*B, "--rank", "fastest"),
         {"exit": 2, "error": ERROR + "--rank: invalid choice: 'fastest' (choose from 'measured', 'ladder')"},
     ),
+    ((*B, "--verbose"), {"parsed": {"verbose": True}}),
     ((*B, "--model", "m", "--gguf-file", "f.gguf"), {"parsed": {"model": "m", "gguf_file": "f.gguf"}}),
     ((*B, "--model"), {"exit": 2, "error": ERROR + "--model: expected one argument"}),
     ((*B, "--lora-alpha", "16"), {"exit": 2, "error": "peft-slim: error: unrecognized arguments: --lora-alpha 16"}),

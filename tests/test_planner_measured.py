@@ -195,14 +195,14 @@ def test_a_method_the_trl_head_run_measured_carries_those_ratios_too():
 def test_cli_prints_each_settings_evidence_and_trains_the_first(tmp_path, capsys, everything):
     llama_config().save_pretrained(tmp_path)
     _, ranked = everything
-    argv = ["plan", "--model", str(tmp_path), "--batch-size", "2", "--seq-len", "32", "--lora-r", "4"]
+    argv = ["plan", "--model", str(tmp_path), "--batch-size", "2", "--seq-len", "32", "--lora-r", "4", "--verbose"]
     assert cli_main([*argv, "--min-token-ratio", "0.2", "--budget", str(max(c.estimate.peak for c in ranked))]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].split(" | ")[-1] == "evidence"
-    rows = [line.split(" | ") for line in lines[1:-1]]
+    rows = [line.split(" | ") for line in lines[1:-2]]  # then what to pass as --model (a config only) and the line
     assert [(row[0], row[-1]) for row in rows] == [(c.name, c.evidence) for c in ranked]
     first = checked_train_args(shlex.split(lines[-1])[2:])
-    assert Recipe.from_train_args(first) == ranked[0].recipe
+    assert Recipe.from_train_args(first) == ranked[0].recipe and first.model == "MODEL"
 
 
 def test_rank_is_validated():

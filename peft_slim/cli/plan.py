@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import pathlib
 import re
 import shlex
 from dataclasses import MISSING, dataclass
@@ -67,6 +69,9 @@ class PlanArguments:
         "first, soonest to reach LoRA's final perplexity; 'ladder': cheapest in time and accuracy first, unmeasured.",
         OneOf(RANKS),
     )
+    verbose: bool = setting(
+        False, "Give each setting's evidence in full: the measured numbers and where they come from.", Boolean()
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +90,18 @@ def train_command(
     parts += [] if seq_len is None else ["--max-length", str(seq_len)]
     parts += [] if dtype == "float32" else ["--dtype", dtype]
     return shlex.join(parts)
+
+
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+MODEL_PLACEHOLDER = "MODEL"
+
+
+def holds_weights(model: str | None) -> bool:
+    """Whether `peft-slim train --model MODEL` can load ``model``: train's default (None), a hub id (not a local
+    path), or a local folder with weight files; not a config file, nor a folder with a config only."""
+    if model is None or not os.path.exists(model):
+        return True
+    return os.path.isdir(model) and any(any(pathlib.Path(model).glob(pattern)) for pattern in WEIGHT_FILES)
 
 
 def _size(value: int) -> str:
@@ -111,10 +128,25 @@ def run(args: argparse.Namespace) -> int:
     for candidate in found:
         e = candidate.estimate
         cells = (e.peak, e.parameters, e.gradients, e.optimizer_state, e.activations)
-        print(" | ".join([candidate.name, *map(_size, cells), candidate.evidence]))
-    if args.budget is not None:
-        if not found:
-            print(f"Nothing fits {_size(args.budget)}: lower --batch-size or --seq-len.")
-            return 1
-        print(train_command(args.model, found[0], args.batch_size, args.seq_len, args.dtype, args.gguf_file))
+        evidence = candidate.evidence if args.verbose else candidate.brief
+        print(" | ".join([candidate.name, *map(_size, cells), evidence]))
+    if args.budget is None:
+        return 0
+    if not found:
+        print(f"Nothing fits {_size(args.budget)}: lower --batch-size or --seq-len.")
+        return 1
+    if args.optimizer != "adamw":  # train's optimizer state would be AdamW's: the setting may not fit under it
+        print(
+            f"Plan with --optimizer adamw for a `peft-slim train` line: train always uses AdamW, and these estimates "
+            f"count {args.optimizer}'s optimizer state."
+        )
+        return 0
+    model = args.model
+    if not holds_weights(model):
+        print(
+            f"Replace {MODEL_PLACEHOLDER} with the folder or hub id of the model's weights ({model} holds its config "
+            "only), then train the first setting:"
+        )
+        model = MODEL_PLACEHOLDER
+    print(train_command(model, found[0], args.batch_size, args.seq_len, args.dtype, args.gguf_file))
     return 0

@@ -7,6 +7,7 @@ checkpointing and SlimFit's freezing all run as in training, so a new architectu
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import asdict, dataclass
 
@@ -14,8 +15,16 @@ import torch
 from peft import PeftConfig
 
 from ..quiet import warning_silenced
+from ..slimfit import SlimFitConfig
 from .fake import fake_tensor_mode, one_sequence_per_row
-from .setup import gradient_bytes, make_optimizer, optimizer_state_bytes, training_step, weight_bytes
+from .setup import (
+    gradient_bytes,
+    make_optimizer,
+    optimizer_state_bytes,
+    resolve_workload,
+    training_step,
+    weight_bytes,
+)
 from .trace import LiveBytes
 
 
@@ -58,10 +67,63 @@ def estimate_memory(
     "float16"). ``task``: "causal_lm", "sequence_classification" or "image_classification" (default: from the
     model's class, the config's ``architectures`` or the PEFT ``task_type``). SlimFit is sized at its worst step:
     the largest units train. Sizes are those of CPU tensors; an accelerator's allocator rounds each block up a
-    little.
+    little. A deep model given as a config is traced at 1, 2 and 3 blocks and scaled to its depth where that is
+    exact (see ``scaled_by_depth``); else at its full depth.
     """
-    step = (model, peft_config, batch_size, seq_len, optimizer, dtype, task, gradient_checkpointing)
-    workload, trained, inputs = training_step(*step, "meta")
+    step = (peft_config, batch_size, seq_len, optimizer, dtype, task, gradient_checkpointing)
+    workload = resolve_workload(model, *step[:-1])
+    # SlimFit trains a share of the units, which does not grow by the same number per block: never scaled.
+    if workload.module is None and not isinstance(peft_config, SlimFitConfig) and depth_scalable(workload.config):
+        scaled = scaled_by_depth(workload.config, step)
+        if scaled is not None:
+            return scaled
+    return traced(workload.module or workload.config, step)
+
+
+SCALING_DEPTHS = (1, 2, 3)
+
+
+def depth_scalable(config) -> bool:
+    """Whether every block of the model the config builds is alike as far as the config says: deeper than the
+    depths traced, no setting given per layer (a list as long as the stack: layer types, sliding windows), no
+    sub-config (a model of several stacks)."""
+    depth = getattr(config, "num_hidden_layers", None)
+    if not isinstance(depth, int) or depth <= SCALING_DEPTHS[-1]:
+        return False
+    values = config.to_dict()
+    per_layer = [v for v in values.values() if isinstance(v, (list, tuple)) and len(v) == depth]
+    nested = [v for v in values.values() if isinstance(v, dict) and "model_type" in v]
+    return not per_layer and not nested
+
+
+def scaled_by_depth(config, step: tuple) -> MemoryEstimate | None:
+    """The estimate of the full depth from traces of the same model 1, 2 and 3 blocks deep, or None where that is not
+    exact. Parameters, gradients, optimizer state and activations are sums over the blocks: each must grow by the
+    same bytes per block. The peak: every moment of a step of identical blocks holds what a moment of one block's
+    forward, backward or update holds plus, per other block, either its saved activations or its gradients, so no
+    moment grows by more than the larger of the two per block. When the peak grows by just that from 2 to 3 blocks,
+    its moment at 3 blocks is one that grows so, and it stays the highest at any depth."""
+    points = []
+    for depth in SCALING_DEPTHS:
+        shallow = copy.deepcopy(config)
+        shallow.num_hidden_layers = depth
+        points.append(traced(shallow, step).to_dict())
+    growth = {name: points[2][name] - points[1][name] for name in points[0]}
+    if any(points[1][name] - points[0][name] != growth[name] for name in growth if name != "peak"):
+        return None  # the blocks do not add alike (SlimFit's share of units, a layer pattern)
+    held = growth["parameters"] + growth["optimizer_state"]
+    if growth["peak"] - held != max(growth["activations"], growth["gradients"]):
+        return None  # the highest moment at 3 blocks may not be the highest deeper
+    extra = config.num_hidden_layers - SCALING_DEPTHS[-1]
+    return MemoryEstimate(**{name: points[-1][name] + extra * growth[name] for name in growth})
+
+
+def traced(model, step: tuple) -> MemoryEstimate:
+    """One training step of ``model`` traced on fake tensors, at its own depth."""
+    peft_config, batch_size, seq_len, optimizer, dtype, task, gradient_checkpointing = step
+    workload, trained, inputs = training_step(
+        model, peft_config, batch_size, seq_len, optimizer, dtype, task, gradient_checkpointing, "meta"
+    )
     with fake_tensor_mode():
         _make_fake(trained)
         optimizer = make_optimizer(trained, workload.optimizer)

@@ -42,6 +42,16 @@ class Measurement:
         best = _mean_over(self.tasks, "best_within_budget_ratio")
         return (1, math.inf if best is None else best)
 
+    def brief(self) -> str:
+        """The evidence in a table cell: the measured time to LoRA's final perplexity (or how many runs got there)
+        against LoRA + checkpointing; ``evidence`` gives the rest."""
+        if _reaches(self.tasks):
+            time = _mean_over(self.tasks, "time_to_reference_ratio")
+            return f"measured: LoRA's final perplexity in {time:.2f}x the time of LoRA + ckpt"
+        seeds = sum(len(t["seeds"]) for t in self.tasks.values())
+        reached = sum(t["seeds_reaching_reference"] for t in self.tasks.values())
+        return f"measured: LoRA's final perplexity in {reached} of {seeds} runs in LoRA + ckpt's time"
+
     def evidence(self) -> str:
         """The measured numbers and where they come from, against LoRA + checkpointing and, where that run has
         this setting, against LoRA + checkpointing with TRL's fused LM head (the baseline a TRL user has)."""

@@ -54,6 +54,11 @@ class Candidate:
         return "+".join(parts)
 
     @property
+    def brief(self) -> str:
+        """``evidence`` in a few words, for a table cell."""
+        return NOT_MEASURED if self.measurement is None else self.measurement.brief()
+
+    @property
     def recipe(self) -> Recipe:
         """The setting as a ``Recipe`` (LoRA alpha 2 r on every linear layer, the method's other defaults)."""
         return Recipe(**{spec.name: getattr(self, spec.name) for spec in fields(self) if spec.compare})

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..compat import copy_loading_marks, storage_key
 from ..configuration import Boolean, Integer
+from ..quiet import warning_silenced
 from ..recipe import trainable
 from ..slimfit import find_slimfit
 
@@ -243,7 +244,7 @@ def base_model(workload: Workload, device: str) -> nn.Module:
     model, config, task, dtype = workload.module, workload.config, workload.task, workload.dtype
     if model is None:
         with torch.device(device):
-            built = _AUTO_CLASSES[task].from_config(config)
+            built = _AUTO_CLASSES[task].from_config(copy.deepcopy(config))  # the model keeps its config: a copy
         return built.to(dtype)
     if isinstance(model, PeftModel):
         raise ValueError(
@@ -267,7 +268,12 @@ def trainable_model(base: nn.Module, peft_config: PeftConfig | None, gradient_ch
         if not getattr(base, "supports_gradient_checkpointing", False):
             raise ValueError(f"gradient_checkpointing: {type(base).__name__} does not support it.")
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    model, _ = trainable(base, copy.deepcopy(peft_config))  # a method without `lora`: its transform on `base`
+        if getattr(base.config, "use_cache", False):  # what transformers does at the first forward, saying so
+            base.config.use_cache = False
+    # PEFT reads transformers' deprecated `is_gradient_checkpointing` (a FutureWarning per model wrapped: per setting
+    # of a plan); nothing the caller can change. A method without `lora`: its transform on `base`.
+    with warning_silenced(FutureWarning, "`is_gradient_checkpointing` is deprecated"):
+        model, _ = trainable(base, copy.deepcopy(peft_config))
     after_step(model)  # SlimFit sized at its worst step: the largest units train
     return model.train()
 

@@ -2,8 +2,10 @@
 
 Every operator's output that brings a new storage adds its bytes; the storage's bytes go when the last tensor
 using it dies (autograd's saved tensors, gradients and optimizer state keep theirs alive as long as they really
-are). Like the CPU measurement (``peft_slim.memory.peak_memory_bytes``), buffers an operator allocates and frees
-before returning are not seen.
+are). Buffers an operator allocates and frees before returning are not seen, with one exception that is large:
+a CPU elementwise operator whose tensors differ in dtype (PEFT adds a float32 LoRA output to a bfloat16 layer's)
+first copies each input of another dtype to the common one (TensorIterator's ``promote_inputs_to_common_dtype``),
+and an in-place one computes into a temporary of the common dtype; those copies live while it runs.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class LiveBytes(TorchDispatchMode):
                 if key in inputs:
                     continue  # an in-place change of a tensor from before the trace: nothing allocated or freed
             self._track(tensor, key)
+        if torch.Tag.pointwise in func.tags:
+            self.peak = max(self.peak, self.total + promotion_bytes(func, args, kwargs))
         return out
 
     def _track(self, tensor: torch.Tensor, key: int) -> None:
@@ -61,3 +65,20 @@ class LiveBytes(TorchDispatchMode):
         if entry[1] == 0:
             del self._live[key]
             self.total -= entry[0]
+
+
+def promotion_bytes(func, args: tuple, kwargs: dict | None) -> int:
+    """Bytes of the temporaries a CPU elementwise operator makes while it runs when its floating-point tensors differ
+    in dtype: a copy in the common dtype of each one of another dtype, and for an in-place operator on a tensor of
+    another dtype, its result in the common dtype (then copied into it). The common dtype is that of the tensors with
+    dimensions (a 0-dim one does not promote). Masks and indices (bool, integer) are read as they are."""
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    shaped = [t for t in tensors if t.dim() > 0] or tensors
+    if len({t.dtype for t in shaped}) < 2:
+        return 0
+    common = shaped[0].dtype
+    for tensor in shaped[1:]:
+        common = torch.promote_types(common, tensor.dtype)
+    copies = sum(t.numel() * common.itemsize for t in shaped if t.dtype != common)
+    target = args[0] if func._schema.name.endswith("_") and args and isinstance(args[0], torch.Tensor) else None
+    return copies + (target.numel() * common.itemsize if target is not None and target.dtype != common else 0)
