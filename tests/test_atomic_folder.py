@@ -219,6 +219,49 @@ def test_a_save_while_peft_slim_loads_is_refused_not_mixed(models, tmp_path, mon
     assert _which(peft_slim.from_pretrained(build("llama"), target), models) == "64"
 
 
+@pytest.mark.parametrize("loader", ["from_pretrained", "load_adapter"])
+def test_a_load_a_save_swapped_under_is_read_again(models, tmp_path, monkeypatch, loader):
+    """A save lands during the first load only: the loader takes that load off and reads the folder again, giving the
+    new save whole; a save during every load: FolderReplaced after a bounded number of reads, the model as given."""
+    first, target = tmp_path / "first", tmp_path / "adapter"
+    peft_slim.save_pretrained(models[8], first)
+    peft_slim.save_pretrained(models[8], target)
+    load_weights = peft.peft_model.load_peft_weights
+    saves = []
+
+    def save_then_load_weights(*args, **kwargs):
+        if len(saves) < limit:
+            saves.append(1)
+            peft_slim.save_pretrained(models[ALPHAS[len(saves) % 2]], target)  # 64, then 8, 64, ...
+        return load_weights(*args, **kwargs)
+
+    def load() -> tuple:
+        """The model loaded from `target`, and the weight and alpha of what was loaded from it."""
+        if loader == "from_pretrained":
+            model = peft_slim.from_pretrained(base, target)
+            return model, _lora_weight(model), model.peft_config["default"].lora.lora_alpha
+        peft_slim.load_adapter(base, target, "other")
+        weight = next(v for k, v in base.state_dict().items() if ".lora_A.other." in k).clone()
+        return base, weight, base.peft_config["other"].lora.lora_alpha
+
+    def fresh():
+        return build("llama") if loader == "from_pretrained" else peft_slim.from_pretrained(build("llama"), first)
+
+    monkeypatch.setattr(peft.peft_model, "load_peft_weights", save_then_load_weights)
+    limit = 0
+    base, limit = fresh(), 1
+    _, weight, alpha = load()
+    assert len(saves) == 1 and alpha == 64 and torch.equal(weight, _lora_weight(models[64]))
+
+    limit, saves[:] = 0, []
+    base, limit = fresh(), 100
+    names = sorted(name for name, _ in base.named_parameters())
+    with pytest.raises(FolderReplaced, match=f"read {saving.LOAD_ATTEMPTS} times"):
+        load()
+    assert len(saves) == saving.LOAD_ATTEMPTS
+    assert sorted(name for name, _ in base.named_parameters()) == names  # nothing of the loads is left on the model
+
+
 def test_a_swap_between_the_opens_is_retried(tmp_path, monkeypatch):
     target = tmp_path / "folder"
     for version in ("old", "new"):

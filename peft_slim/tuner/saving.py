@@ -176,37 +176,70 @@ def check_stamp(where: str, files: dict[str, IO[bytes]]) -> None:
             )
 
 
-def consistent_read(load: Callable) -> Callable:
+# How many times a load that a save swapped the folder under is undone and read again before FolderReplaced.
+LOAD_ATTEMPTS = 5
+
+
+def consistent_read(undo: Callable[..., None]) -> Callable:
     """Decorate ``load(model, model_id, ...)`` so that it reads one save of a local folder ``model_id`` (recovered
     first if a save was killed between its two renames): the adapter's files are held open as one version of the
-    folder (``atomic_folder.held_files``) and their stamp checked before ``load`` runs; if a save replaces the folder
-    meanwhile, ``atomic_folder.FolderReplaced`` is raised after it."""
+    folder (``atomic_folder.held_files``) and their stamp checked before ``load`` runs. If a save replaces the folder
+    meanwhile, ``undo(model, result, *args, **kwargs)`` takes the load off the model and it is read again, up to
+    ``LOAD_ATTEMPTS`` times; then ``atomic_folder.FolderReplaced``."""
 
-    @functools.wraps(load)
-    def load_one_save(model: Any, model_id: str, *args, **kwargs) -> Any:
-        model_id = os.fspath(model_id)  # `load` is given a str
-        folder = os.path.join(model_id, kwargs["subfolder"]) if kwargs.get("subfolder") else model_id
-        for saved in dict.fromkeys((model_id, folder)):  # the subfolder too: a save may have written it alone
-            real = os.path.realpath(saved)  # where a save through a link to the folder puts its siblings
-            if not os.path.exists(real) and os.path.isdir(sibling(real, "new")):
-                recover(real)  # a save was killed between its two renames: the new folder is complete
-        if not os.path.isdir(folder):  # a Hub repository: one revision is one commit
-            return load(model, model_id, *args, **kwargs)
-        loading = False
-        try:
-            with held_files(folder, ADAPTER_FILES) as files:
-                check_stamp(folder, files)
-                loading = True
+    def decorate(load: Callable) -> Callable:
+        @functools.wraps(load)
+        def load_one_save(model: Any, model_id: str, *args, **kwargs) -> Any:
+            model_id = os.fspath(model_id)  # `load` is given a str
+            folder = os.path.join(model_id, kwargs["subfolder"]) if kwargs.get("subfolder") else model_id
+            for saved in dict.fromkeys((model_id, folder)):  # the subfolder too: a save may have written it alone
+                real = os.path.realpath(saved)  # where a save through a link to the folder puts its siblings
+                if not os.path.exists(real) and os.path.isdir(sibling(real, "new")):
+                    recover(real)  # a save was killed between its two renames: the new folder is complete
+            if not os.path.isdir(folder):  # a Hub repository: one revision is one commit
                 return load(model, model_id, *args, **kwargs)
-        except FolderReplaced as error:
-            if not loading:
-                raise
+            for _ in range(LOAD_ATTEMPTS):
+                result = loading = None
+                try:
+                    with held_files(folder, ADAPTER_FILES) as files:
+                        check_stamp(folder, files)
+                        loading = True
+                        result = load(model, model_id, *args, **kwargs)
+                    return result
+                except FolderReplaced as error:
+                    if not loading:
+                        raise
+                    replaced = error
+                    if result is None:  # the load itself raised: nothing of it to take off
+                        continue
+                    try:
+                        undo(model, result, *args, **kwargs)
+                    except Exception as failed:
+                        raise FolderReplaced(
+                            f"peft_slim.{load.__name__}: {error} The model may hold parts of both saves: load again, "
+                            "onto a fresh base model (from_pretrained) or after delete_adapter (load_adapter)."
+                        ) from failed
             raise FolderReplaced(
-                f"peft_slim.{load.__name__}: {error} The model may hold parts of both saves: load again, onto a fresh "
-                "base model (from_pretrained) or after delete_adapter (load_adapter)."
-            ) from error
+                f"peft_slim.{load.__name__}: {replaced} It was read {LOAD_ATTEMPTS} times, each replaced by a save "
+                "during the read, and the model is as given: load again once the saves stop."
+            ) from replaced
 
-    return load_one_save
+        return load_one_save
+
+    return decorate
+
+
+def _take_off_loaded(model: nn.Module, loaded: Any, *args, **kwargs) -> None:
+    """Undo ``from_pretrained``: the tuner it put on ``model`` taken off, the model as given."""
+    tuner = getattr(loaded, "base_model", None)
+    if not isinstance(tuner, MethodTuner):
+        raise TypeError(f"cannot take a {type(tuner).__name__} off the model")
+    tuner._take_off()
+
+
+def _delete_loaded(model: Any, loaded: Any, adapter_name: str | None = None, *args, **kwargs) -> None:
+    """Undo ``load_adapter``: the adapter it added deleted."""
+    model.delete_adapter(adapter_name if adapter_name is not None else kwargs["adapter_name"])
 
 
 def _config_digest(data: bytes) -> str:
@@ -231,7 +264,7 @@ def _safetensors_header(handle: IO[bytes]) -> dict:
     return header if isinstance(header, dict) else {}
 
 
-@consistent_read
+@consistent_read(_take_off_loaded)
 def from_pretrained(
     model: nn.Module,
     model_id: str,
@@ -253,7 +286,7 @@ def from_pretrained(
         )
 
 
-@consistent_read
+@consistent_read(_delete_loaded)
 def load_adapter(model: Any, model_id: str, adapter_name: str, is_trainable: bool = False, **kwargs) -> Any:
     """``model.load_adapter`` for a saved peft_slim adapter: a further adapter named ``adapter_name`` on ``model`` (a
     PeftModel of the same peft_slim method), with the saved method and settings. Returns PEFT's load result.
