@@ -47,9 +47,9 @@ def default_dataset_path() -> Path:
 class Rows(list):
     """The rows of a dataset, with where each came from (for messages that point at a row)."""
 
-    def __init__(self, rows, source: str, lines: list[int] | None = None):
+    def __init__(self, rows, source: str, lines: list[int] | None = None, note: str | None = None):
         super().__init__(rows)
-        self.source, self.lines = source, lines
+        self.source, self.lines, self.note = source, lines, note  # note: what was left out of the file, if anything
 
     def where(self, index: int) -> str:
         """'<source>, line 7' (JSON lines: the file's 1-based line) or '<source>, row 7' (1-based)."""
@@ -75,6 +75,25 @@ def _check_utf8(path: Path) -> bytes:
             f"`iconv -f latin1 -t utf-8`."
         ) from None
     return data
+
+
+def _bad_text(value) -> str | None:
+    """The first string (key or value) in ``value`` that has no UTF-8 form (a lone surrogate escape such as
+    ``"\\ud800"``, which JSON parses but Arrow cannot store), or None."""
+    texts = [value] if isinstance(value, str) else []
+    if isinstance(value, dict):
+        texts = [item for pair in value.items() for item in pair]
+    elif isinstance(value, list):
+        texts = value
+    for text in texts:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return text
+        elif isinstance(text, (dict, list)) and (bad := _bad_text(text)) is not None:
+            return bad
+    return None
 
 
 def _paths(value, prefix: str = ""):
@@ -143,6 +162,12 @@ def _scan_json(dataset: str, text: str) -> tuple[list[int] | None, str | None]:
             if not isinstance(row, dict):
                 problem = f"line {number}: found {type(row).__name__}, expected a JSON object (one row per line)."
                 continue
+            bad = _bad_text(row)
+            if bad is not None:
+                raise DataError(
+                    f"--dataset {dataset!r}, line {number}: found {bad!r:.80}, a lone surrogate escape (such as "
+                    "\\ud800) that is no Unicode character; expected text: remove or replace the escape."
+                )
             for field, kind in _paths(row):
                 first = seen.setdefault(field, (kind, number))
                 if first[0] != kind:
@@ -161,20 +186,33 @@ def _scan_json(dataset: str, text: str) -> tuple[list[int] | None, str | None]:
     return lines, problem
 
 
-def _csv_options(dataset: str, text: str) -> dict:
+def _csv_options(dataset: str, text: str) -> tuple[dict, str | None]:
     """The ``csv`` builder's options that read every cell as the text it is: each column a string column, no NA
-    guessing (pandas would make ``42`` an int, ``True`` a bool, ``NA`` and an empty cell nothing). A header naming a
-    column twice is refused: pandas would rename the second (``completion.1``) and the run train on the first."""
+    guessing (pandas would make ``42`` an int, ``True`` a bool, ``NA`` and an empty cell nothing); and a note when
+    the first column, unnamed, is ignored (the row index pandas' ``to_csv()`` writes). A header naming a column
+    twice, or another column without a name, is refused: pandas would rename it (``completion.1``, ``Unnamed: 2``)
+    and the run train on the first."""
     import datasets
 
     header = next(csv.reader(io.StringIO(text)), [])
-    repeated = sorted({name for name in header if header.count(name) > 1})
+    index = header[:1] == [""] and len(header) > 1
+    named = header[1:] if index else header
+    repeated = sorted({name for name in named if named.count(name) > 1})
     if repeated:
         raise DataError(
             f"--dataset {dataset!r}, line 1: the header names column(s) {', '.join(map(repr, repeated))} more than "
             f"once (header: {header}); expected each column name once: rename or remove the repeated column."
         )
-    return {"features": datasets.Features({name: datasets.Value("string") for name in header}), "na_filter": False}
+    if "" in named:
+        raise DataError(
+            f"--dataset {dataset!r}, line 1: column {header.index('', int(index)) + 1} has no name (header: "
+            f"{header}); expected a name for every column: name it or remove it."
+        )
+    options = {"features": datasets.Features({name: datasets.Value("string") for name in named}), "na_filter": False}
+    if not index:
+        return options, None
+    note = "its first column, unnamed, is ignored (the row index of pandas' to_csv(); to_csv(index=False) omits it)"
+    return options | {"usecols": named}, note
 
 
 def read_rows(dataset: str | None, split: str) -> Rows:
@@ -190,7 +228,8 @@ def read_rows(dataset: str | None, split: str) -> Rows:
         raise DataError(
             f"--dataset {dataset!r} needs the `datasets` package: pip install 'peft-slim[train]'."
         ) from error
-    lines, located, builder = None, None, FILE_BUILDERS.get(path.suffix.lower()) if path.is_file() else None
+    builder = FILE_BUILDERS.get(path.suffix.lower()) if path.is_file() else None
+    lines, located, note = None, None, None
     try:
         if path.is_file():
             if builder is None:
@@ -201,8 +240,17 @@ def read_rows(dataset: str | None, split: str) -> Rows:
             if builder == "json":
                 lines, located = _scan_json(dataset, _check_utf8(path).decode("utf-8-sig"))  # the loader skips a BOM
             elif builder == "csv":
-                options = _csv_options(dataset, _check_utf8(path).decode("utf-8-sig"))
+                options, note = _csv_options(dataset, _check_utf8(path).decode("utf-8-sig"))
             loaded = datasets.load_dataset(builder, data_files=str(path), split="train", **options)
+        elif (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+            loaded = datasets.load_from_disk(str(path))  # a Dataset.save_to_disk folder (load_dataset refuses it)
+            if isinstance(loaded, datasets.DatasetDict):
+                if split not in loaded:
+                    raise DataError(
+                        f"--dataset {dataset!r} has no split {split!r}; expected --dataset-split one of "
+                        f"{sorted(loaded)}."
+                    )
+                loaded = loaded[split]
         else:
             loaded = datasets.load_dataset(dataset, split=split)
     except DataError:
@@ -217,7 +265,7 @@ def read_rows(dataset: str | None, split: str) -> Rows:
     source = f"--dataset {dataset!r}" + ("" if path.is_file() else f" (split {split!r})")
     if lines is not None and len(lines) != len(loaded):
         lines = None  # rows do not map to values one to one (one object of columns): rows are numbered instead
-    return Rows(list(loaded), source, lines)
+    return Rows(list(loaded), source, lines, note)
 
 
 def find_columns(rows: list[dict], text=None, prompt=None, completion=None, messages=None) -> Columns:
@@ -295,6 +343,8 @@ def _check_messages(messages, refuse) -> None:
             refuse(f"message {number} with role {role!r}", f"a role among {ROLES}")
         if not isinstance(message["content"], str):
             refuse(f"message {number} with content {_found(message['content'])}", "string content")
+        if role == "assistant" and not message["content"]:  # its only label would be the end of the turn
+            refuse(f"message {number} with role 'assistant' and empty content", "a non-empty answer to learn")
     if not any(message["role"] == "assistant" for message in messages):
         refuse("no assistant message", "at least one assistant turn to learn")
     if messages[0]["role"] == "assistant":  # its prompt: an empty conversation, which transformers refuses

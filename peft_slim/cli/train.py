@@ -431,6 +431,8 @@ def _run(args: argparse.Namespace) -> int:
     source = args.dataset or f"embedded {sft_data.DEFAULT_DATASET}"
     print(f"data: {source}, {columns.format} format, {len(examples)} examples", end="")
     print(f" ({dropped} dropped: no labelled token within --max-length {args.max_length})" if dropped else "")
+    if rows.note is not None:
+        print(f"data: {rows.note}")
 
     set_seed(args.seed)
     batch = sft_data.collate(examples[: args.batch_size], tokenizer.pad_token_id)
