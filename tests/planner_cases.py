@@ -7,7 +7,7 @@ import argparse
 
 import transformers
 
-from peft_slim.cli.train import add_arguments, check_flags
+from peft_slim.cli.train import parse_flags
 
 
 def llama_config(**extra) -> transformers.LlamaConfig:
@@ -19,8 +19,4 @@ def llama_config(**extra) -> transformers.LlamaConfig:
 
 def checked_train_args(flags: list[str]) -> argparse.Namespace:
     """``flags`` parsed and checked by the real ``peft-slim train`` code."""
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(flags)
-    check_flags(args)
-    return args
+    return parse_flags(flags)

@@ -156,7 +156,7 @@ def test_tokenize_never_trains_on_a_missing_completion():
     """The bug: a missing completion became the text 'None' plus the end marker, trained on, 0 rows dropped."""
     rows = sft_data.Rows([GOOD_PC, {"prompt": "Hi?", "completion": None}], "data.jsonl", [1, 2])
     with pytest.raises(sft_data.DataError, match=r"data.jsonl, line 2: column 'completion': found nothing"):
-        sft_data.tokenize(rows, sft_data.find_columns(rows), tokenizer=None, max_length=64, chat_template=False)
+        sft_data.to_dataset(rows, sft_data.find_columns(rows), tokenizer=None, chat_template=False)
 
 
 # ------------------------------------------------------------------------------------------------- sizes
@@ -230,10 +230,9 @@ TRAIN_FLAGS = [
 
 @pytest.mark.parametrize(("flag", "value"), TRAIN_FLAGS)
 def test_train_refuses_out_of_range_sizes_naming_flag_and_range(flag, value, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(["train", flag, value])
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and f"{flag} must be" in err, err
+    assert main(["train", flag, value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert flag in err and ("must be" in err or "invalid" in err) and len(err.splitlines()) == 1, err
 
 
 def test_train_refuses_a_micro_batch_of_too_many_tokens(tmp_path, capsys):

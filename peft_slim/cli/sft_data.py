@@ -1,12 +1,12 @@
-"""Supervised fine-tuning data for ``peft-slim train``: read a dataset, find its format, tokenise it with loss labels.
+"""Supervised fine-tuning data for ``peft-slim train``: read a dataset, find its format, check its rows for TRL.
 
 Three formats, recognised by their columns: plain text (``text``: every token is a target), prompt/completion
 (``prompt`` + ``completion``) and chat (``messages``: a list of ``{"role", "content"}``). With completion-only
 loss (the default) the prompt, and in a chat everything but the assistant turns, is labelled -100, so the loss
 and TokenTune's label-first selection see only the answers.
 
-TRL's ``SFTTrainer`` prepares the same formats; where this module does a job its own way, a one-line comment there
-says why (its results differ from TRL's on some inputs, tests/test_sft_data.py pins them).
+TRL's ``SFTTrainer`` tokenises, labels and truncates the rows (``to_dataset`` hands them over in its formats); this
+module reads and checks them first, naming file, line and column (TRL checks no row), and labels chat rows.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-
-from ..token_selection.selection import IGNORE_INDEX
 
 DEFAULT_DATASET = "chatterbot_qa.jsonl"  # under peft_slim/data/, with its licence file
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -388,49 +386,26 @@ def _chat_pieces(tokenizer, messages: list[dict], completion_only: bool = True) 
     return [(text, labelled) for text, labelled in pieces if text]
 
 
-def _pieces(
-    row: dict, columns: Columns, tokenizer, chat_template: bool, completion_only: bool = True
-) -> list[tuple[str, bool]]:
-    """The row's text cut into (piece, is_target) pieces: the chat template's turns, else the text or the prompt and
-    the completion, then an end-of-sequence token when ``chat_template`` is off."""
-    if columns.format == "messages":
-        return _chat_pieces(tokenizer, row[columns.messages], completion_only)
-    if columns.format == "prompt-completion":
-        prompt, completion = row[columns.prompt], row[columns.completion]
-        if chat_template:  # TRL renders text prompt/completion rows without the template
-            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-            return _chat_pieces(tokenizer, messages, completion_only)
-        pieces = [(prompt, False), (completion, True)]
-    else:
-        pieces = [(row[columns.text], True)]
-    if not chat_template and tokenizer.eos_token is not None:
-        pieces.append((tokenizer.eos_token, True))  # always: SFTTrainer skips a text already ending in it
-    return pieces
-
-
-def _example(pieces: list[tuple[str, bool]], tokenizer, completion_only: bool) -> dict:
-    """``input_ids`` and ``labels`` (-100 on the pieces that are no target when ``completion_only``)."""
-    # Each piece tokenised apart, no special token added: SFTTrainer tokenises prompt + completion as one text
-    # (a token may then straddle the boundary) and adds the tokenizer's special tokens (a BOS) to plain text.
-    input_ids, labels = [], []
-    for text, target in pieces:
+def _chat_example(messages: list[dict], tokenizer, completion_only: bool) -> dict:
+    """``input_ids`` and ``completion_mask`` (1 on the assistant turns) of a conversation, each piece tokenised apart,
+    no special token added (what the template renders is all there is)."""
+    input_ids, mask = [], []
+    for text, assistant in _chat_pieces(tokenizer, messages, completion_only):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         input_ids += ids
-        labels += ids if (target or not completion_only) else [IGNORE_INDEX] * len(ids)
-    return {"input_ids": input_ids, "labels": labels}
+        mask += [int(assistant or not completion_only)] * len(ids)
+    return {"input_ids": input_ids, "completion_mask": mask}
 
 
-def tokenize(
-    rows: list[dict],
-    columns: Columns,
-    tokenizer,
-    max_length: int,
-    completion_only: bool = True,
-    chat_template: bool | None = None,
-) -> tuple[list[dict], int]:
-    """``input_ids`` and ``labels`` per row, cut to ``max_length``, and how many valid rows were dropped for keeping
-    no labelled token within it; a malformed row is refused (``check_rows``), never dropped. ``chat_template``: as
-    ``--chat-template`` (None: when the tokenizer has one); without it an end-of-sequence token ends each row."""
+def to_dataset(rows: list[dict], columns: Columns, tokenizer, completion_only: bool = True, chat_template=None):
+    """The checked ``rows`` as a ``datasets.Dataset`` in one of TRL's formats, for ``SFTTrainer`` to tokenise, label
+    and truncate: ``text``; ``prompt`` + ``completion`` (as chat turns where ``chat_template``, None: when the
+    tokenizer has one); chat rows tokenised here (``input_ids`` + ``completion_mask``, all ones without
+    ``completion_only``)."""
+    # TRL's assistant_only_loss needs a chat template marking its assistant turns with {% generation %}: chat rows are
+    # labelled here by where the template puts each assistant turn (``_chat_pieces``).
+    import datasets
+
     has_template = getattr(tokenizer, "chat_template", None) is not None
     chat_template = has_template if chat_template is None else chat_template
     if (chat_template or columns.format == "messages") and not has_template:
@@ -441,29 +416,17 @@ def tokenize(
     check_rows(rows, columns)
     examples = []
     for index, row in enumerate(rows):
-        try:
-            pieces = _pieces(row, columns, tokenizer, chat_template, completion_only)
-        except DataError as error:
-            raise DataError(f"{_where(rows, index)}: {error}") from None
-        example = {key: ids[:max_length] for key, ids in _example(pieces, tokenizer, completion_only).items()}
-        # A causal LM predicts position t from t-1: the first label is never scored (SFTTrainer keeps such an example).
-        if any(label != IGNORE_INDEX for label in example["labels"][1:]):
-            examples.append(example)
-    if not examples:
-        raise DataError(f"--max-length {max_length}: no example keeps a labelled token; raise --max-length.")
-    return examples, len(rows) - len(examples)  # the rest were dropped
-
-
-def collate(examples: list[dict], pad_token_id: int) -> dict:
-    """Right-pad a batch to its longest example: ``input_ids``, ``attention_mask`` and ``labels`` (-100 on padding)."""
-    # The batch of TRL's DataCollatorForLanguageModeling(pad_token_id), but trl is no dependency of peft-slim[train].
-    import torch
-    from torch.nn.utils.rnn import pad_sequence
-
-    ids = [torch.tensor(example["input_ids"], dtype=torch.long) for example in examples]
-    labels = [torch.tensor(example["labels"], dtype=torch.long) for example in examples]
-    return {
-        "input_ids": pad_sequence(ids, batch_first=True, padding_value=pad_token_id),
-        "attention_mask": pad_sequence([torch.ones_like(row) for row in ids], batch_first=True),
-        "labels": pad_sequence(labels, batch_first=True, padding_value=IGNORE_INDEX),
-    }
+        if columns.format == "text":
+            examples.append({"text": row[columns.text]})
+        elif columns.format == "prompt-completion":
+            prompt, completion = row[columns.prompt], row[columns.completion]
+            if chat_template:  # TRL's conversational prompt-completion: rendered by the template
+                prompt = [{"role": "user", "content": prompt}]
+                completion = [{"role": "assistant", "content": completion}]
+            examples.append({"prompt": prompt, "completion": completion})
+        else:
+            try:
+                examples.append(_chat_example(row[columns.messages], tokenizer, completion_only))
+            except DataError as error:
+                raise DataError(f"{_where(rows, index)}: {error}") from None
+    return datasets.Dataset.from_list(examples)
