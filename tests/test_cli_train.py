@@ -153,6 +153,41 @@ def test_truncation_drops_examples_without_a_labelled_token(tiny_model):
         prepared(tiny_model, rows[:1], max_length=8, chat_template=False)
 
 
+def test_an_example_labelled_only_at_its_first_position_is_dropped(tiny_model):
+    """The first position is never scored (a causal LM predicts position t from t-1): TRL's SFTTrainer keeps such an
+    example, the command drops it."""
+    rows = [{"text": "Mars is red."}]
+    _, examples, dropped = prepared(tiny_model, rows, max_length=2)
+    assert dropped == 0 and len(examples[0]["labels"]) == 2
+    with pytest.raises(sft_data.DataError, match="--max-length 1: no example keeps a labelled token"):
+        prepared(tiny_model, rows, max_length=1)
+
+
+def test_the_command_trains_in_trls_sft_trainer_with_the_methods_config_and_callback(tiny_model):
+    """The main job is the documented TRL recipe: SFTTrainer, the method's config as peft_config, its callback."""
+    import trl
+    from transformers import AutoModelForCausalLM
+
+    from peft_slim import SlimFitCallback, TokenTuneCallback, TokenTuneConfig
+    from peft_slim.cli.arguments import TrainingArguments
+    from peft_slim.cli.train import make_trainer
+    from peft_slim.recipe import Recipe
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model)
+    rows = [{"text": "Mars is red."}]
+    dataset = sft_data.to_dataset(rows, sft_data.find_columns(rows), tokenizer)
+    args = TrainingArguments(output_dir=str(tiny_model / "unused"), learning_rate=1e-4, dataset_text_field="text")
+    for recipe, config, callback in [
+        (Recipe(), TokenTuneConfig, TokenTuneCallback),
+        (Recipe(method="slimfit"), SlimFitConfig, SlimFitCallback),
+    ]:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model)
+        trainer = make_trainer(model, tokenizer, dataset, recipe, args)
+        assert isinstance(trainer, trl.SFTTrainer)
+        assert isinstance(trainer.model.peft_config["default"], config)
+        assert any(isinstance(each, callback) for each in trainer.callback_handler.callbacks)
+
+
 def test_embedded_dataset_is_chat_qa():
     rows = sft_data.read_rows(None, "train")
     assert len(rows) >= 300
