@@ -153,6 +153,7 @@ UNUSED = {
     "load_in_4bit": "it loads full-precision weights",
     "model_revision": "give --model a folder or hub id at the revision wanted",
     "eval_strategy": "it evaluates nothing",
+    "push_to_hub": "push the saved folder with huggingface_hub",
     "assistant_only_loss": "chat rows are labelled at their assistant turns with --completion-only-loss",
 }
 
@@ -185,7 +186,7 @@ def make_parser(prog: str = "peft-slim train") -> Parser:
         epilog="With no arguments: TokenTune + LoRA (r=8, all linear layers, 30% of each sequence's tokens, "
         f"label-first selection) on SmolLM2-135M-Instruct, {DEFAULT_STEPS} steps over the embedded chatterbot-corpus "
         "QA set; a few minutes on a CPU. The last line printed is the saved adapter's folder, loadable with "
-        "peft.PeftModel.from_pretrained after `import peft_slim`.",
+        "peft.PeftModel.from_pretrained (vanilla PEFT: no `import peft_slim` needed).",
     )
     # A bool that defaults to None (not given) is a switch too: HfArgumentParser would want a value (--x true).
     for action in parser._actions:

@@ -213,8 +213,9 @@ def _csv_options(dataset: str, text: str) -> tuple[dict, str | None]:
     return options | {"usecols": named}, note
 
 
-def read_rows(dataset: str | None, split: str) -> Rows:
-    """The rows of the embedded default (``dataset=None``), of a local file or folder, or of a hub dataset."""
+def read_rows(dataset: str | None, split: str, config: str | None = None) -> Rows:
+    """The rows of the embedded default (``dataset=None``), of a local file or folder, or of a hub dataset (``config``:
+    its configuration name)."""
     if dataset is None:
         path = default_dataset_path()
         numbered = list(_json_values(path.read_text(encoding="utf-8")))
@@ -250,7 +251,7 @@ def read_rows(dataset: str | None, split: str) -> Rows:
                     )
                 loaded = loaded[split]
         else:
-            loaded = datasets.load_dataset(dataset, split=split)
+            loaded = datasets.load_dataset(dataset, config, split=split)
     except DataError:
         raise
     except Exception as error:

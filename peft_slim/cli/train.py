@@ -281,7 +281,7 @@ def train(recipe: Recipe, data, training, model_args, method) -> int:
     datasets.disable_progress_bars()  # TRL's preparation passes: the command prints what they found
     path, gguf_file, model_name = models.resolve_model(model_args.model_name_or_path, model_args.gguf_file)
     check_output(training.output_dir, path)
-    rows = sft_data.read_rows(data.dataset_name, data.dataset_train_split)
+    rows = sft_data.read_rows(data.dataset_name, data.dataset_train_split, data.dataset_config)
     columns = sft_data.find_columns(
         rows, training.dataset_text_field, data.prompt_column, data.completion_column, data.messages_column
     )
@@ -312,7 +312,7 @@ def train(recipe: Recipe, data, training, model_args, method) -> int:
 
     start = time.perf_counter()
     with warning_silenced(UserWarning, "TokenTune under trl.SFTTrainer"):  # of TRL's logs: the CLI prints its own
-        result = trainer.train()
+        result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     seconds = time.perf_counter() - start
     output = Path(training.output_dir).resolve()
     save(trainer.model, tokenizer, output)
