@@ -106,6 +106,19 @@ def test_a_yaml_config_is_read_as_trl_sft_reads_it_and_flags_beside_it_win(tmp_p
     assert field(["--config", str(config)], "per_device_train_batch_size") == 2
 
 
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [(None, "No such file"), ("method: [", "while parsing"), ("nope: 1\n", "Unknown arguments from config file")],
+)
+def test_a_config_file_that_cannot_be_read_is_refused_in_one_line(text, named, tmp_path, capsys):
+    config = tmp_path / "recipe.yaml"
+    if text is not None:
+        config.write_text(text)
+    assert main(["train", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("peft-slim train: error: ") and named in err and "\n" not in err, err
+
+
 def test_a_bad_yaml_value_is_refused_naming_the_flag(tmp_path, capsys):
     config = tmp_path / "recipe.yaml"
     config.write_text("token_ratio: 0\n")

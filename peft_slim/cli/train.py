@@ -263,10 +263,12 @@ def parse_flags(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import yaml
+
     try:
         recipe, *arguments = parse(sys.argv[1:] if argv is None else argv)
-    except (ValueError, argparse.ArgumentError) as error:
-        print(f"peft-slim train: error: {error}", file=sys.stderr)
+    except (ValueError, argparse.ArgumentError, OSError, yaml.YAMLError) as error:  # OSError, YAML: --config's file
+        print(f"peft-slim train: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
     try:
         return train(recipe, *arguments)
