@@ -14,7 +14,7 @@ import transformers
 from peft import LoraConfig
 
 import peft_slim
-from peft_slim.cli.train import add_arguments, check_flags
+from peft_slim.cli.train import parse_flags
 
 
 def llama_config(**extra) -> transformers.LlamaConfig:
@@ -36,11 +36,7 @@ def vit_config() -> transformers.ViTConfig:
 
 def checked_train_args(flags: list[str]) -> argparse.Namespace:
     """``flags`` parsed and checked by the real ``peft-slim train`` code."""
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(flags)
-    check_flags(args)
-    return args
+    return parse_flags(flags)
 
 
 def _lora(task_type: str = "CAUSAL_LM") -> LoraConfig:

@@ -156,7 +156,7 @@ def test_tokenize_never_trains_on_a_missing_completion():
     """The bug: a missing completion became the text 'None' plus the end marker, trained on, 0 rows dropped."""
     rows = sft_data.Rows([GOOD_PC, {"prompt": "Hi?", "completion": None}], "data.jsonl", [1, 2])
     with pytest.raises(sft_data.DataError, match=r"data.jsonl, line 2: column 'completion': found nothing"):
-        sft_data.tokenize(rows, sft_data.find_columns(rows), tokenizer=None, max_length=64, chat_template=False)
+        sft_data.to_dataset(rows, sft_data.find_columns(rows), tokenizer=None, chat_template=False)
 
 
 # ------------------------------------------------------------------------------------------------- sizes
@@ -230,10 +230,9 @@ TRAIN_FLAGS = [
 
 @pytest.mark.parametrize(("flag", "value"), TRAIN_FLAGS)
 def test_train_refuses_out_of_range_sizes_naming_flag_and_range(flag, value, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(["train", flag, value])
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and f"{flag} must be" in err, err
+    assert main(["train", flag, value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert flag in err and ("must be" in err or "invalid" in err) and len(err.splitlines()) == 1, err
 
 
 def test_train_refuses_a_micro_batch_of_too_many_tokens(tmp_path, capsys):
@@ -265,3 +264,44 @@ def test_plan_refuses_a_seq_len_beyond_the_models_positions(tmp_path, capsys):
     CONFIG.save_pretrained(tmp_path)
     code = main(["plan", "--model", str(tmp_path), "--batch-size", "1", "--seq-len", "4096"])
     assert code == 2 and "seq_len=4096: longer than the 512 positions" in capsys.readouterr().out
+
+
+def test_an_empty_assistant_turn_is_refused_like_an_empty_completion(tmp_path, capsys):
+    """The bug: its only label was the end of the turn, so the model learnt to answer nothing (exit 0)."""
+    empty = {"messages": [USER, {"role": "assistant", "content": ""}]}
+    path = jsonl(tmp_path / "chat.jsonl", [GOOD_CHAT, GOOD_CHAT, empty])
+    err = refused(capsys, path)
+    assert f"'{path}', line 4: column 'messages': found message 2 with role 'assistant' and empty content" in err
+
+
+def test_a_pandas_csv_is_read_with_its_index_column_named_and_ignored(tmp_path):
+    """The bug: pandas' to_csv() writes an unnamed index column first; the load failed with a generic message."""
+    pandas = pytest.importorskip("pandas")
+    path = tmp_path / "pc.csv"
+    pandas.DataFrame({"prompt": ["Hi?", "Bye?"], "completion": ["Hello.", "Bye."]}).to_csv(path)
+    rows = sft_data.read_rows(str(path), "train")
+    assert rows == [{"prompt": "Hi?", "completion": "Hello."}, {"prompt": "Bye?", "completion": "Bye."}]
+    assert "first column, unnamed, is ignored" in rows.note
+
+
+def test_a_csv_column_without_a_name_elsewhere_is_refused(tmp_path, capsys):
+    path = tmp_path / "pc.csv"
+    path.write_text("prompt,,completion\nHi?,x,Hello.\n")
+    assert f"'{path}', line 1: column 2 has no name" in refused(capsys, path)
+
+
+def test_a_lone_surrogate_escape_is_refused_with_its_line(tmp_path, capsys):
+    """The bug: the row scan passed it, then pyarrow failed with a generic message and no line."""
+    path = tmp_path / "pc.jsonl"
+    path.write_text(json.dumps(GOOD_PC) + "\n" + '{"prompt": "Hi \\ud800", "completion": "Hello."}\n')
+    assert f"'{path}', line 2: found 'Hi \\ud800', a lone surrogate escape" in refused(capsys, path)
+
+
+@pytest.mark.parametrize("as_dict", [False, True], ids=["Dataset", "DatasetDict"])
+def test_a_save_to_disk_folder_is_loaded(as_dict, tmp_path):
+    """The bug: datasets answered "use load_from_disk instead", which the command line cannot do."""
+    datasets = pytest.importorskip("datasets")
+    saved = datasets.Dataset.from_list([GOOD_PC, {"prompt": "Bye?", "completion": "Bye."}])
+    (datasets.DatasetDict({"train": saved}) if as_dict else saved).save_to_disk(str(tmp_path / "saved"))
+    rows = sft_data.read_rows(str(tmp_path / "saved"), "train")
+    assert rows == [GOOD_PC, {"prompt": "Bye?", "completion": "Bye."}]

@@ -80,8 +80,29 @@ def logits_in_fresh_process(model: Path, saved: dict[str, Path]) -> dict[str, fl
 
 
 # ------------------------------------------------------------------------------------------------- labels
+def prepared(model: Path, rows: list[dict], max_length: int = 512, completion_only: bool = True, chat_template=None):
+    """The rows as ``peft-slim train`` hands them to SFTTrainer and as SFTTrainer prepares them (LoRA), with how many
+    were dropped."""
+    from transformers import AutoModelForCausalLM
+
+    from peft_slim.cli.arguments import TrainingArguments
+    from peft_slim.cli.train import drop_unscored, make_trainer
+    from peft_slim.recipe import Recipe
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model)
+    dataset = sft_data.to_dataset(rows, sft_data.find_columns(rows), tokenizer, completion_only, chat_template)
+    args = TrainingArguments(
+        output_dir=str(model / "unused"), max_length=max_length, completion_only_loss=completion_only
+    )
+    args.dataset_text_field, args.learning_rate = "text", 1e-4
+    trainer = make_trainer(
+        AutoModelForCausalLM.from_pretrained(model), tokenizer, dataset, Recipe(method="lora"), args
+    )
+    dropped = drop_unscored(trainer, len(dataset))
+    return tokenizer, list(trainer.train_dataset), dropped
+
+
 def test_chat_labels_are_the_assistant_turns(tiny_model):
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model)
     rows = [
         {
             "messages": [
@@ -92,47 +113,79 @@ def test_chat_labels_are_the_assistant_turns(tiny_model):
             ]
         }
     ]
-    columns = sft_data.find_columns(rows)
-    (example,), dropped = sft_data.tokenize(rows, columns, tokenizer, max_length=512)
+    tokenizer, (example,), dropped = prepared(tiny_model, rows)
     assert dropped == 0
     text = tokenizer.apply_chat_template(rows[0]["messages"], tokenize=False)
     assert tokenizer.decode(example["input_ids"]) == text
     labelled = tokenizer.decode([t for t, label in zip(example["input_ids"], example["labels"]) if label != -100])
     # Independent definition: each assistant turn as the template writes it, content and end marker.
     assert labelled == "William Shakespeare wrote it.<|end|>\nMars is the red planet.<|end|>\n"
-    # labels equal input ids wherever they are not -100
     assert all(label in (-100, t) for t, label in zip(example["input_ids"], example["labels"]))
+    _, (every,), _ = prepared(tiny_model, rows, completion_only=False)
+    assert every["labels"] == every["input_ids"]
 
 
 def test_prompt_completion_without_template_labels_completion_and_eos(tiny_model):
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model)
     rows = [{"prompt": "Who wrote Hamlet?", "completion": " William Shakespeare."}]
-    (example,), _ = sft_data.tokenize(rows, sft_data.find_columns(rows), tokenizer, 512, chat_template=False)
-    prompt_ids = tokenizer("Who wrote Hamlet?", add_special_tokens=False)["input_ids"]
-    answer_ids = tokenizer(" William Shakespeare.", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    assert example["input_ids"] == prompt_ids + answer_ids
-    assert example["labels"] == [-100] * len(prompt_ids) + answer_ids
-    (full,), _ = sft_data.tokenize(rows, sft_data.find_columns(rows), tokenizer, 512, False, chat_template=False)
+    tokenizer, (example,), _ = prepared(tiny_model, rows, chat_template=False)
+    assert tokenizer.decode(example["input_ids"]) == "Who wrote Hamlet? William Shakespeare.<|end|>"
+    labelled = tokenizer.decode([t for t, label in zip(example["input_ids"], example["labels"]) if label != -100])
+    assert labelled == " William Shakespeare.<|end|>"
+    _, (full,), _ = prepared(tiny_model, rows, completion_only=False, chat_template=False)
     assert full["labels"] == full["input_ids"]
 
 
+def test_prompt_completion_with_the_template_labels_the_assistant_turn(tiny_model):
+    rows = [{"prompt": "Who wrote Hamlet?", "completion": "William Shakespeare."}]
+    tokenizer, (example,), _ = prepared(tiny_model, rows)
+    labelled = tokenizer.decode([t for t, label in zip(example["input_ids"], example["labels"]) if label != -100])
+    assert labelled.startswith("William Shakespeare.<|end|>")
+
+
 def test_truncation_drops_examples_without_a_labelled_token(tiny_model):
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model)
     rows = [
         {"prompt": "What is the capital of France? " * 4, "completion": "Paris."},
         {"prompt": "Hi", "completion": "Paris."},
     ]
-    examples, dropped = sft_data.tokenize(rows, sft_data.find_columns(rows), tokenizer, 8, chat_template=False)
+    _, examples, dropped = prepared(tiny_model, rows, max_length=8, chat_template=False)
     assert dropped == 1 and len(examples) == 1 and len(examples[0]["input_ids"]) <= 8
     with pytest.raises(sft_data.DataError, match="--max-length"):
-        sft_data.tokenize(rows[:1], sft_data.find_columns(rows), tokenizer, 8, chat_template=False)
+        prepared(tiny_model, rows[:1], max_length=8, chat_template=False)
 
 
-def test_collate_pads_right_with_ignored_labels():
-    batch = sft_data.collate([{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4], "labels": [4]}], 0)
-    assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert batch["labels"].tolist() == [[-100, 2, 3], [4, -100, -100]]
+def test_an_example_labelled_only_at_its_first_position_is_dropped(tiny_model):
+    """The first position is never scored (a causal LM predicts position t from t-1): TRL's SFTTrainer keeps such an
+    example, the command drops it."""
+    rows = [{"text": "Mars is red."}]
+    _, examples, dropped = prepared(tiny_model, rows, max_length=2)
+    assert dropped == 0 and len(examples[0]["labels"]) == 2
+    with pytest.raises(sft_data.DataError, match="--max-length 1: no example keeps a labelled token"):
+        prepared(tiny_model, rows, max_length=1)
+
+
+def test_the_command_trains_in_trls_sft_trainer_with_the_methods_config_and_callback(tiny_model):
+    """The main job is the documented TRL recipe: SFTTrainer, the method's config as peft_config, its callback."""
+    import trl
+    from transformers import AutoModelForCausalLM
+
+    from peft_slim import SlimFitCallback, TokenTuneCallback, TokenTuneConfig
+    from peft_slim.cli.arguments import TrainingArguments
+    from peft_slim.cli.train import make_trainer
+    from peft_slim.recipe import Recipe
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model)
+    rows = [{"text": "Mars is red."}]
+    dataset = sft_data.to_dataset(rows, sft_data.find_columns(rows), tokenizer)
+    args = TrainingArguments(output_dir=str(tiny_model / "unused"), learning_rate=1e-4, dataset_text_field="text")
+    for recipe, config, callback in [
+        (Recipe(), TokenTuneConfig, TokenTuneCallback),
+        (Recipe(method="slimfit"), SlimFitConfig, SlimFitCallback),
+    ]:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model)
+        trainer = make_trainer(model, tokenizer, dataset, recipe, args)
+        assert isinstance(trainer, trl.SFTTrainer)
+        assert isinstance(trainer.model.peft_config["default"], config)
+        assert any(isinstance(each, callback) for each in trainer.callback_handler.callbacks)
 
 
 def test_embedded_dataset_is_chat_qa():
@@ -173,6 +226,9 @@ def test_each_method_reports_and_ends_with_the_saved_path(name, trained):
     output, lines = trained[name]
     assert lines[-1] == str(output.resolve())
     assert any("steps/s" in line for line in lines)
+    if name in ("tokentune-lora", "lora"):  # bf16 autocast, compression of LoRA: measure_memory has neither
+        assert any(line.startswith("peak memory of one training step: not measured") for line in lines)
+        return
     assert any(line.startswith("peak memory of one training step") and "MiB" in line for line in lines)
     assert any(line.startswith("the same step of LoRA") and "ratio" in line for line in lines)
 
@@ -229,46 +285,6 @@ def test_loss_kept_counts_the_selected_labelled_positions_and_the_ratio_keeping_
         == f"{head}all 5 labelled positions carry the loss"
     )
     assert loss_kept(SimpleNamespace(), {"attention_mask": attention_mask, "labels": labels}) is None  # no selector
-
-
-def test_the_baseline_loss_is_the_models_loss_with_the_head_only_at_labelled_positions():
-    """The baseline's loss is the model's own next-token loss, and its LM head sees only the labelled positions."""
-    from tiny_models import build, make_batch
-
-    from peft_slim.cli.train import labelled_positions_loss
-
-    model = build("llama")
-    batch = make_batch("llama", batch=4, length=40)
-    batch["labels"][:, :6] = -100  # a prompt: only the last positions carry labels
-    rows = []
-    handle = model.get_output_embeddings().register_forward_hook(lambda m, i, o: rows.append(i[0].shape[:-1].numel()))
-    loss = labelled_positions_loss(model, batch)
-    handle.remove()
-    assert torch.allclose(loss, model(**batch).loss, atol=1e-6)
-    assert sum(rows) == (batch["labels"][:, 1:] != -100).sum()  # the head ran on the labelled positions only
-    assert max(rows) < sum(rows)  # in chunks: never all the rows' logits at once
-
-
-def test_the_baseline_step_leaves_the_model_as_it_was():
-    """Measuring the baseline wraps LoRA and checkpointing around the model and takes both off again."""
-    import argparse
-
-    from tiny_models import build, make_batch
-
-    from peft_slim.cli.train import add_arguments, baseline_step_peak, check_flags
-
-    model = build("llama")
-    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(["--method", "tokentune", "--lora-r", "4"])
-    check_flags(args)
-    peak = baseline_step_peak(model, args, make_batch("llama"))
-    assert peak > 0
-    assert not model.is_activation_checkpointing
-    assert model.state_dict().keys() == before.keys()
-    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in before.items())
-    assert all(p.grad is None for p in model.parameters())
 
 
 def test_slimfit_flags_reach_the_saved_config(trained):
@@ -392,9 +408,8 @@ def test_contradicting_flags_are_refused_naming_the_flag(flags, named, tmp_path,
     ],
 )
 def test_out_of_range_values_are_refused_naming_the_flag(flags, named, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(["train", *flags])
-    assert exit_.value.code == 2 and named in capsys.readouterr().err
+    assert main(["train", *flags]) == 2
+    assert named in capsys.readouterr().err
 
 
 def test_data_errors_name_the_flag(tiny_model, tmp_path, capsys):

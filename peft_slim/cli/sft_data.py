@@ -1,12 +1,12 @@
-"""Supervised fine-tuning data for ``peft-slim train``: read a dataset, find its format, tokenise it with loss labels.
+"""Supervised fine-tuning data for ``peft-slim train``: read a dataset, find its format, check its rows for TRL.
 
 Three formats, recognised by their columns: plain text (``text``: every token is a target), prompt/completion
 (``prompt`` + ``completion``) and chat (``messages``: a list of ``{"role", "content"}``). With completion-only
 loss (the default) the prompt, and in a chat everything but the assistant turns, is labelled -100, so the loss
 and TokenTune's label-first selection see only the answers.
 
-TRL's ``SFTTrainer`` prepares the same formats; where this module does a job its own way, a one-line comment there
-says why (its results differ from TRL's on some inputs, tests/test_sft_data.py pins them).
+TRL's ``SFTTrainer`` tokenises, labels and truncates the rows (``to_dataset`` hands them over in its formats); this
+module reads and checks them first, naming file, line and column (TRL checks no row), and labels chat rows.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-
-from ..token_selection.selection import IGNORE_INDEX
 
 DEFAULT_DATASET = "chatterbot_qa.jsonl"  # under peft_slim/data/, with its licence file
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -47,9 +45,9 @@ def default_dataset_path() -> Path:
 class Rows(list):
     """The rows of a dataset, with where each came from (for messages that point at a row)."""
 
-    def __init__(self, rows, source: str, lines: list[int] | None = None):
+    def __init__(self, rows, source: str, lines: list[int] | None = None, note: str | None = None):
         super().__init__(rows)
-        self.source, self.lines = source, lines
+        self.source, self.lines, self.note = source, lines, note  # note: what was left out of the file, if anything
 
     def where(self, index: int) -> str:
         """'<source>, line 7' (JSON lines: the file's 1-based line) or '<source>, row 7' (1-based)."""
@@ -75,6 +73,25 @@ def _check_utf8(path: Path) -> bytes:
             f"`iconv -f latin1 -t utf-8`."
         ) from None
     return data
+
+
+def _bad_text(value) -> str | None:
+    """The first string (key or value) in ``value`` that has no UTF-8 form (a lone surrogate escape such as
+    ``"\\ud800"``, which JSON parses but Arrow cannot store), or None."""
+    texts = [value] if isinstance(value, str) else []
+    if isinstance(value, dict):
+        texts = [item for pair in value.items() for item in pair]
+    elif isinstance(value, list):
+        texts = value
+    for text in texts:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return text
+        elif isinstance(text, (dict, list)) and (bad := _bad_text(text)) is not None:
+            return bad
+    return None
 
 
 def _paths(value, prefix: str = ""):
@@ -143,6 +160,12 @@ def _scan_json(dataset: str, text: str) -> tuple[list[int] | None, str | None]:
             if not isinstance(row, dict):
                 problem = f"line {number}: found {type(row).__name__}, expected a JSON object (one row per line)."
                 continue
+            bad = _bad_text(row)
+            if bad is not None:
+                raise DataError(
+                    f"--dataset {dataset!r}, line {number}: found {bad!r:.80}, a lone surrogate escape (such as "
+                    "\\ud800) that is no Unicode character; expected text: remove or replace the escape."
+                )
             for field, kind in _paths(row):
                 first = seen.setdefault(field, (kind, number))
                 if first[0] != kind:
@@ -161,24 +184,38 @@ def _scan_json(dataset: str, text: str) -> tuple[list[int] | None, str | None]:
     return lines, problem
 
 
-def _csv_options(dataset: str, text: str) -> dict:
+def _csv_options(dataset: str, text: str) -> tuple[dict, str | None]:
     """The ``csv`` builder's options that read every cell as the text it is: each column a string column, no NA
-    guessing (pandas would make ``42`` an int, ``True`` a bool, ``NA`` and an empty cell nothing). A header naming a
-    column twice is refused: pandas would rename the second (``completion.1``) and the run train on the first."""
+    guessing (pandas would make ``42`` an int, ``True`` a bool, ``NA`` and an empty cell nothing); and a note when
+    the first column, unnamed, is ignored (the row index pandas' ``to_csv()`` writes). A header naming a column
+    twice, or another column without a name, is refused: pandas would rename it (``completion.1``, ``Unnamed: 2``)
+    and the run train on the first."""
     import datasets
 
     header = next(csv.reader(io.StringIO(text)), [])
-    repeated = sorted({name for name in header if header.count(name) > 1})
+    index = header[:1] == [""] and len(header) > 1
+    named = header[1:] if index else header
+    repeated = sorted({name for name in named if named.count(name) > 1})
     if repeated:
         raise DataError(
             f"--dataset {dataset!r}, line 1: the header names column(s) {', '.join(map(repr, repeated))} more than "
             f"once (header: {header}); expected each column name once: rename or remove the repeated column."
         )
-    return {"features": datasets.Features({name: datasets.Value("string") for name in header}), "na_filter": False}
+    if "" in named:
+        raise DataError(
+            f"--dataset {dataset!r}, line 1: column {header.index('', int(index)) + 1} has no name (header: "
+            f"{header}); expected a name for every column: name it or remove it."
+        )
+    options = {"features": datasets.Features({name: datasets.Value("string") for name in named}), "na_filter": False}
+    if not index:
+        return options, None
+    note = "its first column, unnamed, is ignored (the row index of pandas' to_csv(); to_csv(index=False) omits it)"
+    return options | {"usecols": named}, note
 
 
-def read_rows(dataset: str | None, split: str) -> Rows:
-    """The rows of the embedded default (``dataset=None``), of a local file or folder, or of a hub dataset."""
+def read_rows(dataset: str | None, split: str, config: str | None = None) -> Rows:
+    """The rows of the embedded default (``dataset=None``), of a local file or folder, or of a hub dataset (``config``:
+    its configuration name)."""
     if dataset is None:
         path = default_dataset_path()
         numbered = list(_json_values(path.read_text(encoding="utf-8")))
@@ -190,7 +227,8 @@ def read_rows(dataset: str | None, split: str) -> Rows:
         raise DataError(
             f"--dataset {dataset!r} needs the `datasets` package: pip install 'peft-slim[train]'."
         ) from error
-    lines, located, builder = None, None, FILE_BUILDERS.get(path.suffix.lower()) if path.is_file() else None
+    builder = FILE_BUILDERS.get(path.suffix.lower()) if path.is_file() else None
+    lines, located, note = None, None, None
     try:
         if path.is_file():
             if builder is None:
@@ -201,10 +239,19 @@ def read_rows(dataset: str | None, split: str) -> Rows:
             if builder == "json":
                 lines, located = _scan_json(dataset, _check_utf8(path).decode("utf-8-sig"))  # the loader skips a BOM
             elif builder == "csv":
-                options = _csv_options(dataset, _check_utf8(path).decode("utf-8-sig"))
+                options, note = _csv_options(dataset, _check_utf8(path).decode("utf-8-sig"))
             loaded = datasets.load_dataset(builder, data_files=str(path), split="train", **options)
+        elif (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+            loaded = datasets.load_from_disk(str(path))  # a Dataset.save_to_disk folder (load_dataset refuses it)
+            if isinstance(loaded, datasets.DatasetDict):
+                if split not in loaded:
+                    raise DataError(
+                        f"--dataset {dataset!r} has no split {split!r}; expected --dataset-split one of "
+                        f"{sorted(loaded)}."
+                    )
+                loaded = loaded[split]
         else:
-            loaded = datasets.load_dataset(dataset, split=split)
+            loaded = datasets.load_dataset(dataset, config, split=split)
     except DataError:
         raise
     except Exception as error:
@@ -217,7 +264,7 @@ def read_rows(dataset: str | None, split: str) -> Rows:
     source = f"--dataset {dataset!r}" + ("" if path.is_file() else f" (split {split!r})")
     if lines is not None and len(lines) != len(loaded):
         lines = None  # rows do not map to values one to one (one object of columns): rows are numbered instead
-    return Rows(list(loaded), source, lines)
+    return Rows(list(loaded), source, lines, note)
 
 
 def find_columns(rows: list[dict], text=None, prompt=None, completion=None, messages=None) -> Columns:
@@ -295,6 +342,8 @@ def _check_messages(messages, refuse) -> None:
             refuse(f"message {number} with role {role!r}", f"a role among {ROLES}")
         if not isinstance(message["content"], str):
             refuse(f"message {number} with content {_found(message['content'])}", "string content")
+        if role == "assistant" and not message["content"]:  # its only label would be the end of the turn
+            refuse(f"message {number} with role 'assistant' and empty content", "a non-empty answer to learn")
     if not any(message["role"] == "assistant" for message in messages):
         refuse("no assistant message", "at least one assistant turn to learn")
     if messages[0]["role"] == "assistant":  # its prompt: an empty conversation, which transformers refuses
@@ -338,49 +387,26 @@ def _chat_pieces(tokenizer, messages: list[dict], completion_only: bool = True) 
     return [(text, labelled) for text, labelled in pieces if text]
 
 
-def _pieces(
-    row: dict, columns: Columns, tokenizer, chat_template: bool, completion_only: bool = True
-) -> list[tuple[str, bool]]:
-    """The row's text cut into (piece, is_target) pieces: the chat template's turns, else the text or the prompt and
-    the completion, then an end-of-sequence token when ``chat_template`` is off."""
-    if columns.format == "messages":
-        return _chat_pieces(tokenizer, row[columns.messages], completion_only)
-    if columns.format == "prompt-completion":
-        prompt, completion = row[columns.prompt], row[columns.completion]
-        if chat_template:  # TRL renders text prompt/completion rows without the template
-            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-            return _chat_pieces(tokenizer, messages, completion_only)
-        pieces = [(prompt, False), (completion, True)]
-    else:
-        pieces = [(row[columns.text], True)]
-    if not chat_template and tokenizer.eos_token is not None:
-        pieces.append((tokenizer.eos_token, True))  # always: SFTTrainer skips a text already ending in it
-    return pieces
-
-
-def _example(pieces: list[tuple[str, bool]], tokenizer, completion_only: bool) -> dict:
-    """``input_ids`` and ``labels`` (-100 on the pieces that are no target when ``completion_only``)."""
-    # Each piece tokenised apart, no special token added: SFTTrainer tokenises prompt + completion as one text
-    # (a token may then straddle the boundary) and adds the tokenizer's special tokens (a BOS) to plain text.
-    input_ids, labels = [], []
-    for text, target in pieces:
+def _chat_example(messages: list[dict], tokenizer, completion_only: bool) -> dict:
+    """``input_ids`` and ``completion_mask`` (1 on the assistant turns) of a conversation, each piece tokenised apart,
+    no special token added (what the template renders is all there is)."""
+    input_ids, mask = [], []
+    for text, assistant in _chat_pieces(tokenizer, messages, completion_only):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         input_ids += ids
-        labels += ids if (target or not completion_only) else [IGNORE_INDEX] * len(ids)
-    return {"input_ids": input_ids, "labels": labels}
+        mask += [int(assistant or not completion_only)] * len(ids)
+    return {"input_ids": input_ids, "completion_mask": mask}
 
 
-def tokenize(
-    rows: list[dict],
-    columns: Columns,
-    tokenizer,
-    max_length: int,
-    completion_only: bool = True,
-    chat_template: bool | None = None,
-) -> tuple[list[dict], int]:
-    """``input_ids`` and ``labels`` per row, cut to ``max_length``, and how many valid rows were dropped for keeping
-    no labelled token within it; a malformed row is refused (``check_rows``), never dropped. ``chat_template``: as
-    ``--chat-template`` (None: when the tokenizer has one); without it an end-of-sequence token ends each row."""
+def to_dataset(rows: list[dict], columns: Columns, tokenizer, completion_only: bool = True, chat_template=None):
+    """The checked ``rows`` as a ``datasets.Dataset`` in one of TRL's formats, for ``SFTTrainer`` to tokenise, label
+    and truncate: ``text``; ``prompt`` + ``completion`` (as chat turns where ``chat_template``, None: when the
+    tokenizer has one); chat rows tokenised here (``input_ids`` + ``completion_mask``, all ones without
+    ``completion_only``)."""
+    # TRL's assistant_only_loss needs a chat template marking its assistant turns with {% generation %}: chat rows are
+    # labelled here by where the template puts each assistant turn (``_chat_pieces``).
+    import datasets
+
     has_template = getattr(tokenizer, "chat_template", None) is not None
     chat_template = has_template if chat_template is None else chat_template
     if (chat_template or columns.format == "messages") and not has_template:
@@ -391,29 +417,17 @@ def tokenize(
     check_rows(rows, columns)
     examples = []
     for index, row in enumerate(rows):
-        try:
-            pieces = _pieces(row, columns, tokenizer, chat_template, completion_only)
-        except DataError as error:
-            raise DataError(f"{_where(rows, index)}: {error}") from None
-        example = {key: ids[:max_length] for key, ids in _example(pieces, tokenizer, completion_only).items()}
-        # A causal LM predicts position t from t-1: the first label is never scored (SFTTrainer keeps such an example).
-        if any(label != IGNORE_INDEX for label in example["labels"][1:]):
-            examples.append(example)
-    if not examples:
-        raise DataError(f"--max-length {max_length}: no example keeps a labelled token; raise --max-length.")
-    return examples, len(rows) - len(examples)  # the rest were dropped
-
-
-def collate(examples: list[dict], pad_token_id: int) -> dict:
-    """Right-pad a batch to its longest example: ``input_ids``, ``attention_mask`` and ``labels`` (-100 on padding)."""
-    # The batch of TRL's DataCollatorForLanguageModeling(pad_token_id), but trl is no dependency of peft-slim[train].
-    import torch
-    from torch.nn.utils.rnn import pad_sequence
-
-    ids = [torch.tensor(example["input_ids"], dtype=torch.long) for example in examples]
-    labels = [torch.tensor(example["labels"], dtype=torch.long) for example in examples]
-    return {
-        "input_ids": pad_sequence(ids, batch_first=True, padding_value=pad_token_id),
-        "attention_mask": pad_sequence([torch.ones_like(row) for row in ids], batch_first=True),
-        "labels": pad_sequence(labels, batch_first=True, padding_value=IGNORE_INDEX),
-    }
+        if columns.format == "text":
+            examples.append({"text": row[columns.text]})
+        elif columns.format == "prompt-completion":
+            prompt, completion = row[columns.prompt], row[columns.completion]
+            if chat_template:  # TRL's conversational prompt-completion: rendered by the template
+                prompt = [{"role": "user", "content": prompt}]
+                completion = [{"role": "assistant", "content": completion}]
+            examples.append({"prompt": prompt, "completion": completion})
+        else:
+            try:
+                examples.append(_chat_example(row[columns.messages], tokenizer, completion_only))
+            except DataError as error:
+                raise DataError(f"{_where(rows, index)}: {error}") from None
+    return datasets.Dataset.from_list(examples)

