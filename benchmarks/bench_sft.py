@@ -1,7 +1,7 @@
 """Supervised fine-tuning of a real chat model: SmolLM2-135M-Instruct on the embedded chatterbot-corpus QA set.
 
 Completion-only loss (the prompt and chat markup labelled -100), every method built by the same code as
-``peft-slim train`` (its flags, ``peft_slim.cli.train.wrap``), trained by one small AdamW loop, 3 seeds. Measured
+``peft-slim train`` (its flags, ``wrap`` below), trained by one small AdamW loop, 3 seeds. Measured
 per run, on this machine and in this process (nothing estimated):
 
 * held-out answer perplexity, exp(mean NLL over the answer tokens of the held-out split), and token accuracy
@@ -32,16 +32,20 @@ import re
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import markdown_table, write_report  # noqa: E402
 from peft_slim.cli import models, sft_data  # noqa: E402
 from peft_slim.cli import train as cli  # noqa: E402
+from peft_slim.compression import compress_activations  # noqa: E402
 from peft_slim.memory import SavedActivationBytes, peak_memory_bytes  # noqa: E402
 from peft_slim.recipe import LABEL_FIRST, Recipe  # noqa: E402
 from peft_slim.slimfit import find_slimfit  # noqa: E402
+from peft_slim.token_selection.selection import IGNORE_INDEX  # noqa: E402
 from peft_slim.tuner.transform import find_transform  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -103,25 +107,63 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def train_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    return parser
-
-
 def trains_base_weights(flags: list[str]) -> bool:
     """Full fine-tuning, or SlimFit with ``--lora-r 0`` (its units are then the model's own weights)."""
-    return not Recipe.from_train_args(train_parser().parse_args(flags)).uses_lora
+    return not Recipe.from_train_args(cli.parse_flags(flags)).uses_lora
 
 
 def method_args(flags: list[str], args: argparse.Namespace, seed: int) -> argparse.Namespace:
     """The flags parsed and checked exactly as ``peft-slim train`` does."""
-    parser = train_parser()
     rate = args.base_learning_rate if trains_base_weights(flags) else args.learning_rate
     extra = ["--seed", str(seed), "--learning-rate", str(rate), "--max-steps", str(args.steps)]
-    parsed = parser.parse_args(flags + extra)
-    cli.check_flags(parsed)
-    return parsed
+    return cli.parse_flags(flags + extra)
+
+
+def wrap(model, parsed: argparse.Namespace):
+    """The model ready to train the parsed flags' recipe, and the context every training forward runs in
+    (compression for 'lora' and 'full', which train compressed only inside ``compress_activations``)."""
+    recipe = Recipe.from_train_args(parsed)
+    model, _ = recipe.apply(model, seed=parsed.seed)  # --lora-r 0: the plain model, transformed
+    compression = recipe.activation_compression() if parsed.method in ("lora", "full") else None
+    return model, (lambda: compress_activations(compression)) if compression is not None else nullcontext
+
+
+def tokenize(rows: list[dict], tokenizer, max_length: int) -> list[dict]:
+    """``input_ids`` and ``labels`` (the assistant turns) of chat rows, as ``peft-slim train`` labels them, cut to
+    ``max_length``; rows keeping no scored label are dropped, as the command drops them."""
+    columns = sft_data.find_columns(rows)
+    if columns.format == "prompt-completion":  # rendered as one user and one assistant turn, as the command does
+        rows = [
+            {
+                "messages": [
+                    {"role": "user", "content": r[columns.prompt]},
+                    {"role": "assistant", "content": r[columns.completion]},
+                ]
+            }
+            for r in rows
+        ]
+        columns = sft_data.find_columns(rows)
+    dataset = sft_data.to_dataset(rows, columns, tokenizer)
+    if "completion_mask" not in dataset.column_names:
+        raise ValueError("the benchmarks' data sets are chat or prompt/completion rows, for a chat template")
+    examples = []
+    for row in dataset:
+        ids, mask = row["input_ids"][:max_length], row["completion_mask"][:max_length]
+        labels = [token if labelled else IGNORE_INDEX for token, labelled in zip(ids, mask)]
+        if any(label != IGNORE_INDEX for label in labels[1:]):  # position 0's label is never scored
+            examples.append({"input_ids": ids, "labels": labels})
+    return examples
+
+
+def collate(examples: list[dict], pad_token_id: int) -> dict:
+    """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 on padding) of a batch."""
+    ids = [torch.tensor(example["input_ids"]) for example in examples]
+    labels = [torch.tensor(example["labels"]) for example in examples]
+    return {
+        "input_ids": pad_sequence(ids, batch_first=True, padding_value=pad_token_id),
+        "attention_mask": pad_sequence([torch.ones_like(i) for i in ids], batch_first=True, padding_value=0),
+        "labels": pad_sequence(labels, batch_first=True, padding_value=IGNORE_INDEX),
+    }
 
 
 def split(examples: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -136,13 +178,13 @@ def evaluate(model, held_out: list[dict], pad_id: int, batch_size: int = 16) -> 
     model.eval()
     nll, correct, count = 0.0, 0, 0
     for start in range(0, len(held_out), batch_size):
-        batch = sft_data.collate(held_out[start : start + batch_size], pad_id)
+        batch = collate(held_out[start : start + batch_size], pad_id)
         # The head runs only at the positions some row of the batch scores (position t predicts label t + 1).
-        scored = (batch["labels"][:, 1:] != sft_data.IGNORE_INDEX).any(dim=0).nonzero().flatten()
+        scored = (batch["labels"][:, 1:] != IGNORE_INDEX).any(dim=0).nonzero().flatten()
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         logits = model(**inputs, logits_to_keep=scored).logits.float()
         labels = batch["labels"][:, 1:][:, scored]
-        mask = labels != sft_data.IGNORE_INDEX
+        mask = labels != IGNORE_INDEX
         nll += torch.nn.functional.cross_entropy(logits[mask], labels[mask], reduction="sum").item()
         correct += (logits[mask].argmax(-1) == labels[mask]).sum().item()
         count += mask.sum().item()
@@ -195,7 +237,7 @@ def build_method(base, parsed: argparse.Namespace, seed: int, trl_head: bool = F
         add_fused_lm_head(model)
     if parsed.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    model, context = cli.wrap(model, parsed)
+    model, context = wrap(model, parsed)
     model.train()
     slimfit = parsed.method == "slimfit"
     # SlimFit decides per step which parameters get gradients: AdamW holds them all and skips those without one.
@@ -214,9 +256,7 @@ def run_one(name: str, base, train, held_out, pad_id: int, args: argparse.Namesp
     model, context, optimizer, after_step = build_method(base, parsed, seed)
     order = random.Random(seed).sample(range(len(train)), len(train))
     batches = [
-        sft_data.collate(
-            [train[order[(s * args.batch_size + i) % len(train)]] for i in range(args.batch_size)], pad_id
-        )
+        collate([train[order[(s * args.batch_size + i) % len(train)]] for i in range(args.batch_size)], pad_id)
         for s in range(args.steps)
     ]
     saved = saved_activation_bytes(model, batches[0], context)
@@ -378,7 +418,7 @@ def main(argv=None) -> None:
     path, gguf_file, model_name = models.resolve_model(None, None)
     base, tokenizer = models.load_model(path, gguf_file)
     rows = sft_data.read_rows(None, "train")
-    examples, _ = sft_data.tokenize(rows, sft_data.find_columns(rows), tokenizer, args.max_length)
+    examples = tokenize(rows, tokenizer, args.max_length)
     train, held_out = split(examples)
     held_out = held_out[: args.held_out]
     pad_id = tokenizer.pad_token_id

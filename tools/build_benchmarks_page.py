@@ -152,7 +152,7 @@ def measured(report: dict, trl_head: dict[str, dict] | None = None) -> dict:
     budget_trl_longqa); a method they ran also gets its ratios against that baseline (``against_trl_head``), the
     tasks of every such run together."""
     sys.path.insert(0, str(ROOT))
-    from peft_slim.cli.train import add_arguments, check_flags
+    from peft_slim.cli.train import parse_flags
     from peft_slim.recipe import Recipe
 
     model = re.match(r"([\w.-]+/[\w.-]+)[ ,]", report["protocol"])
@@ -162,10 +162,7 @@ def measured(report: dict, trl_head: dict[str, dict] | None = None) -> dict:
     for name, flags in report["methods"].items():
         if name in report.get("probes", {}):  # a benchmark probe chose its tokens: no train flags reach it
             continue
-        parser = argparse.ArgumentParser()
-        add_arguments(parser)
-        args = parser.parse_args(flags)
-        check_flags(args)
+        args = parse_flags(flags)
         tasks = _task_means(report, name)
         if tasks:
             lora = {"r": args.lora_r, "alpha": None, "target_modules": None}
