@@ -1,16 +1,19 @@
 """The package's own refusals, fix first, where PyTorch or PEFT would fail late or train the wrong thing:
 
-* training an adapter loaded for inference (``peft_slim.from_pretrained`` without ``is_trainable=True``) is refused at
-  its first training forward, naming ``is_trainable=True``; eval-mode and no-grad forwards and ``generate`` run;
+* training an adapter loaded for inference (``peft_slim.from_pretrained`` or, given the method's config, PEFT's
+  ``PeftModel.from_pretrained``, without ``is_trainable=True``) is refused at its first training forward, naming
+  ``is_trainable=True``, not in backward by PyTorch; eval-mode and no-grad forwards and ``generate`` run;
 * a nested LoRA's ``target_modules`` list with a name that matches no module while others match is refused, naming
   it and the closest module names; plain PEFT LoRA is left as PEFT has it.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 from tiny_models import build, make_batch
 
 import peft_slim
@@ -22,11 +25,22 @@ METHODS = {
 }
 
 
+def _load_for_inference(loader: str, folder):
+    """``peft_slim.from_pretrained``; or PEFT's own loader given the method's config as ``adapter_config.json`` (a
+    saved adapter's is plain LoRA, which PEFT loads as LoRA without peft_slim)."""
+    if loader == "peft_slim":
+        return peft_slim.from_pretrained(build("llama"), folder)
+    os.replace(folder / "peft_slim_config.json", folder / "adapter_config.json")
+    return PeftModel.from_pretrained(build("llama"), folder)
+
+
+@pytest.mark.parametrize("loader", ["peft_slim", "peft"])
 @pytest.mark.parametrize("method", METHODS)
-def test_training_an_adapter_loaded_for_inference_is_refused_with_the_fix_first(method, tmp_path):
+def test_training_an_adapter_loaded_for_inference_is_refused_with_the_fix_first(method, loader, tmp_path):
     lora = LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
     get_peft_model(build("llama"), METHODS[method](lora)).save_pretrained(tmp_path)
-    model = peft_slim.from_pretrained(build("llama"), tmp_path)  # is_trainable=False
+    model = _load_for_inference(loader, tmp_path)  # is_trainable=False
+    assert type(model.base_model).__name__ != "LoraModel"
     batch = make_batch("llama")
     model.eval()
     with torch.no_grad():
