@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 
 from peft import LoraConfig, LoraModel, PeftConfig
 from torch import nn
@@ -50,9 +51,31 @@ def merged_modules_to_save(modules_to_save: list[str] | None, lora: LoraConfig, 
     return names or modules_to_save
 
 
+def check_target_names(model: nn.Module, target_modules: object) -> None:
+    """Refuse a ``target_modules`` list with a name that matches no module while the others match: PEFT raises only
+    when none does, and would train the others silently. A regex string or "all-linear" is PEFT's to check."""
+    if target_modules is None or isinstance(target_modules, str):
+        return
+    names = [name for name, _ in model.named_modules() if name]
+    unmatched = [t for t in target_modules if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if not unmatched or len(unmatched) == len(target_modules):  # none matching: PEFT's own error names them
+        return
+    leaves = sorted({name.rsplit(".", 1)[-1] for name in names})
+    closest = {t: difflib.get_close_matches(t.rsplit(".", 1)[-1], leaves, n=3, cutoff=0.5) for t in unmatched}
+    described = "; ".join(f"{t!r}: {', '.join(map(repr, c)) or 'none close'}" for t, c in closest.items())
+    if len(closest) == 1:
+        described = ", ".join(map(repr, *closest.values())) or "none close"
+    raise ValueError(
+        f"Correct or remove {', '.join(map(repr, unmatched))} in lora.target_modules (the closest module names: "
+        f"{described}). No module of the model has that name, so only the other names would train."
+    )
+
+
 def inject_lora(model: nn.Module, owner: PeftConfig, adapter_name: str, **kwargs) -> None:
-    """Inject ``owner``'s nested ``lora`` adapter into ``model`` in place (``kwargs`` go to ``LoraModel``)."""
+    """Inject ``owner``'s nested ``lora`` adapter into ``model`` in place (``kwargs`` go to ``LoraModel``), after
+    refusing a misspelt ``target_modules`` name."""
     lora = copy.deepcopy(owner.lora)
+    check_target_names(model, lora.target_modules)
     lora.modules_to_save = owner.modules_to_save  # keeps LoRA off the heads PEFT wraps
     # A model that holds an adapter already has PEFT's `peft_config` dict, which a new LoraModel would adopt (and
     # write its LoraConfig into): it gets its own, and the model keeps the one it had.

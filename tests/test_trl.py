@@ -373,7 +373,9 @@ def test_sft_with_token_selection_without_the_callback_is_refused_before_any_upd
         train_dataset=sft_dataset("completion", seed=19),
         processing_class=sft_tokenizer(),
     )
-    with pytest.raises(ValueError, match=r"trl.SFTTrainer given `callbacks=\[peft_slim.TokenTuneCallback\(\)\]`"):
+    with pytest.raises(
+        ValueError, match=r"^TokenTune: pass `callbacks=\[peft_slim.TokenTuneCallback\(\)\]` to trl.SFTTrainer"
+    ):
         trainer.train()
     assert all(torch.equal(before[n], value) for n, value in trainable(model).items())
     with pytest.warns(UserWarning, match="selected labelled positions"):
@@ -387,8 +389,11 @@ def test_fused_head_outside_sft_trainer_is_refused():
     trl.trainer.utils.add_fused_lm_head(model.get_base_model())
     ids = torch.randint(4, 90, (2, 6))
     model.train()
-    with pytest.raises(ValueError, match=r"callbacks=\[peft_slim.TokenTuneCallback\(\)\].*no TokenTuneCallback has"):
+    with pytest.raises(
+        ValueError, match=r"^TokenTune: pass `callbacks=\[peft_slim.TokenTuneCallback\(\)\]` to trl.SFTTrainer"
+    ) as refused:
         model(input_ids=ids, labels=ids, fused_lm_head=True)
+    assert str(refused.value).count(". ") == 1  # two sentences, the fix first
     # Eval mode: token selection is inactive and TRL's own fused head answers, every position scored.
     model.eval()
     with torch.no_grad():
@@ -482,6 +487,6 @@ def test_grpo_with_token_selection_is_refused(tmp_path):
     trainer = _grpo(tmp_path / "b", tokentune(seed=18), beta=0.1)
     assert sorted(trainer.model.peft_config) == ["default", "ref"]
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    with pytest.raises(ValueError, match=r"For DPO, GRPO and the other TRL trainers train a LoRA adapter without"):
+    with pytest.raises(ValueError, match=r"[Ff]or DPO, GRPO and the other TRL trainers train a LoRA adapter without"):
         trainer.train()
     assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())

@@ -62,11 +62,12 @@ def check_fused_call(head_kind: str, kwargs: dict, trainer_args: Any) -> None:
         )
     if trainer_args is None:
         raise ValueError(
-            f"TokenTune: `{TRL_FUSED_HEAD_ARGUMENT}=True` (TRL's fused LM head) in a training forward is supported "
-            "under trl.SFTTrainer given `callbacks=[peft_slim.TokenTuneCallback()]`, which tells the model which "
-            "trainer is training it; no TokenTuneCallback has. Under SFTTrainer add that callback. Elsewhere call the "
-            "model in eval mode or under torch.no_grad() for every position's log-probabilities, or without it for "
-            "the selected-token loss. " + _ALTERNATIVES
+            "TokenTune: pass `callbacks=[peft_slim.TokenTuneCallback()]` to trl.SFTTrainer (a training forward with "
+            f"`{TRL_FUSED_HEAD_ARGUMENT}=True`, TRL's fused LM head, needs the trainer's arguments, and no "
+            "TokenTuneCallback has given them). Outside SFTTrainer call the model in eval mode or under "
+            f"torch.no_grad() for every position's log-probabilities, or without `{TRL_FUSED_HEAD_ARGUMENT}` for the "
+            "selected-token loss; for DPO, GRPO and the other TRL trainers train a LoRA adapter without token "
+            "selection."
         )
     name = _trainer_name(trainer_args)
     if not _is_sft_config(trainer_args):

@@ -31,8 +31,9 @@ from .model_kinds import check_model_kind
 
 
 class InferenceOnly:
-    """Refuse a training forward of ``model`` that would train an adapter loaded for inference (``is_trainable=False``:
-    its method's hooks were not set up). PEFT's ``set_adapter`` makes an adapter trainable however it was loaded."""
+    """Refuse a training forward (train mode, grad enabled) of ``model`` while its active adapter was loaded for
+    inference (``is_trainable=False``: its method's hooks were not set up), also after PEFT's ``set_adapter`` has made
+    it trainable. Eval-mode and no-grad forwards (``generate``) run as they are."""
 
     def __init__(self, model: nn.Module, method_name: str, adapter_name: str):
         self.model = model
@@ -51,14 +52,14 @@ class InferenceOnly:
             self._handle = None
 
     def _refuse_training(self, model: nn.Module, args: tuple) -> None:
-        if model.training and torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()):
+        # Train mode with grad enabled is a training forward whether or not PEFT's set_adapter has made the LoRA
+        # trainable: refused here, not later in backward with PyTorch's "does not require grad".
+        if model.training and torch.is_grad_enabled():
             raise ValueError(
-                f"{self.method_name}: adapter {self.adapter_name!r} was loaded for inference (is_trainable=False), "
-                f"so {self.method_name}'s token selection, schedule and compression are not set up for it, and "
-                "this training forward would train it without them (PEFT's set_adapter makes an adapter trainable "
-                "however it was loaded). To train it, load it with is_trainable=True: peft_slim.from_pretrained("
+                f"To train adapter {self.adapter_name!r}, load it with is_trainable=True (peft_slim.from_pretrained("
                 f"base, folder, is_trainable=True) or peft_slim.load_adapter(model, folder, {self.adapter_name!r}, "
-                "is_trainable=True). For inference, call model.eval() or run under torch.no_grad()."
+                f"is_trainable=True)): it was loaded for inference, without {self.method_name}'s token selection, "
+                "schedule and compression. For inference, call model.eval() or run under torch.no_grad()."
             )
 
 
