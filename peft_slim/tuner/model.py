@@ -78,6 +78,15 @@ class AdapterState:
     context: TrainingContext | None = None  # compression, token selection and freezing of each training forward
     inference_only: InferenceOnly | None = None
 
+    def attach_training(self, model: nn.Module, selection, compression, freezing) -> None:
+        """Attach what a training forward of ``model`` turns on (the tuner's and the transform's one way): the token
+        selector for ``selection``, and the training context over ``compression``, the selector and ``freezing``
+        (each may be None; no context where all are)."""
+        if selection is not None:
+            self.selector = TokenSelector.attach(model, selection)
+        if selection is not None or compression is not None or freezing is not None:
+            self.context = TrainingContext(model, compression, self.selector, freezing)
+
     def _hooks(self) -> list:
         return [hooks for hooks in (self.selector, self.context, self.inference_only) if hooks is not None]
 
@@ -251,11 +260,7 @@ class MethodTuner(BaseTuner):
             model.requires_grad_(False)
             state.inference_only = InferenceOnly(model, self.method_name, adapter_name)
             return
-        if selection is not None:
-            state.selector = TokenSelector.attach(model, selection)
-        freezing = self._freezing()
-        if selection is not None or config.activation_compression is not None or freezing is not None:
-            state.context = TrainingContext(model, config.activation_compression, state.selector, freezing)
+        state.attach_training(model, selection, config.activation_compression, self._freezing())
 
     def _require_lora(self, config: MethodConfig) -> None:
         """Refuse a config without ``lora``: through PEFT a method trains a LoRA adapter."""

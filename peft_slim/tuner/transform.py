@@ -13,7 +13,6 @@ from torch import nn
 
 from ..compression import CompressionStats
 from ..token_selection import TokenSelectionConfig, TokenSelector
-from ..training_context import TrainingContext
 from .config import MethodConfig
 from .model import AdapterState
 from .model_kinds import check_model_kind
@@ -71,12 +70,7 @@ class MethodTransform:
             for parameter_name, param in model.named_parameters():
                 param.requires_grad = parameter_name in trainable
             self._setup(model, config)
-            state = self._state
-            if selection is not None:
-                state.selector = TokenSelector.attach(model, selection)
-            freezing = self._freezing()
-            if selection is not None or config.activation_compression is not None or freezing is not None:
-                state.context = TrainingContext(model, config.activation_compression, state.selector, freezing)
+            self._state.attach_training(model, selection, config.activation_compression, self._freezing())
         except BaseException:
             self.remove()
             raise
