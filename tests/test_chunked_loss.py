@@ -205,6 +205,28 @@ def test_tokentune_gradients_exact(small_chunks, tied, lora_head, lora):
     assert_grads_match(grads, grads_m, rtol=1e-6)
 
 
+def test_the_head_runs_only_on_labelled_selected_positions(small_chunks):
+    """A selected position without a label adds nothing to the loss: the head (forward and its recomputation in
+    backward) sees exactly the selected positions whose next token is labelled, none of the others."""
+    batch = _batch()
+    batch["labels"][1, :9] = -100  # a short answer: most selected positions in this row have no label
+    model = _model(False, False, chunked=True)
+    rows_seen = []
+    hook = model.get_base_model().lm_head.register_forward_pre_hook(
+        lambda m, args: rows_seen.append(args[0][..., 0].numel())
+    )
+    output, mask, _ = training_step(model, batch)
+    hook.remove()
+    labels = batch["labels"]
+    scored = mask[:, :-1] & (labels[:, 1:] != -100)
+    forward_rows, backward_rows = (
+        sum(rows_seen[1 : len(rows_seen) // 2 + 1]),
+        sum(rows_seen[len(rows_seen) // 2 + 1 :]),
+    )
+    assert rows_seen[0] == 0  # the model's own call: no position (the loss runs the head itself)
+    assert forward_rows == backward_rows == int(scored.sum()) < int(mask.sum())
+
+
 def test_tokentune_bf16(small_chunks):
     batch = _batch()
     chunked = _model(False, True, chunked=True, dtype=torch.bfloat16)

@@ -30,7 +30,7 @@ from .chunked_loss import chunk_rows, chunked_head_loss
 from .config import TokenSelectionConfig
 from .fused_head import FUSED_METRICS_NOTE, check_fused_call, fused_output
 from .heads import head_of, is_decoder
-from .loss import labelled_mean, selected_targets, selected_token_loss
+from .loss import IGNORE_INDEX, labelled_mean, selected_targets, selected_token_loss
 from .outputs import check_output_flags
 from .selection import (
     TokenSelection,
@@ -400,12 +400,19 @@ class TokenSelector:
             finally:
                 self._calling_head = False
 
+        hidden, targets_flat = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        # Only selected positions with a label reach the head: the others add nothing to the loss or its gradient,
+        # and where answers are short they are most of the selection (the head would cost a fifth of the step).
+        # On fake tensors (the planner) every row is kept: how many have a label is data.
+        if not is_fake_tensor(targets_flat):
+            scored = (targets_flat != IGNORE_INDEX).nonzero().squeeze(1)
+            hidden, targets_flat = hidden.index_select(0, scored), targets_flat.index_select(0, scored)
         total = chunked_head_loss(
             run_head,
             parameters,
-            hidden.reshape(-1, hidden.shape[-1]),
-            targets.reshape(-1),
-            chunk_rows(logits.shape[-1], hidden.shape[-1], hidden.shape[0] * hidden.shape[1]),
+            hidden,
+            targets_flat,
+            chunk_rows(logits.shape[-1], hidden.shape[-1], hidden.shape[0]),
         )
         loss = labelled_mean(total, targets, labels, True, state.num_items_in_batch)
         return with_loss(output, loss, drop_logits=True)
