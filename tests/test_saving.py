@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 import peft_slim
 import peft_slim.export
 import peft_slim.tuner.config
-from peft_slim import SlimFitConfig, SlimFitModel, TokenTuneConfig, compat, export_lora
+from peft_slim import SlimFitConfig, SlimFitModel, TokenTuneConfig, export_lora
 from peft_slim.tuner.card import CARD_END, CARD_START
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -359,7 +359,6 @@ def test_a_bias_missing_from_a_lora_adapter_with_trained_biases_is_reported(tmp_
     [
         ("alora_invocation_tokens", [5, 6]),
         ("arrow_config", peft.ArrowConfig()),
-        ("monteclora_config", peft.MontecloraConfig()),
         ("kasa_config", peft.KasaConfig()),
         ("init_lora_weights", "eva"),
     ],
@@ -370,6 +369,23 @@ def test_lora_fields_a_peft_slim_model_cannot_honour_are_refused(cls, field, val
         lora = LoraConfig(r=4, target_modules=["q_proj"], **{field: value})
     with pytest.raises(ValueError, match=rf"{cls.__name__}\.lora\.{field}=.* is not supported: "):
         cls(lora=lora)
+
+
+def test_loras_own_model_class_runs_monteclora_and_token_selection_refuses_it():
+    """The tuner is LoRA's model class: MonteCLoRA's layers and its loss term (LoraModel._get_monteclora_loss) work
+    under SlimFit; with token selection it is refused (its weight samples differ between forward and recomputation)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # LoraConfig's own warnings about the field
+        lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], monteclora_config=peft.MontecloraConfig())
+    model = get_peft_model(build("llama"), SlimFitConfig(task_type="CAUSAL_LM", lora=lora))
+    model.train()
+    loss = model(**make_batch("llama")).loss + model.base_model._get_monteclora_loss()
+    loss.backward()
+    assert isinstance(model.base_model, peft.LoraModel) and torch.is_tensor(loss)
+    with pytest.raises(ValueError, match=r"TokenTuneConfig\.lora\.monteclora_config is not supported with token"):
+        get_peft_model(build("llama"), TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.5, lora=lora))
+    with pytest.raises(ValueError, match="add_weighted_adapter is not supported"):
+        model.add_weighted_adapter(["default"], [1.0], "merged")
 
 
 def test_nested_modules_to_save_joins_the_configs_own_and_a_string_is_one_name():
@@ -512,16 +528,6 @@ def test_resume_from_checkpoint_loads_without_missing_keys(tmp_path):
     save_file(tensors, os.path.join(checkpoint, "adapter_model.safetensors"), metadata={"format": "pt"})
     with pytest.warns(UserWarning, match=rf"Found missing adapter keys.*{re.escape(_model_key(dropped))}"):
         make().load_adapter(checkpoint, "default", is_trainable=True)
-
-
-# ---------------------------------------------------------------------------------------------- compat entries
-
-
-def test_lora_state_dict_hooks_are_loras_own():
-    vanilla = _vanilla("dora")
-    state_dict = vanilla.state_dict()
-    ours = compat.lora_adapter_state_dict(vanilla, vanilla.peft_config["default"], "default", state_dict, [])
-    assert any(key.endswith("lora_magnitude_vector.default") for key in ours)  # DoRA's saved name
 
 
 def _standalone_folder(folder, config) -> None:

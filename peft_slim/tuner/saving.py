@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -208,7 +209,10 @@ def from_pretrained(
     """
     hub_kwargs = {key: kwargs[key] for key in ("subfolder", "revision", "cache_dir", "token") if key in kwargs}
     config = load_config(model_id, **hub_kwargs)
-    with unchanged_if_raises(model):  # a refused load leaves the model as it was given
+    # The tuner's load hook reports missing keys (also for load_adapter, where PEFT only returns them): PEFT's own
+    # report of the same keys after from_pretrained is left out.
+    with unchanged_if_raises(model), warnings.catch_warnings():  # a refused load leaves the model as it was given
+        warnings.filterwarnings("ignore", "Found missing adapter keys", UserWarning, r"peft\.peft_model")
         return PeftModel.from_pretrained(
             model, model_id, adapter_name=adapter_name, is_trainable=is_trainable, config=config, **kwargs
         )
