@@ -256,6 +256,27 @@ def test_the_prefix_of_a_lora_stacked_adapter_marks_its_parameters():
     assert type(model.base_model).prefix == "lora_"  # LoRA's model class, registered with its prefix
 
 
+def test_a_batch_mixing_adapters_computes_each_row_with_its_adapter():
+    """LoRA's own model class runs PEFT's mixed-batch inference (`adapter_names`, one per row, "__base__" for none)."""
+    base = build("llama")
+    model = get_peft_model(base, method_config("tokentune_lora", 0, init_lora_weights=False))
+    model.add_adapter("b", method_config("tokentune_lora", 5, init_lora_weights=False))
+    model.eval()
+    inputs = eval_inputs()
+    rows = ["default", "b", "__base__"][: inputs["input_ids"].shape[0]]
+    with torch.no_grad():
+        mixed = model(**inputs, adapter_names=rows).logits
+        for row, adapter_name in enumerate(rows):
+            if adapter_name == "__base__":
+                with model.disable_adapter():
+                    alone = model(**inputs).logits
+            else:
+                model.set_adapter(adapter_name)
+                alone = model(**inputs).logits
+            torch.testing.assert_close(mixed[row], alone[row])
+    assert not torch.allclose(mixed[0], mixed[1])
+
+
 # ---------------------------------------------------------------------------------------------- refused by name
 
 
