@@ -11,17 +11,13 @@ from torch import nn
 
 from .configuration import NameList
 
-# LoraConfig settings a peft_slim tuner cannot honour, refused rather than ignored. Its adapter config is the
-# method's, holding the LoraConfig as `lora`: LoRA code that reads the LoRA settings from the adapter's config
-# (aLoRA's offsets, KaSA's loss, EVA's initialisation) finds none there.
+# LoraConfig settings a peft_slim tuner cannot honour, refused rather than ignored.
 REFUSED_LORA_FIELDS = {
-    "alora_invocation_tokens": "PEFT reads alora_invocation_tokens from the adapter's config, which is the "
-    "method's: the adapter would act on every token",
     "arrow_config": "Arrow routes between several LoRA adapters active at once; a peft_slim model runs one at a time",
-    "kasa_config": "LoraModel._get_kasa_loss reads kasa_config from the adapter's config, which is the method's",
 }
 REFUSED_LORA_INITS = {
-    "eva": "peft.initialize_lora_eva_weights reads init_lora_weights from the adapter's config, which is the method's",
+    "eva": "peft.initialize_lora_eva_weights rewrites target_modules in the adapter's config, which for a peft_slim "
+    "adapter are its nested LoRA's",
 }
 
 

@@ -357,9 +357,7 @@ def test_a_bias_missing_from_a_lora_adapter_with_trained_biases_is_reported(tmp_
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("alora_invocation_tokens", [5, 6]),
         ("arrow_config", peft.ArrowConfig()),
-        ("kasa_config", peft.KasaConfig()),
         ("init_lora_weights", "eva"),
     ],
 )
@@ -371,21 +369,44 @@ def test_lora_fields_a_peft_slim_model_cannot_honour_are_refused(cls, field, val
         cls(lora=lora)
 
 
-def test_loras_own_model_class_runs_monteclora_and_token_selection_refuses_it():
-    """The tuner is LoRA's model class: MonteCLoRA's layers and its loss term (LoraModel._get_monteclora_loss) work
-    under SlimFit; with token selection it is refused (its weight samples differ between forward and recomputation)."""
+def _lora_with(**fields) -> LoraConfig:
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # LoraConfig's own warnings about the field
-        lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], monteclora_config=peft.MontecloraConfig())
-    model = get_peft_model(build("llama"), SlimFitConfig(task_type="CAUSAL_LM", lora=lora))
+        warnings.simplefilter("ignore")  # LoraConfig's own warnings about these fields
+        return LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **fields)
+
+
+@pytest.mark.parametrize("field", ["monteclora_config", "kasa_config"])
+def test_loras_own_model_class_runs_loras_variants_and_their_loss_terms(field):
+    """The tuner is LoRA's model class, and PEFT's LoRA code reads the LoRA settings through the method's config:
+    MonteCLoRA's and KaSA's layers and loss terms (LoraModel._get_monteclora_loss / _get_kasa_loss) work."""
+    value = peft.MontecloraConfig() if field == "monteclora_config" else peft.KasaConfig()
+    model = get_peft_model(build("llama"), SlimFitConfig(task_type="CAUSAL_LM", lora=_lora_with(**{field: value})))
     model.train()
-    loss = model(**make_batch("llama")).loss + model.base_model._get_monteclora_loss()
-    loss.backward()
-    assert isinstance(model.base_model, peft.LoraModel) and torch.is_tensor(loss)
-    with pytest.raises(ValueError, match=r"TokenTuneConfig\.lora\.monteclora_config is not supported with token"):
-        get_peft_model(build("llama"), TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.5, lora=lora))
+    term = (
+        model.base_model._get_monteclora_loss() if field == "monteclora_config" else model.base_model._get_kasa_loss()
+    )
+    (model(**make_batch("llama")).loss + term).backward()
+    assert isinstance(model.base_model, peft.LoraModel) and torch.is_tensor(term) and term.requires_grad
     with pytest.raises(ValueError, match="add_weighted_adapter is not supported"):
         model.add_weighted_adapter(["default"], [1.0], "merged")
+
+
+def test_alora_acts_from_its_invocation_tokens_on_and_token_selection_refuses_it_and_monteclora():
+    lora = _lora_with(alora_invocation_tokens=[5, 6], init_lora_weights=False)
+    model = get_peft_model(build("llama"), SlimFitConfig(task_type="CAUSAL_LM", lora=lora)).eval()
+    input_ids = torch.tensor([[9, 10, 11, 12, 5, 6, 13, 14]])
+    with torch.no_grad():
+        adapted = model(input_ids=input_ids).logits
+        with model.disable_adapter():
+            plain = model(input_ids=input_ids).logits
+    torch.testing.assert_close(adapted[0, :4], plain[0, :4])  # before the invocation tokens: the base model
+    assert not torch.allclose(adapted[0, 5:], plain[0, 5:])
+    for field, bad in (
+        ("alora_invocation_tokens", lora),
+        ("monteclora_config", _lora_with(monteclora_config=peft.MontecloraConfig())),
+    ):
+        with pytest.raises(ValueError, match=rf"TokenTuneConfig\.lora\.{field} is not supported with token selection"):
+            get_peft_model(build("llama"), TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.5, lora=bad))
 
 
 def test_nested_modules_to_save_joins_the_configs_own_and_a_string_is_one_name():

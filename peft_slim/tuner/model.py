@@ -242,6 +242,12 @@ class MethodTuner(LoraModel):
         check_model_kind(model, self.method_name, selects_tokens=selection is not None)
         if selection is not None:
             TokenSelector.check(model)
+            if config.lora.alora_invocation_tokens is not None:
+                raise ValueError(
+                    f"{type(config).__name__}.lora.alora_invocation_tokens is not supported with token selection: "
+                    "aLoRA's offsets count positions of the whole sequence, which the selected tokens are not. Use it "
+                    "without token selection (SlimFit without `tokentune`)."
+                )
             if config.lora.monteclora_config is not None:
                 raise ValueError(
                     f"{type(config).__name__}.lora.monteclora_config is not supported with token selection: "
