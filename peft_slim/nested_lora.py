@@ -16,8 +16,8 @@ REFUSED_LORA_FIELDS = {
     "arrow_config": "Arrow routes between several LoRA adapters active at once; a peft_slim model runs one at a time",
 }
 REFUSED_LORA_INITS = {
-    "eva": "peft.initialize_lora_eva_weights rewrites target_modules in the adapter's config, which for a peft_slim "
-    "adapter are its nested LoRA's",
+    "eva": "peft.initialize_lora_eva_weights rewrites LoRA settings (target_modules, rank_pattern) on the adapter's "
+    "config, which for a peft_slim adapter live in its nested LoRA",
 }
 
 
