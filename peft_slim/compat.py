@@ -16,7 +16,6 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import peft
 import torch
 
 # Internal module: ``peft.utils.other``. The base class of the wrappers PEFT puts on ``modules_to_save`` (and trainable
@@ -254,21 +253,6 @@ def eager_attention_function(module: nn.Module) -> Callable | None:
 
 
 # ---------------------------------------------------------------------------------------------- PEFT
-
-
-def lora_adapter_state_dict(
-    model: nn.Module, lora: Any, adapter_name: str, state_dict: dict, unwanted_adapter_names: list[str]
-) -> dict:
-    """The entries of ``state_dict`` that PEFT saves for LoRA adapter ``adapter_name`` (private:
-    ``LoraModel._get_adapter_state_dict``): a stacked adapter saves exactly what LoRA saves. Keys keep the name."""
-    return peft.LoraModel._get_adapter_state_dict(model, lora, adapter_name, state_dict, unwanted_adapter_names)
-
-
-def lora_state_dict_for_load(model: nn.Module, lora: Any, adapter_name: str, state_dict: dict) -> dict:
-    """``state_dict`` (as saved: no adapter name) with the keys of ``model``'s LoRA adapter ``adapter_name``. Private
-    API: ``LoraModel._remap_adapter_state_dict_for_load`` (PEFT >= 0.21), the inverse of ``lora_adapter_state_dict``.
-    """
-    return peft.LoraModel._remap_adapter_state_dict_for_load(model, lora, adapter_name, state_dict)
 
 
 def set_lora_input_cast(layer: nn.Module, cast: Callable) -> None:

@@ -8,7 +8,7 @@ from peft import PeftModel
 
 from .atomic_folder import replaced_folder
 from .tuner.config import RECORD_NAME
-from .tuner.saving import ADAPTER_FILES, is_peft_slim_model, stamp_weights
+from .tuner.saving import ADAPTER_FILES, is_peft_slim_model
 
 
 def export_lora(model: PeftModel, out_dir: str, adapter_name: str = "default") -> str:
@@ -31,5 +31,4 @@ def export_lora(model: PeftModel, out_dir: str, adapter_name: str = "default") -
     with replaced_folder(out_dir, rewritten) as staging:
         model.save_pretrained(staging, selected_adapters=[adapter_name], save_embedding_layers=False)
         os.remove(os.path.join(staging, folder, RECORD_NAME))
-        stamp_weights(os.path.join(staging, folder))
     return out_dir

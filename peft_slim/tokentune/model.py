@@ -14,7 +14,5 @@ class TokenTuneModel(MethodTuner):
     fine-tuning of the model's own weights is ``peft_slim.tokentune_``.
     """
 
-    prefix: str = "tokentune_"
-
     def _token_selection(self, config: TokenTuneConfig) -> TokenSelectionConfig:
         return config.selection_config()

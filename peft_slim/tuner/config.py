@@ -93,6 +93,14 @@ class MethodConfig(PeftConfig, ValidatedConfig):
     target_modules = _lora_value("target_modules", None)
     trainable_token_indices = _lora_value("trainable_token_indices", None)
 
+    def __getattr__(self, name: str) -> Any:
+        # Any other LoRA setting PEFT's LoRA code reads from the adapter's config (aLoRA's invocation tokens, KaSA's
+        # config, ...): the nested LoRA's. Only for names the config itself lacks.
+        lora = self.__dict__.get("lora")
+        if name.startswith("_") or not isinstance(lora, LoraConfig) or not hasattr(lora, name):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(lora, name)
+
     @property
     def runtime_config(self) -> Any:
         # PeftModel.from_pretrained sets runtime_config.ephemeral_gpu_offload when the config has one.

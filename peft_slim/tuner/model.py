@@ -15,14 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from peft.tuners.lora import LoraLayer
+from peft import LoraModel
 from peft.tuners.tuners_utils import BaseTuner, delete_adapter
 from torch import nn
 
-from ..compat import lora_adapter_state_dict, lora_state_dict_for_load
 from ..compression import CompressionStats
 from ..lora_inputs import keep_lora_inputs_narrow
-from ..nested_lora import inject_lora
+from ..nested_lora import injected_lora
 from ..token_selection import TokenSelectionConfig, TokenSelector
 from ..trainable import is_under, peft_wrapped_names
 from ..training_context import TrainingContext
@@ -125,8 +124,9 @@ def unchanged_if_raises(model: nn.Module) -> Iterator[None]:
         _NEW_TUNERS.reset(token)
 
 
-class MethodTuner(BaseTuner):
-    """PEFT's ``BaseTuner`` for a peft_slim method: no replaced modules, hooks instead.
+class MethodTuner(LoraModel):
+    """LoRA's own model class for a peft_slim method: LoRA's injection, trainability, merging, disabling, unloading
+    and saving (parameter prefix ``lora_``) of the config's nested ``lora``, with the method's hooks added.
 
     Trains the config's LoRA (required: full fine-tuning is a transform, ``tuner/transform.py``). In training
     forwards the token selection (if any) and the activation compression (if any) are active. Outside
@@ -137,8 +137,6 @@ class MethodTuner(BaseTuner):
     the active adapter's hooks are on the model. ``set_adapter`` switches them; one active adapter at a time.
     """
 
-    tuner_layer_cls = LoraLayer
-    target_module_mapping: dict = {}
     state_cls: type[AdapterState] = AdapterState  # a method's own, with the fields its ``_setup`` fills in
 
     def _pre_injection_hook(self, model: nn.Module, config: MethodConfig, adapter_name: str) -> None:
@@ -149,9 +147,6 @@ class MethodTuner(BaseTuner):
         watched = _NEW_TUNERS.get()
         if watched is not None and watched[0] is model:
             watched[1].append(self)
-        # What `prefix` tells PEFT and its users (TRL's vLLM weight sync, PEFT's own checks): the marker of the
-        # adapter's parameter names, which are LoRA's. The class keeps the registered, unique one.
-        self.prefix = "lora_"
 
     @property
     def method_name(self) -> str:
@@ -203,7 +198,7 @@ class MethodTuner(BaseTuner):
         others = [name for name in self.peft_config if name != adapter_name]
         if not others or not self.active_adapters:
             try:
-                self._inject(model, adapter_name, low_cpu_mem_usage, state_dict)
+                self._inject(model, adapter_name, autocast_adapter_dtype, low_cpu_mem_usage, state_dict)
             except BaseException:
                 self._take_off()  # get_peft_model refused: the model as it was given
                 raise
@@ -211,7 +206,6 @@ class MethodTuner(BaseTuner):
         # Another adapter (PeftModel.add_adapter / load_adapter): set it up as if it were active, park its state,
         # and leave the model as it was: the same adapter active, every existing parameter's requires_grad kept
         # (SlimFit's frozen units included), the new adapter frozen until set_adapter, as PEFT leaves a new LoRA.
-        self._check_another_adapter(adapter_name, others)
         if len(self.active_adapters) != 1:
             raise ValueError(
                 f"{self.method_name}: add_adapter with active adapters {self.active_adapters}: {ONE_AT_A_TIME}. Call "
@@ -222,12 +216,12 @@ class MethodTuner(BaseTuner):
         self.remove_hooks()  # the live adapter's, until it is active again below
         try:
             self.active_adapter = adapter_name
-            self._inject(model, adapter_name, low_cpu_mem_usage, state_dict)
+            self._inject(model, adapter_name, autocast_adapter_dtype, low_cpu_mem_usage, state_dict)
         except BaseException:
             self.remove_hooks()  # off the model: whatever hooks the failed set-up installed
             self._states.pop(adapter_name, None)
             BaseTuner.set_adapter(self, live)  # then its LoRA out again (not active: deleted without a warning)
-            delete_adapter(model, adapter_name, prefix="lora_", layer_cls=self.tuner_layer_cls)
+            delete_adapter(model, adapter_name, prefix=self.prefix, layer_cls=self.tuner_layer_cls)
             raise
         else:
             self.remove_hooks()  # the new adapter's hooks wait off the model for set_adapter
@@ -239,9 +233,8 @@ class MethodTuner(BaseTuner):
                 elif _names_adapter(name, adapter_name):
                     param.requires_grad = False
             self._unpark(live)
-            model.peft_config = self.peft_config  # the LoraModel that injected the new LoRA put its own there
 
-    def _inject(self, model: nn.Module, adapter_name: str, low_cpu_mem_usage: bool, state_dict) -> None:
+    def _inject(self, model: nn.Module, adapter_name: str, autocast_dtype: bool, low_cpu_mem_usage: bool, state_dict):
         """Inject adapter ``adapter_name`` (the active one while this runs) with its method's hooks."""
         config: MethodConfig = self.peft_config[adapter_name]
         state = self._states[adapter_name] = self.state_cls()
@@ -249,8 +242,27 @@ class MethodTuner(BaseTuner):
         check_model_kind(model, self.method_name, selects_tokens=selection is not None)
         if selection is not None:
             TokenSelector.check(model)
+            if config.lora.alora_invocation_tokens is not None:
+                raise ValueError(
+                    f"{type(config).__name__}.lora.alora_invocation_tokens is not supported with token selection: "
+                    "aLoRA's offsets count positions of the whole sequence, which the selected tokens are not. Use it "
+                    "without token selection (SlimFit without `tokentune`)."
+                )
+            if config.lora.monteclora_config is not None:
+                raise ValueError(
+                    f"{type(config).__name__}.lora.monteclora_config is not supported with token selection: "
+                    "MonteCLoRA draws new weight samples at every forward, so the backward's recomputation of the "
+                    "selected tokens would use other weights. Use it without token selection (SlimFit without "
+                    "`tokentune`)."
+                )
         self._check_model(model, config)
-        inject_lora(model, config, adapter_name, low_cpu_mem_usage=low_cpu_mem_usage, state_dict=state_dict)
+        # LoRA's own injection, which reads the adapter's config from `peft_config`: there, while it runs, the
+        # nested LoRA (BaseTuner's check that two adapters do not both train biases included).
+        self.peft_config[adapter_name] = injected_lora(model, config)
+        try:
+            super().inject_adapter(model, adapter_name, autocast_dtype, low_cpu_mem_usage, state_dict)
+        finally:
+            self.peft_config[adapter_name] = config
         keep_lora_inputs_narrow(model)  # no fp32 copies of bf16/fp16 inputs saved for the adapters
         if len(self.peft_config) > 1:  # only this adapter's LoRA trainable while it is set up, as PEFT sets it
             BaseTuner.set_adapter(self, adapter_name)
@@ -269,16 +281,6 @@ class MethodTuner(BaseTuner):
             raise ValueError(
                 f"{type(config).__name__}.lora is None: set lora=peft.LoraConfig(...) to train a LoRA adapter with "
                 f"get_peft_model, or fine-tune the model's own weights with {transform}(model, config) (no PEFT)."
-            )
-
-    def _check_another_adapter(self, adapter_name: str, others: list[str]) -> None:
-        """Refuse a second adapter where two cannot be exact: two adapters with LoRA biases (PEFT's own rule)."""
-        biased = [name for name in [adapter_name, *others] if self.peft_config[name].lora.bias != "none"]
-        if len(biased) > 1:
-            raise ValueError(
-                f"{self.method_name}: adapters {biased} all train biases (lora.bias != 'none'); as with LoRA, only "
-                "one adapter of a model may (the biases are the base model's, shared by every adapter). Set "
-                "lora.bias='none' in all but one."
             )
 
     @property
@@ -329,11 +331,11 @@ class MethodTuner(BaseTuner):
             self._unpark(self.active_adapters[0])
             self._after_set_adapter()
 
-    def _create_and_replace(self, *args, **kwargs):
-        raise NotImplementedError(f"{self.method_name} works through hooks; it replaces no module.")
-
-    def _prepare_adapter_config(self, peft_config: MethodConfig, model_config: dict) -> MethodConfig:
-        return peft_config
+    def add_weighted_adapter(self, *args, **kwargs) -> None:
+        raise ValueError(
+            f"{self.method_name}: add_weighted_adapter is not supported: {ONE_AT_A_TIME}. Combine the adapters as "
+            "plain LoRA adapters (peft.PeftModel.from_pretrained loads a saved one as such)."
+        )
 
     @property
     def _config(self) -> MethodConfig:
@@ -387,14 +389,15 @@ class MethodTuner(BaseTuner):
         self.remove_hooks()
         return super()._unload_and_optionally_merge(*args, **kwargs)
 
+    # Saving and loading: LoRA's, given the nested LoraConfig (which biases, DoRA's keys, ...).
+
     @classmethod
     def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
-        # What LoRA saves for the same LoraConfig (bias, DoRA, ...).
-        return lora_adapter_state_dict(model, config.lora, adapter_name, state_dict, unwanted_adapter_names)
+        return super()._get_adapter_state_dict(model, config.lora, adapter_name, state_dict, unwanted_adapter_names)
 
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
-        remapped = lora_state_dict_for_load(model, config.lora, adapter_name, dict(state_dict))
+        remapped = super()._remap_adapter_state_dict_for_load(model, config.lora, adapter_name, dict(state_dict))
         tuner = getattr(model, "base_model", None)
         if isinstance(tuner, MethodTuner):
             tuner._check_loaded(model, config, adapter_name, remapped)
@@ -411,8 +414,8 @@ class MethodTuner(BaseTuner):
     def _check_loaded(self, peft_model: nn.Module, config: MethodConfig, adapter_name: str, loaded: dict) -> None:
         """Refuse an adapter file with tensors of other shapes than this model's, before any is loaded (torch would
         load the others first, LoRA's biases among them). Then warn about the
-        keys it should have set but did not (PEFT's own report keeps only keys with the tuner's prefix, which none of
-        ours have), and about tensors it holds that this model has no place for."""
+        keys it should have set but did not (PEFT's ``load_adapter`` only returns them, and leaves out the biases
+        ``lora.bias`` saves), and about tensors it holds that this model has no place for."""
         state_dict = peft_model.state_dict()
         wrong = [key for key, value in loaded.items() if key in state_dict and value.shape != state_dict[key].shape]
         if wrong:
@@ -427,9 +430,9 @@ class MethodTuner(BaseTuner):
                 f"of other shapes ({config.base_model_name_or_path or 'name not recorded'}): load it onto that model. "
                 "Nothing was loaded."
             )
-        # PEFT's rule for LoRA (tuner prefix and adapter name in the key), plus the biases `lora.bias` saves.
+        # PEFT's rule for LoRA (LoRA's prefix and the adapter name in the key), plus the biases `lora.bias` saves.
         expected = {key for key in state_dict if "lora_" in key and _names_adapter(key, adapter_name)}
-        saved_by_lora = lora_adapter_state_dict(peft_model, config.lora, adapter_name, state_dict, [])
+        saved_by_lora = self._get_adapter_state_dict(peft_model, config, adapter_name, state_dict, [])
         expected |= {key for key in saved_by_lora if "lora_" not in key and key in state_dict}
         missing = sorted(expected - loaded.keys())
         if missing:  # PEFT's wording

@@ -14,16 +14,14 @@ of a folder (:func:`consistent_read`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import hashlib
-import json
 import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
-from typing import IO, Any
+from typing import Any
 
 from peft import PeftModel
 from torch import nn
@@ -36,8 +34,6 @@ from .model import MethodTuner, unchanged_if_raises
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_FILES = ("adapter_config.json", RECORD_NAME)
 ADAPTER_FILES = (*CONFIG_FILES, WEIGHTS_NAME, "adapter_model.bin")
-# In an adapter's safetensors metadata: the digests of its config files (see stamp_weights).
-STAMP_KEY = "peft_slim.config_blake2b"
 MODEL_FILES = re.compile(
     r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?|(generation_)?config\.json"
 )
@@ -77,8 +73,7 @@ def save_pretrained(
     The files are written into a new folder beside ``save_directory`` that holds everything else of the folder too
     (files as hard links, sub-folders, symbolic links), then swapped in whole: a process killed at any point leaves
     the old files or the new ones (adapter and tokenizer together); leftovers of a killed save are cleaned up by the
-    next one. Each adapter's ``adapter_model.safetensors`` records the digest of its config files
-    (:func:`stamp_weights`), which :func:`from_pretrained` and :func:`load_adapter` check.
+    next one.
     """
     if not callable(getattr(model, "save_pretrained", None)):
         raise ValueError(
@@ -108,8 +103,6 @@ def save_pretrained(
 
         with replaced_folder(save_directory, rewritten) as staging:
             model.save_pretrained(staging, **kwargs)
-            for folder in folders or ():
-                stamp_weights(os.path.join(staging, folder))
             if tokenizer is not None:
                 shutil.copytree(tokenizer_files, staging, dirs_exist_ok=True)
             if is_peft_slim_model(model):
@@ -135,47 +128,6 @@ def _tokenizer_file_names(tokenizer: Any, written: str) -> set[str]:
 # ---------------------------------------------------------------------------------------------- consistent reads
 
 
-def stamp_weights(folder: str) -> None:
-    """Record in ``folder``'s ``adapter_model.safetensors`` (its metadata, :data:`STAMP_KEY`) the digest of each config
-    file beside it, so that a reader can tell that the config it read is the one saved with these weights. PEFT and
-    other readers ignore the entry. Nothing to do for an adapter without safetensors weights."""
-    weights = os.path.join(folder, WEIGHTS_NAME)
-    if not os.path.isfile(weights):
-        return
-    digests = {}
-    for name in CONFIG_FILES:
-        with contextlib.suppress(FileNotFoundError), open(os.path.join(folder, name), "rb") as handle:
-            digests[name] = _config_digest(handle.read())
-    with open(weights, "rb") as source:
-        header = _safetensors_header(source)
-        if not header:
-            return
-        header["__metadata__"] = {**header.get("__metadata__", {}), STAMP_KEY: json.dumps(digests, sort_keys=True)}
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)  # safetensors' padding: tensor data stays 8-byte aligned
-        with open(weights + ".stamped", "wb") as target:
-            target.write(len(encoded).to_bytes(8, "little") + encoded)
-            shutil.copyfileobj(source, target)  # the tensor data, unchanged (offsets count from its start)
-    os.replace(weights + ".stamped", weights)
-
-
-def check_stamp(where: str, files: dict[str, IO[bytes]]) -> None:
-    """Raise if the open config ``files`` of an adapter are not the ones :func:`stamp_weights` recorded in its open
-    weights file (an adapter without the record passes)."""
-    weights = files.get(WEIGHTS_NAME)
-    stamp = None if weights is None else _safetensors_header(weights).get("__metadata__", {}).get(STAMP_KEY)
-    if stamp is None:
-        return
-    for name, digest in json.loads(stamp).items():
-        handle = files.get(name)
-        if handle is None or _config_digest(handle.seek(0) or handle.read()) != digest:
-            raise ValueError(
-                f"{where}: {name} is not the config saved with {WEIGHTS_NAME} (its digest differs from the one the "
-                "weights record): the folder mixes two saves (copied during a save?) or the file was edited. Save "
-                "the adapter again, or load the files as they are with peft.PeftModel.from_pretrained."
-            )
-
-
 # How many times a load that a save swapped the folder under is undone and read again before FolderReplaced.
 LOAD_ATTEMPTS = 5
 
@@ -183,8 +135,8 @@ LOAD_ATTEMPTS = 5
 def consistent_read(undo: Callable[..., None]) -> Callable:
     """Decorate ``load(model, model_id, ...)`` so that it reads one save of a local folder ``model_id`` (recovered
     first if a save was killed between its two renames): the adapter's files are held open as one version of the
-    folder (``atomic_folder.held_files``) and their stamp checked before ``load`` runs. If a save replaces the folder
-    meanwhile, ``undo(model, result, *args, **kwargs)`` takes the load off the model and it is read again, up to
+    folder (``atomic_folder.held_files``) while ``load`` runs. If a save replaces the folder meanwhile,
+    ``undo(model, result, *args, **kwargs)`` takes the load off the model and it is read again, up to
     ``LOAD_ATTEMPTS`` times; then ``atomic_folder.FolderReplaced``."""
 
     def decorate(load: Callable) -> Callable:
@@ -201,8 +153,7 @@ def consistent_read(undo: Callable[..., None]) -> Callable:
             for _ in range(LOAD_ATTEMPTS):
                 result = loading = None
                 try:
-                    with held_files(folder, ADAPTER_FILES) as files:
-                        check_stamp(folder, files)
+                    with held_files(folder, ADAPTER_FILES):
                         loading = True
                         result = load(model, model_id, *args, **kwargs)
                     return result
@@ -242,28 +193,6 @@ def _delete_loaded(model: Any, loaded: Any, adapter_name: str | None = None, *ar
     model.delete_adapter(adapter_name if adapter_name is not None else kwargs["adapter_name"])
 
 
-def _config_digest(data: bytes) -> str:
-    """blake2b of a config file's values, where the base model is left out (users edit that path by hand)."""
-    try:
-        values = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        values = data.decode("latin-1")
-    if isinstance(values, dict):
-        values = {key: value for key, value in values.items() if key not in ("base_model_name_or_path", "revision")}
-    return hashlib.blake2b(json.dumps(values, sort_keys=True).encode(), digest_size=16).hexdigest()
-
-
-def _safetensors_header(handle: IO[bytes]) -> dict:
-    """The JSON header of the safetensors file open in ``handle`` ({} if it is not one)."""
-    handle.seek(0)
-    length = int.from_bytes(handle.read(8), "little")
-    try:
-        header = json.loads(handle.read(length)) if length <= 100_000_000 else None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        header = None
-    return header if isinstance(header, dict) else {}
-
-
 @consistent_read(_take_off_loaded)
 def from_pretrained(
     model: nn.Module,
@@ -280,7 +209,10 @@ def from_pretrained(
     """
     hub_kwargs = {key: kwargs[key] for key in ("subfolder", "revision", "cache_dir", "token") if key in kwargs}
     config = load_config(model_id, **hub_kwargs)
-    with unchanged_if_raises(model):  # a refused load leaves the model as it was given
+    # The tuner's load hook reports missing keys (also for load_adapter, where PEFT only returns them): PEFT's own
+    # report of the same keys after from_pretrained is left out.
+    with unchanged_if_raises(model), warnings.catch_warnings():  # a refused load leaves the model as it was given
+        warnings.filterwarnings("ignore", "Found missing adapter keys", UserWarning, r"peft\.peft_model")
         return PeftModel.from_pretrained(
             model, model_id, adapter_name=adapter_name, is_trainable=is_trainable, config=config, **kwargs
         )
