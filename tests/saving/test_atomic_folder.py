@@ -7,7 +7,7 @@ they replace it.
   one save of the folder: a swap between their opens is retried, one during the load is refused
   (`FolderReplaced`), a folder that mixes two saves on disk is refused. A reader process looping over loads while
   another process saves two adapters in turn never gets one save's config with the other's weights.
-(Crash consistency under SIGKILL: tests/test_lora_artifacts.py.)
+(Crash consistency under SIGKILL: tests/saving/test_lora_artifacts.py.)
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 * In a process that never imports peft_slim, vanilla PEFT loads what `save_pretrained` and `push_to_hub` write for
   TokenTune + LoRA, SlimFit + LoRA and the full stack (SlimFit + token selection + LoRA + compression), and a
   Trainer checkpoint, without a warning, to the trained model's eval logits. (`peft-slim train`:
-  tests/cli/test_cli_train.py; resuming from such checkpoints: tests/test_tokentune_resume.py.)
+  tests/cli/test_cli_train.py; resuming from such checkpoints: tests/tokentune/test_tokentune_resume.py.)
 * The method and its settings come back from `peft_slim_config.json`.
 * Every attribute of PEFT's model and config classes is the same object before and after `import peft_slim`.
 * `peft_slim.save_pretrained` under a real SIGKILL at each stage of its folder swap: the folder loads as the old or

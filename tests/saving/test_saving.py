@@ -1,7 +1,7 @@
 """Saving and loading peft_slim adapters: peft_slim.save_pretrained's atomic saves, missing and unexpected keys, the
 nested LoraConfig honoured as vanilla LoRA honours it, the model card, resuming, and the refusal of an earlier
 version's adapters without LoRA (full fine-tuning is a transform now). (Plain LoRA files and crash consistency under
-SIGKILL: tests/test_lora_artifacts.py.)
+SIGKILL: tests/saving/test_lora_artifacts.py.)
 """
 
 from __future__ import annotations
