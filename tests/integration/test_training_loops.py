@@ -12,22 +12,13 @@ import math
 import pytest
 import torch
 from helpers.reference import reference_forward, selected_causal_lm_loss
-from helpers.tiny_models import LORA_TARGETS, ONE_SGD_STEP, VOCAB, build, make_batch, trainer_kwargs
+from helpers.tiny_models import LORA_TARGETS, ONE_SGD_STEP, build, make_batch
 from helpers.tokentune_cases import train_on_one_batch
+from helpers.trainer_cases import make_dataset, make_tokenizer, training_args
 from peft import LoraConfig, get_peft_model
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (
-    DataCollatorForLanguageModeling,
-    PreTrainedTokenizerFast,
-    Trainer,
-    TrainerCallback,
-    TrainingArguments,
-)
+from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback
 
 from peft_slim import TokenTuneConfig
-
-datasets = pytest.importorskip("datasets")
-
 
 # ---------------------------------------------------------------------------------------------- helpers
 
@@ -50,27 +41,6 @@ def tokentune_lora(
         **tokentune,
     )
     return get_peft_model(model, config)
-
-
-def make_tokenizer() -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over the tiny models' vocabulary, built in code (no hub)."""
-    vocab = {"[PAD]": 0, "[BOS]": 1, "[UNK]": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", bos_token="[BOS]", unk_token="[UNK]")
-
-
-def make_dataset(tokenizer, lengths: list[int], seed: int = 0):
-    generator = torch.Generator().manual_seed(seed)
-    texts = [
-        " ".join(f"w{int(i)}" for i in torch.randint(3, VOCAB, (length,), generator=generator)) for length in lengths
-    ]
-    encoded = tokenizer(texts)
-    return datasets.Dataset.from_dict({"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]})
-
-
-def training_args(tmp_path, **overrides) -> TrainingArguments:
-    return TrainingArguments(**trainer_kwargs(tmp_path, **overrides))
 
 
 class Recorder:

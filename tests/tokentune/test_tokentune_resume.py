@@ -9,7 +9,7 @@ import torch
 from helpers.slimfit_cases import slimfit_model
 from helpers.tiny_models import LORA_TARGETS, build, make_batch
 from helpers.tokentune_cases import tokentune_model
-from integration.test_training_loops import make_dataset, make_tokenizer, training_args
+from helpers.trainer_cases import make_dataset, make_tokenizer, training_args
 from peft import LoraConfig, get_peft_model
 from transformers import DataCollatorForLanguageModeling, Trainer
 
