@@ -56,7 +56,7 @@ step() { # step NAME SECONDS DRY_ARG COMMAND...: COMMAND into the log (a dry run
 
 # shellcheck disable=SC2046  # the test files holding `cuda` tests, one word each
 step cuda-tests "${TESTS_S:-150}" --collect-only \
-    $PY -m pytest -q -rs -n 0 -p no:cacheprovider -m cuda $(grep -l "mark.cuda" tests/test_*.py)
+    $PY -m pytest -q -rs -n 0 -p no:cacheprovider -m cuda $(grep -rl --include="test_*.py" "mark.cuda" tests)
 step gpu-1b "${BENCH_1B_S:-240}" --dry-run $PY -m benchmarks.gpu --out "$OUT"
 step gpu-8b "${BENCH_8B_S:-150}" --dry-run \
     $PY -m benchmarks.gpu --shape 8b --warmup 1 --steps 2 --kernel-numel 4096 --methods "$METHODS_8B" --out "$OUT"

@@ -1,8 +1,8 @@
 """Every private (underscore or internal-module) API of torch, transformers, PEFT, TRL and Python that peft_slim uses.
 
-Each entry names the private API and why peft_slim needs it; ``tests/test_compat.py`` tests each on the installed
-versions, and CI runs them on the oldest and newest supported ones (``peft_slim.versions``), so no fallback is kept
-for other releases. Two checks guard against a silently wrong result instead: ``autocast_copy_source``'s and
+Each entry names the private API and why peft_slim needs it; ``tests/project/test_compat.py`` tests each on the
+installed versions, and CI runs them on the oldest and newest supported ones (``peft_slim.versions``), so no fallback
+is kept for other releases. Two checks guard against a silently wrong result instead: ``autocast_copy_source``'s and
 ``add_enum_member``'s. The planner's own private torch APIs live in ``peft_slim.planner.fake``. Nothing else in
 peft_slim touches a private API; add new ones here (or in the planner's), with a test.
 """
@@ -199,7 +199,7 @@ def newly_initialized_parameters(model: nn.Module) -> list[str] | None:
     """Names of the parameters of ``model`` that ``from_pretrained`` initialised instead of loading (missing from
     the checkpoint, or another shape there); None without a record of a load (built from a config, or replaced).
     Private API: the ``_is_hf_initialized`` mark transformers' loader sets on every tensor it loads, the only record
-    a plain ``from_pretrained`` leaves (renamed: ``tests/test_compat.py`` catches it)."""
+    a plain ``from_pretrained`` leaves (renamed: ``tests/project/test_compat.py`` catches it)."""
     named = list(model.named_parameters())
     marked = [getattr(param, _LOADED_MARK, False) is True for _, param in named]
     return [name for (name, _), loaded in zip(named, marked) if not loaded] if any(marked) else None

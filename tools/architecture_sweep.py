@@ -3,7 +3,7 @@
 Every model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (and every encoder of the sequence-classification mapping)
 is built as a tiny random model from its config class's defaults with the sizes shrunk (hidden 64, 2 layers, a small
 vocabulary), wrapped in TokenTune + LoRA (``all-linear``), trained for one forward and backward, and compared with the
-independent reference gradient of tests/reference.py (a plain PEFT LoRA model with the same weights, unselected
+independent reference gradient of tests/helpers/reference.py (a plain PEFT LoRA model with the same weights, unselected
 positions detached at every block input and unselected keys/values detached in attention). Each is classed:
 
 - ``exact``: the gradients and the loss equal the reference's (relative error <= ``TOLERANCE``);
@@ -195,7 +195,7 @@ def check(model_type: str, kind: str) -> dict:
     from peft_slim.token_selection.blocks import find_blocks
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from reference import reference_forward, selected_causal_lm_loss
+    from helpers.reference import reference_forward, selected_causal_lm_loss
 
     inputs, labels = _batch(kind)
     implementation, reason = None, ""

@@ -10,10 +10,10 @@ table rendered from ``sft.json`` by ``benchmarks.bench_sft.markdown``; ``{{budge
 rendered from ``budget/budget.json`` by ``benchmarks.bench_budget.markdown``. The README's headline table (between
 the two marker comments): TokenTune's defaults against TRL's baseline, one row per task of
 ``budget_trl/budget.json`` and ``budget_trl_longqa/budget.json``.
-tests/test_docs.py checks both are up to date.
+tests/project/test_docs.py checks both are up to date.
 
 It also writes ``peft_slim/planner/measured.json``, the equal-budget results the planner ranks its settings by
-(``render_measured``; tests/test_planner_measured.py checks it is current).
+(``render_measured``; tests/planner/test_planner_measured.py checks it is current).
 """
 
 from __future__ import annotations

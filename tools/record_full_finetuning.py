@@ -1,4 +1,4 @@
-"""Record tests/data/full_finetuning.json from the standalone PEFT types (TokenTune / SlimFit without `lora`,
+"""Record tests/helpers/data/full_finetuning.json from the standalone PEFT types (TokenTune / SlimFit without `lora`,
 wrapped by get_peft_model), the reference the full fine-tuning transforms must match bit for bit.
 
 Run from the repository root: ``PYTHONPATH=.:tests python tools/record_full_finetuning.py``. Needs a peft_slim that
@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 
 import torch
-from full_finetuning_cases import CASES, DATA, run_case
+from helpers.full_finetuning_cases import CASES, DATA, run_case
+from helpers.tiny_models import CAUSAL_LM
 from peft import get_peft_model
-from tiny_models import CAUSAL_LM
 
 from peft_slim import SlimFitConfig, TokenTuneConfig
 

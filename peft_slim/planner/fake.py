@@ -1,5 +1,6 @@
 """The planner's private torch APIs (fake tensors, a hook on every operator) and one transformers internal that
-reads tensor values (``one_sequence_per_row``); ``tests/test_compat.py`` tests each, as for ``peft_slim.compat``."""
+reads tensor values (``one_sequence_per_row``); ``tests/project/test_compat.py`` tests each, as for
+``peft_slim.compat``."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ queries) puts its keys/values into the recorded ones, the others constants, and 
 
 Without a ``BlockPass`` the original implementation runs unchanged: transformers picks the attention function by the
 config's name only, so eval forwards, generation and another model holding the same config object (TRL's reference
-model can) compute exactly what they compute without TokenTune (tests/test_tokentune_semantics.py).
+model can) compute exactly what they compute without TokenTune (tests/tokentune/test_tokentune_semantics.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,2 @@
+"""The memory planner and recipes: estimates against measurements, depth scaling, the measured table, the train
+line."""

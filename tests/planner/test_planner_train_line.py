@@ -1,0 +1,84 @@
+"""``peft-slim plan``'s output: one short line per setting, no warning, and a ``peft-slim train`` line that runs as
+printed (on a tiny stand-in model), names what to pass where ``--model`` holds no weights, and is printed only for
+AdamW, the optimizer ``train`` uses."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import warnings
+
+import pytest
+from helpers.planner_cases import checked_train_args, llama_config
+from helpers.tiny_chat import QA, save_tiny_chat_llama
+
+from peft_slim.cli import main as cli_main
+from peft_slim.cli.plan import MODEL_PLACEHOLDER
+from peft_slim.planner.plan import NOT_MEASURED
+
+FEW_SETTINGS = ["--batch-size", "2", "--seq-len", "32", "--no-checkpointing", "--min-token-ratio", "0.5"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return save_tiny_chat_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def plan_lines(capsys, *argv: str) -> tuple[int, list[str]]:
+    code = cli_main(["plan", *argv])
+    return code, capsys.readouterr().out.strip().splitlines()
+
+
+def test_the_printed_train_line_runs_as_printed(tiny_model, tmp_path, capsys):
+    code, lines = plan_lines(capsys, "--model", str(tiny_model), "--budget", "1GB", *FEW_SETTINGS)
+    assert code == 0 and lines[-1].startswith("peft-slim train --model ")
+    argv = shlex.split(lines[-1])[2:]
+    assert checked_train_args(argv).model == str(tiny_model)
+    chat = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in QA]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in chat))
+    capsys.readouterr()
+    run = ["--dataset", str(data), "--output", str(tmp_path / "out"), "--max-steps", "1"]
+    assert cli_main(["train", *argv, *run]) == 0
+    assert (tmp_path / "out" / "adapter_config.json").is_file()
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_a_model_without_weights_gets_a_placeholder_and_the_words_saying_what_to_pass(tmp_path, capsys, weights):
+    llama_config().save_pretrained(tmp_path)
+    given = tmp_path if weights else tmp_path / "config.json"
+    if weights:  # a folder with weights: its name goes in the line as given
+        (tmp_path / "model.safetensors").write_bytes(b"")
+    code, lines = plan_lines(capsys, "--model", str(given), "--budget", "1GB", *FEW_SETTINGS)
+    assert code == 0
+    argv = shlex.split(lines[-1])[2:]
+    assert checked_train_args(argv).model == (str(given) if weights else MODEL_PLACEHOLDER)
+    if not weights:
+        assert lines[-2].startswith(f"Replace {MODEL_PLACEHOLDER} with the folder or hub id of the model's weights")
+        assert str(given) in lines[-2]
+
+
+def test_no_train_line_for_an_optimizer_train_does_not_use(tmp_path, capsys):
+    """`peft-slim train` always uses AdamW: a setting that fits under SGD's (empty) state may not fit under AdamW's."""
+    llama_config().save_pretrained(tmp_path)
+    argv = ["--model", str(tmp_path), "--budget", "1GB", "--optimizer", "sgd", *FEW_SETTINGS]
+    code, lines = plan_lines(capsys, *argv)
+    assert code == 0 and not any(line.startswith("peft-slim train") for line in lines)
+    assert lines[-1].startswith("Plan with --optimizer adamw for a `peft-slim train` line")
+
+
+def test_one_short_line_per_setting_and_no_warning(tmp_path, capsys):
+    llama_config().save_pretrained(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code, lines = plan_lines(capsys, "--model", str(tmp_path), "--batch-size", "2", "--seq-len", "32")
+    assert code == 0 and [str(w.message) for w in caught] == []
+    rows = [line.split(" | ") for line in lines[1:]]
+    assert len(rows) >= 5 and all(len(row) == 7 for row in rows)
+    assert all(len(row[-1]) <= 80 for row in rows), [row[-1] for row in rows]
+    measured = [row for row in rows if row[-1] != NOT_MEASURED]
+    assert measured and all(row[-1].startswith("measured: LoRA's final perplexity in ") for row in measured)
+    code, verbose = plan_lines(capsys, "--model", str(tmp_path), "--batch-size", "2", "--seq-len", "32", "--verbose")
+    full = {line.split(" | ")[0]: line.split(" | ")[-1] for line in verbose[1:]}
+    assert all(full[row[0]] == row[-1] or "benchmarks/results/budget" in full[row[0]] for row in rows)
+    assert any(len(text) > 200 for text in full.values())

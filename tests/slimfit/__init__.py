@@ -1,0 +1,1 @@
+"""SlimFit: the schedule, its defaults, gradients, errors, the optimizer hooks' lifecycle, new weights."""

@@ -1,0 +1,100 @@
+"""LoRA-stacked training is bit-identical to the code before the tuner became LoRA's own model class (``LoraModel``):
+the sha256 of every gradient of two AdamW steps, and of every parameter (with its ``requires_grad``) after them, for
+TokenTune with a second adapter, SlimFit with token selection and compression, and SlimFit with DoRA on a classifier.
+``tests/helpers/data/lora_stacked.json`` was recorded by this file's ``__main__`` on the earlier code, at one intra-op
+thread (with more, torch sums some gradients in another order)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+from helpers.tiny_models import build, make_batch
+from peft import LoraConfig, get_peft_model
+
+from peft_slim import ActivationCompressionConfig, SlimFitConfig, TokenSelectionConfig, TokenTuneConfig
+
+RECORD = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers", "data", "lora_stacked.json")
+LLAMA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+def _configs():
+    return {
+        "tt": ("llama", TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.5, seed=0, lora=LoraConfig(**LLAMA))),
+        "sf": (
+            "llama",
+            SlimFitConfig(
+                task_type="CAUSAL_LM",
+                freeze_ratio=0.5,
+                seed=0,
+                lora=LoraConfig(**LLAMA),
+                tokentune=TokenSelectionConfig(token_ratio=0.5, seed=0),
+                activation_compression=ActivationCompressionConfig(bits=4, min_numel=0),
+            ),
+        ),
+        "sf_bert": (
+            "bert",
+            SlimFitConfig(
+                task_type="SEQ_CLS", seed=0, lora=LoraConfig(r=4, target_modules=["query", "value"], use_dora=True)
+            ),
+        ),
+    }
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.detach().numpy().tobytes()).hexdigest()
+
+
+def run(name: str) -> dict[str, str]:
+    arch, config = _configs()[name]
+    torch.manual_seed(0)
+    model = get_peft_model(build(arch, seed=0), config)
+    if name == "tt":
+        second = LoraConfig(r=2, target_modules=["k_proj"])
+        model.add_adapter("second", TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.5, seed=1, lora=second))
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    if hasattr(model, "slimfit_attach"):
+        model.slimfit_attach(optimizer)
+    out = {}
+    for step in range(2):
+        model(**make_batch(arch, seed=step)).loss.backward()
+        for key, param in model.named_parameters():
+            if param.grad is not None:
+                out[f"{name}/{step}/grad/{key}"] = _digest(param.grad)
+        optimizer.step()
+        optimizer.zero_grad()
+        if hasattr(model, "slimfit_step"):
+            model.slimfit_step()
+    for key, param in model.named_parameters():
+        out[f"{name}/param/{key}"] = _digest(param) + str(param.requires_grad)
+    return out
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", sorted(_configs()))
+def test_bit_identical_to_the_recorded_steps(name, one_thread):
+    with open(RECORD) as handle:
+        recorded = {key: value for key, value in json.load(handle).items() if key.startswith(f"{name}/")}
+    got = run(name)
+    assert got.keys() == recorded.keys()
+    differ = sorted(key for key in recorded if got[key] != recorded[key])
+    assert not differ, differ[:5]
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    record = {key: value for name in sorted(_configs()) for key, value in run(name).items()}
+    with open(RECORD, "w") as handle:
+        json.dump(record, handle, indent=0, sort_keys=True)
+        handle.write("\n")
