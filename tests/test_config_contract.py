@@ -3,6 +3,7 @@ the same way; unknown keys raise for the user and warn for a saved file; a faile
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from peft import LoraConfig, PeftConfig
+from peft import LoraConfig, PeftConfig, get_peft_model
 
 import peft_slim
 from peft_slim import ActivationCompressionConfig, SlimFitConfig, TokenSelectionConfig, TokenTuneConfig
@@ -255,3 +256,45 @@ def test_a_failed_config_save_leaves_the_existing_file_untouched(tmp_path):
         broken.save_pretrained(str(tmp_path))
     assert {name: (tmp_path / name).read_bytes() for name in before} == before
     assert sorted(os.listdir(tmp_path)) == sorted(before)  # no temporary file left behind
+
+
+# ---------------------------------------------------------------------------------------------- saved files
+
+SAVED = os.path.join(os.path.dirname(__file__), "data", "saved_configs")
+
+
+def _recorded_configs() -> dict:
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    try:
+        from record_saved_configs import configs
+    finally:
+        sys.path.pop(0)
+    return configs()
+
+
+@pytest.mark.parametrize("name", ["tokentune", "slimfit"])
+def test_adapter_config_json_is_byte_identical_to_the_recorded_one(name, tmp_path):
+    """The recorded files come from the code before configs became plain dataclasses (tools/record_saved_configs.py)."""
+    from tiny_models import build
+
+    model = get_peft_model(build("llama"), _recorded_configs()[name])
+    model.save_pretrained(str(tmp_path))
+    recorded = os.path.join(SAVED, name, "adapter_config.json")
+    assert (tmp_path / "adapter_config.json").read_bytes() == open(recorded, "rb").read()
+
+
+@pytest.mark.parametrize("name", ["tokentune", "slimfit"])
+def test_a_folder_saved_by_the_earlier_code_loads_as_the_same_config(name):
+    """The earlier sidecar repeats the LoRA settings: they are ignored, the LoRA is adapter_config.json's."""
+    config = _recorded_configs()[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = peft_slim.load_config(os.path.join(SAVED, name))
+    assert type(loaded) is type(config)
+    for spec in dataclasses.fields(config):
+        if spec.name not in ("lora", "inference_mode", "peft_slim_version"):
+            assert getattr(loaded, spec.name) == getattr(config, spec.name), spec.name
+    for key in ("r", "lora_alpha", "target_modules", "task_type"):
+        assert getattr(loaded.lora, key) == getattr(config.lora, key), key
