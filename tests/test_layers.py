@@ -33,7 +33,7 @@ LAYERS = [
             "peft_slim.trainer_state",
         ],
     ),
-    ("config path", ["peft_slim.configuration"]),
+    ("config checks", ["peft_slim.configuration"]),
     (
         "components",
         [
