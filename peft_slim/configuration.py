@@ -102,8 +102,10 @@ def check_names(where: str, value: Any, regex: bool = True) -> list[str] | str |
     match, as LoRA's ``target_modules``) where ``regex``, else one name."""
     if value is None:
         return None
+    if isinstance(value, str) and regex:
+        return _compiled(where, value)
     if isinstance(value, str):
-        return [value] if not regex else _compiled(where, value)
+        value = [value]
     if isinstance(value, (set, frozenset)):
         value = sorted(value, key=str)
     expected = "a list of module names" + (" or one regex string" if regex else "")
@@ -120,10 +122,17 @@ def check_regexes(where: str, value: Any) -> list[str] | None:
 
 def check_subset(where: str, value: Any, choices: tuple) -> list[str]:
     """A non-empty list drawn from ``choices`` (a single string is one entry), returned sorted and unique."""
-    values = check_names(where, value, regex=False) or fail(where, value, f"a non-empty list of {choices}")
+    expected = f"a non-empty list of {choices}"
+    values = [value] if isinstance(value, str) else value
+    if (
+        not isinstance(values, (list, tuple, set, frozenset))
+        or not values
+        or not all(isinstance(v, str) for v in values)
+    ):
+        fail(where, value, expected)
     unknown = [v for v in values if v not in choices]
     if unknown:
-        fail(where, value, f"a non-empty list of {choices}", hint=nearest(unknown[0], list(choices)))
+        fail(where, value, expected, hint=nearest(unknown[0], list(choices)))
     return sorted(set(values))
 
 
@@ -135,7 +144,7 @@ def _compiled(where: str, pattern: str) -> str:
     return pattern
 
 
-def NameList():  # noqa: N802 - kept for nested_lora.py's `NameList()(value, where)` until it no longer calls it
+def NameList():  # kept for nested_lora.py's `NameList()(value, where)` until it no longer calls it
     return lambda value, where: check_names(where, value, regex=False)
 
 
