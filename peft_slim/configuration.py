@@ -97,7 +97,9 @@ def check_choice(where: str, value: Any, choices: tuple, optional: bool = False)
     fail(where, value, f"one of {choices}", optional, hint)
 
 
-def check_names(where: str, value: Any, regex: bool = True, what: str = "module names") -> list[str] | str | None:
+def check_names(
+    where: str, value: Any, regex: bool = True, expected: str = "a list of module names"
+) -> list[str] | str | None:
     """Module names: a list (a set is sorted) of non-empty strings, or None. A single string is one regex (full
     match, as LoRA's ``target_modules``) where ``regex``, else one name."""
     if value is None:
@@ -108,7 +110,7 @@ def check_names(where: str, value: Any, regex: bool = True, what: str = "module 
         value = [value]
     if isinstance(value, (set, frozenset)):
         value = sorted(value, key=str)
-    expected = f"a non-empty list of {what}" + (" or one regex string" if regex else "")
+    expected += " or one regex string" if regex else ""
     if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v for v in value):
         fail(where, value, expected, optional=True, hint=" (entries must be non-empty strings)")
     return list(value)
@@ -116,7 +118,7 @@ def check_names(where: str, value: Any, regex: bool = True, what: str = "module 
 
 def check_regexes(where: str, value: Any) -> list[str] | None:
     """A non-empty list of regexes (a single string is one), or None."""
-    names = check_names(where, value, regex=False, what="regexes")
+    names = check_names(where, value, regex=False, expected="a non-empty list of regexes")
     return None if names is None else [_compiled(where, pattern) for pattern in names]
 
 
