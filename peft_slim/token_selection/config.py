@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 
-from ..configuration import Boolean, Integer, OneOf, Real, ValidatedConfig, config_dataclass, setting
+from ..configuration import check_bool, check_choice, check_float, check_int
 
 SELECTION_RULES = ("random", "answer")
 DEFAULT_TOKEN_RATIO = 0.3
@@ -12,8 +12,8 @@ MAX_NUM_TOKENS = 2**31 - 1  # `num_tokens`: more than any sequence holds; keeps 
 MAX_SEED = 2**62  # the generator is seeded with seed + rank, which must stay a valid 64-bit seed
 
 
-@config_dataclass
-class TokenSelectionConfig(ValidatedConfig):
+@dataclass
+class TokenSelectionConfig:
     """How many positions of each sequence receive gradients, and which.
 
     Give exactly one of `token_ratio` or `num_tokens` (neither means `token_ratio=0.3`, the paper's Llama
@@ -22,52 +22,66 @@ class TokenSelectionConfig(ValidatedConfig):
     selection fields and as `SlimFitConfig.tokentune`.
     """
 
-    token_ratio: float | None = setting(
-        None,
-        "Fraction in (0, 1] of each sequence's real tokens that receive gradients.",
-        Real(0.0, 1.0, low_open=True, optional=True),
+    token_ratio: float | None = field(
+        default=None, metadata={"help": "Fraction in (0, 1] of each sequence's real tokens that receive gradients."}
     )
-    num_tokens: int | None = setting(
-        None,
-        f"Absolute number (1 to {MAX_NUM_TOKENS}) of tokens per sequence that receive gradients.",
-        Integer(1, MAX_NUM_TOKENS, optional=True),
+    num_tokens: int | None = field(
+        default=None,
+        metadata={"help": f"Absolute number (1 to {MAX_NUM_TOKENS}) of tokens per sequence that receive gradients."},
     )
-    selection: str = setting(
-        "answer",
-        "'answer' (default): every position whose prediction carries a loss label first (a causal LM's "
-        "position t when labels[t+1] != -100: the completion, or the assistant turns, of SFT data), uniformly "
-        "among them when the budget is smaller, and the rest of the budget uniformly among the other real tokens "
-        "(the prompt); without labels, or where every position is labelled, the same as 'random'. 'random': "
-        "uniform per sequence, redrawn every forward (the paper). The positions the head reads, the first real "
-        "token and a decoder LM's last real token are always selected and count toward the budget; padding only "
-        "where the head reads it.",
-        OneOf(SELECTION_RULES),
+    selection: str = field(
+        default="answer",
+        metadata={
+            "help": "'answer' (default): every position whose prediction carries a loss label first (a causal LM's "
+            "position t when labels[t+1] != -100: the completion, or the assistant turns, of SFT data), uniformly "
+            "among them when the budget is smaller, and the rest of the budget uniformly among the other real tokens "
+            "(the prompt); without labels, or where every position is labelled, the same as 'random'. 'random': "
+            "uniform per sequence, redrawn every forward (the paper). The positions the head reads, the first real "
+            "token and a decoder LM's last real token are always selected and count toward the budget; padding only "
+            "where the head reads it.",
+        },
     )
-    seed: int | None = setting(
-        None,
-        f"Seed (0 to {MAX_SEED}) of the selection generator, for reproducible selections; each process "
-        "of a distributed run adds its rank. None: a fresh seed.",
-        Integer(0, MAX_SEED, optional=True),
+    seed: int | None = field(
+        default=None,
+        metadata={
+            "help": f"Seed (0 to {MAX_SEED}) of the selection generator, for reproducible selections; each process "
+            "of a distributed run adds its rank. None: a fresh seed."
+        },
     )
-    chunked_loss: bool = setting(
-        True,
-        "Causal LMs: compute the LM head and loss over the selected positions a chunk of rows at a time, "
-        "recomputed in backward, so that their full-vocabulary logits are never kept (same loss and gradient). "
-        "The training forward then returns `logits=None` when it computes the loss. False: materialise the "
-        "selected positions' logits and return them.",
-        Boolean(),
+    chunked_loss: bool = field(
+        default=True,
+        metadata={
+            "help": "Causal LMs: compute the LM head and loss over the selected positions a chunk of rows at a time, "
+            "recomputed in backward, so that their full-vocabulary logits are never kept (same loss and gradient). "
+            "The training forward then returns `logits=None` when it computes the loss. False: materialise the "
+            "selected positions' logits and return them."
+        },
     )
 
-    def _check(self) -> None:
-        super()._check()
-        if self.token_ratio is not None and self.num_tokens is not None:
-            raise ValueError(
-                f"{type(self).__name__}: give exactly one of `token_ratio` or `num_tokens`, not both "
-                f"(got token_ratio={self.token_ratio!r}, num_tokens={self.num_tokens!r})."
-            )
-        if self.token_ratio is None and self.num_tokens is None:
-            self.token_ratio = DEFAULT_TOKEN_RATIO
+    def __post_init__(self):
+        check_selection(self)
 
     def selection_config(self) -> TokenSelectionConfig:
         """The selection fields alone (a subclass such as TokenTuneConfig carries more)."""
         return TokenSelectionConfig(**{spec.name: getattr(self, spec.name) for spec in fields(TokenSelectionConfig)})
+
+    def to_dict(self) -> dict:
+        return {spec.name: getattr(self, spec.name) for spec in fields(self)}
+
+
+def check_selection(config) -> None:
+    """Check (and coerce) the selection fields of ``config``: a TokenSelectionConfig, or a config that has its
+    fields (TokenTuneConfig calls it from its own ``__post_init__``)."""
+    name = type(config).__name__
+    config.token_ratio = check_float(f"{name}.token_ratio", config.token_ratio, 0.0, 1.0, low_open=True, optional=True)
+    config.num_tokens = check_int(f"{name}.num_tokens", config.num_tokens, 1, MAX_NUM_TOKENS, optional=True)
+    config.selection = check_choice(f"{name}.selection", config.selection, SELECTION_RULES)
+    config.seed = check_int(f"{name}.seed", config.seed, 0, MAX_SEED, optional=True)
+    config.chunked_loss = check_bool(f"{name}.chunked_loss", config.chunked_loss)
+    if config.token_ratio is not None and config.num_tokens is not None:
+        raise ValueError(
+            f"{name}: give exactly one of `token_ratio` or `num_tokens`, not both "
+            f"(got token_ratio={config.token_ratio!r}, num_tokens={config.num_tokens!r})."
+        )
+    if config.token_ratio is None and config.num_tokens is None:
+        config.token_ratio = DEFAULT_TOKEN_RATIO

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..configuration import ModuleNames, config_dataclass, setting
+from ..configuration import check_names
 from ..token_selection import TokenSelectionConfig
+from ..token_selection.config import check_selection
 from ..tuner import MethodConfig
 
 
-@config_dataclass
+@dataclass
 class TokenTuneConfig(MethodConfig, TokenSelectionConfig):
     """Configuration for [`TokenTuneModel`].
 
@@ -21,15 +23,18 @@ class TokenTuneConfig(MethodConfig, TokenSelectionConfig):
 
     method: ClassVar[str] = "TOKENTUNE"
 
-    trainable_modules: list[str] | str | None = setting(
-        None,
-        "Full fine-tuning (peft_slim.tokentune_, no `lora`) only: module names (suffix match, like LoRA's "
-        "target_modules) or one regex (full match) whose parameters train. None trains every parameter.",
-        ModuleNames(),
+    trainable_modules: list[str] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Full fine-tuning (peft_slim.tokentune_, no `lora`) only: module names (suffix match, like LoRA's "
+            "target_modules) or one regex (full match) whose parameters train. None trains every parameter."
+        },
     )
 
-    def _check(self) -> None:
-        super()._check()
+    def __post_init__(self):
+        MethodConfig.__post_init__(self)
+        check_selection(self)
+        self.trainable_modules = check_names("TokenTuneConfig.trainable_modules", self.trainable_modules)
         if self.lora is not None and self.trainable_modules is not None:
             raise ValueError(
                 "TokenTuneConfig.trainable_modules applies only without `lora`; with LoRA, use "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from huggingface_hub import hf_hub_download
@@ -17,21 +18,20 @@ from .._version import __version__
 from ..compression import ActivationCompressionConfig
 from ..configuration import (
     VERSION_KEY,
-    Lora,
-    NameList,
-    Nested,
-    ValidatedConfig,
     atomic_write_text,
-    config_dataclass,
+    check_names,
     dump_json,
-    setting,
+    nested,
+    saved_fields,
     to_json_value,
 )
 from ..nested_lora import check_lora_fields, merged_modules_to_save
 from ..registry import add_peft_type
 
-RECORD_NAME = "peft_slim_config.json"  # a LoRA-stacked adapter's method and settings
+RECORD_NAME = "peft_slim_config.json"  # a LoRA-stacked adapter's method and its own settings
 _HUB_KEYWORDS = ("revision", "cache_dir", "token", "local_files_only", "force_download")
+# PeftConfig's fields, read from adapter_config.json (an earlier peft_slim_config.json repeats them, and the LoRA).
+_PEFT_FIELDS = frozenset(f.name for f in fields(PeftConfig)) | {"lora"}
 
 
 def _lora_value(name: str, without_lora: Any) -> property:
@@ -39,50 +39,53 @@ def _lora_value(name: str, without_lora: Any) -> property:
     return property(lambda self: getattr(self.lora, name, without_lora))
 
 
-@config_dataclass
-class MethodConfig(PeftConfig, ValidatedConfig):
+@dataclass
+class MethodConfig(PeftConfig):
     """Base of the PEFT configs of peft_slim's methods (a subclass sets ``method``, e.g. "TOKENTUNE").
 
     Through PEFT the method trains the LoRA adapter `lora` (required there); without it the config is for the
-    method's full fine-tuning transform (``peft_slim.tokentune_`` / ``slimfit_``). Every field, nested ones
-    included, is checked and serialised by ``peft_slim.configuration``; ``save_pretrained`` is atomic.
+    method's full fine-tuning transform (``peft_slim.tokentune_`` / ``slimfit_``). ``save_pretrained`` is atomic.
     """
 
     method: ClassVar[str] = ""
+    nested_types: ClassVar[dict[str, type]] = {"activation_compression": ActivationCompressionConfig}
 
-    lora: LoraConfig | dict | None = setting(
-        None,
-        "A peft.LoraConfig: the LoRA adapter the method trains (required by get_peft_model). None: only for "
-        "full fine-tuning with peft_slim.tokentune_ / slimfit_, which train the model's own weights.",
-        Lora(),
+    lora: LoraConfig | dict | None = field(
+        default=None,
+        metadata={
+            "help": "A peft.LoraConfig: the LoRA adapter the method trains (required by get_peft_model). None: only "
+            "for full fine-tuning with peft_slim.tokentune_ / slimfit_, which train the model's own weights."
+        },
     )
-    modules_to_save: list[str] | None = setting(
-        None,
-        "Extra modules (e.g. a new classification head) trained and saved in full, as in LoRA.",
-        NameList(),
+    modules_to_save: list[str] | None = field(
+        default=None,
+        metadata={"help": "Extra modules (e.g. a new classification head) trained and saved in full, as in LoRA."},
     )
-    activation_compression: ActivationCompressionConfig | dict | None = setting(
-        None,
-        "A peft_slim.ActivationCompressionConfig (or its dict): compress the activations saved for "
-        "backward inside every training forward. None: no compression.",
-        Nested(ActivationCompressionConfig),
+    activation_compression: ActivationCompressionConfig | dict | None = field(
+        default=None,
+        metadata={
+            "help": "A peft_slim.ActivationCompressionConfig (or its dict): compress the activations saved for "
+            "backward inside every training forward. None: no compression."
+        },
     )
-    peft_slim_version: str | None = setting(
-        None,
-        "The peft_slim version that saved this config (written on save; informative).",
+    peft_slim_version: str | None = field(
+        default=None,
+        metadata={"help": "The peft_slim version that saved this config (written on save; informative)."},
     )
 
     def __post_init__(self):
-        super().__post_init__()  # PeftConfig's: task type and PEFT's version
+        PeftConfig.__post_init__(self)  # task type and PEFT's version
         self.peft_type = add_peft_type(self.method)
-        ValidatedConfig.__post_init__(self)
-
-    def _check(self) -> None:
-        super()._check()
+        name = type(self).__name__
+        self.lora = nested(f"{name}.lora", self.lora, LoraConfig)
+        self.modules_to_save = check_names(f"{name}.modules_to_save", self.modules_to_save, regex=False)
+        compression = self.activation_compression
+        self.activation_compression = nested(
+            f"{name}.activation_compression", compression, ActivationCompressionConfig
+        )
         if self.lora is not None:
-            where = f"{type(self).__name__}.lora"
-            check_lora_fields(self.lora, where)
-            self.modules_to_save = merged_modules_to_save(self.modules_to_save, self.lora, where)
+            check_lora_fields(self.lora, f"{name}.lora")
+            self.modules_to_save = merged_modules_to_save(self.modules_to_save, self.lora, f"{name}.lora")
 
     # PEFT's own code reads these from an adapter's config, as from a LoraConfig (`bias`: which biases train and
     # are saved; `target_modules` and `trainable_token_indices`: whether save_pretrained's
@@ -109,36 +112,43 @@ class MethodConfig(PeftConfig, ValidatedConfig):
         return self.lora.runtime_config
 
     def to_dict(self) -> dict[str, Any]:
-        return {**ValidatedConfig.to_dict(self), VERSION_KEY: __version__}
+        values = {spec.name: to_json_value(getattr(self, spec.name)) for spec in fields(self)}
+        return {**values, VERSION_KEY: __version__}
+
+    def method_dict(self) -> dict[str, Any]:
+        """What ``peft_slim_config.json`` holds: the method (``peft_type``) and its own fields; the LoRA and PEFT's
+        fields are in ``adapter_config.json`` only."""
+        own = {key: value for key, value in self.to_dict().items() if key not in _PEFT_FIELDS}
+        return {**own, "peft_type": to_json_value(self.peft_type)}
 
     def save_pretrained(self, save_directory: str, **kwargs) -> None:
         """Write the adapter's config files, each atomically (a failure leaves the file that was there untouched).
 
         ``adapter_config.json`` is the plain LoraConfig of the adapter (what vanilla PEFT reads, so the folder is a
-        standard LoRA adapter) and ``peft_slim_config.json`` this whole config (what ``peft_slim.from_pretrained``
-        reads to continue with the method); the record is written first, so the file PEFT writes last stays last.
+        standard LoRA adapter) and ``peft_slim_config.json`` the method and its own fields (what
+        ``peft_slim.from_pretrained`` reads beside it to continue with the method); the latter is written first,
+        so the file PEFT writes last stays last.
         """
         if os.path.isfile(save_directory):
             raise ValueError(f"save_pretrained: {save_directory!r} is a file; give a directory.")
         auto_mapping = kwargs.pop("auto_mapping_dict", None)
         extra = {} if auto_mapping is None else {"auto_mapping": auto_mapping}
         # Both fail here, before the disk is touched.
-        record_text = dump_json({**self.to_dict(), **extra})
+        record_text = dump_json(self.method_dict())
         lora_text = dump_json({**to_json_value(self.lora_export_config()), **extra})
         atomic_write_text(os.path.join(save_directory, RECORD_NAME), record_text)
         atomic_write_text(os.path.join(save_directory, CONFIG_NAME), lora_text)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None, **kwargs):
-        """The saved config: ``peft_slim_config.json`` where the folder has one (a LoRA-stacked adapter), else
-        ``adapter_config.json`` (refused: an adapter of an earlier peft_slim without LoRA)."""
+        """The saved config: ``peft_slim_config.json`` with ``adapter_config.json`` where the folder has the first (a
+        LoRA-stacked adapter), else ``adapter_config.json`` (refused: an adapter of an earlier peft_slim without
+        LoRA)."""
         hub_kwargs = {key: value for key, value in kwargs.items() if key in _HUB_KEYWORDS}
         if adapter_file(pretrained_model_name_or_path, RECORD_NAME, subfolder, **hub_kwargs) is not None:
-            config = load_config(pretrained_model_name_or_path, subfolder=subfolder, **hub_kwargs)
-        else:
-            config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
-            refuse_standalone(config, pretrained_model_name_or_path)
-        config._loaded_from = str(pretrained_model_name_or_path)
+            return load_config(pretrained_model_name_or_path, subfolder=subfolder, **hub_kwargs)
+        config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
+        refuse_standalone(config, pretrained_model_name_or_path)
         return config
 
     def lora_export_config(self) -> LoraConfig:
@@ -165,11 +175,9 @@ class MethodConfig(PeftConfig, ValidatedConfig):
 
 
 def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> Any:
-    """The peft_slim config of the adapter at ``model_id``, from its ``peft_slim_config.json``.
-
-    A LoRA-stacked adapter's LoRA is written twice, in ``adapter_config.json`` (what vanilla PEFT loads) and in
-    ``peft_slim_config.json``: where the two differ (one was edited), the adapter is refused, naming the fields.
-    """
+    """The peft_slim config of the adapter at ``model_id``: the method and its fields from ``peft_slim_config.json``,
+    the LoRA (and PEFT's fields) from ``adapter_config.json``, each written once. An earlier peft_slim repeated the
+    LoRA in ``peft_slim_config.json``: that copy is ignored (read only where ``adapter_config.json`` is missing)."""
     record = adapter_file(model_id, RECORD_NAME, subfolder, **hub_kwargs)
     if record is None:
         config = PeftConfig.from_pretrained(model_id, subfolder=subfolder, **hub_kwargs)
@@ -180,7 +188,6 @@ def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> An
                 "peft.PeftModel.from_pretrained."
             )
         refuse_standalone(config, model_id)
-        config._loaded_from = str(model_id)
         return config
     with open(record) as handle:
         text = handle.read()
@@ -198,13 +205,31 @@ def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> An
             f"{record}: peft_type {found!r} is not a peft_slim method (expected one of "
             f"{sorted(str(t) for t, c in PEFT_TYPE_TO_CONFIG_MAPPING.items() if issubclass(c, MethodConfig))})."
         )
+    peft_fields = values  # an earlier peft_slim_config.json without adapter_config.json beside it
+    if adapter_file(model_id, CONFIG_NAME, subfolder, **hub_kwargs) is not None:
+        adapter = PeftConfig.from_pretrained(model_id, subfolder=subfolder, **hub_kwargs)
+        if not isinstance(adapter, LoraConfig):
+            raise ValueError(
+                f"{model_id!r}: {CONFIG_NAME} holds a {getattr(adapter.peft_type, 'value', adapter.peft_type)} "
+                f"adapter, but {RECORD_NAME} a {values['peft_type']} one, which stands on LoRA. Save it again."
+            )
+        adapter.inference_mode = False  # written True for vanilla PEFT; PEFT sets the method config's at load
+        peft_fields = {**to_json_value(adapter), "lora": adapter}
+    version = values.get(VERSION_KEY)
+    own = saved_fields(
+        config_cls, {k: v for k, v in values.items() if k not in _PEFT_FIELDS}, version, config_cls.nested_types
+    )
+    common = {
+        key: peft_fields.get(key) for key in ("task_type", "base_model_name_or_path", "revision", "auto_mapping")
+    }
+    lora = peft_fields.get("lora")
+    if isinstance(lora, dict):
+        lora = LoraConfig(**saved_fields(LoraConfig, lora, version, {}))
     try:
-        config = config_cls(**values)
+        config = config_cls(**own, **common, lora=lora)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{record}: {error}") from None
     refuse_standalone(config, model_id)
-    _check_same_lora(config, record, model_id, subfolder, hub_kwargs)
-    config._loaded_from = str(model_id)
     return config
 
 
@@ -218,36 +243,6 @@ def refuse_standalone(config: Any, model_id: str) -> None:
             f"peft_slim no longer loads: full fine-tuning is now {transform}(model, config) on a plain model, saved "
             "as a model checkpoint (model.save_pretrained). To keep these weights, load adapter_model.safetensors "
             "into the base model (keys without 'base_model.model.', load_state_dict(strict=False)) and save that."
-        )
-
-
-# Fields of adapter_config.json that name things rather than define the adapter: PEFT sets `inference_mode` at load,
-# `peft_version` says who wrote the file; the base model's name, revision and class (`auto_mapping`, for AutoPeftModel)
-# are used only where no base model is given.
-_NAMING_FIELDS = ("inference_mode", "peft_version", "base_model_name_or_path", "revision", "auto_mapping")
-
-
-def _check_same_lora(config: Any, record: str, model_id: str, subfolder: str | None, hub_kwargs: dict) -> None:
-    """Refuse a LoRA-stacked adapter whose ``adapter_config.json`` (vanilla PEFT's) and ``peft_slim_config.json``
-    (``record``, read into ``config``) describe different LoRA adapters: one folder, one model."""
-    if adapter_file(model_id, CONFIG_NAME, subfolder, **hub_kwargs) is None:
-        return  # nothing else to load it from
-    adapter = PeftConfig.from_pretrained(model_id, subfolder=subfolder, **hub_kwargs)
-    ours = to_json_value(config.lora_export_config())
-    if isinstance(adapter, LoraConfig):
-        theirs = to_json_value(adapter)
-        keys = sorted((ours.keys() | theirs.keys()) - set(_NAMING_FIELDS))
-    else:
-        theirs, keys = {"peft_type": to_json_value(adapter.peft_type)}, ["peft_type"]
-    differ = [key for key in keys if ours.get(key) != theirs.get(key)]
-    if differ:
-        listed = "; ".join(
-            f"{key} is {theirs.get(key)!r} in {CONFIG_NAME} and {ours.get(key)!r} in {RECORD_NAME}" for key in differ
-        )
-        raise ValueError(
-            f"{os.path.dirname(record)}: {CONFIG_NAME} and {RECORD_NAME} describe different LoRA adapters: {listed}. "
-            "Vanilla PEFT loads the first and peft_slim the second: two different models from one folder, so one of "
-            "the files was edited after saving. Make them agree (edit either file), or save the adapter again."
         )
 
 

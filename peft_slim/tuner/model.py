@@ -419,13 +419,12 @@ class MethodTuner(LoraModel):
         state_dict = peft_model.state_dict()
         wrong = [key for key, value in loaded.items() if key in state_dict and value.shape != state_dict[key].shape]
         if wrong:
-            where = getattr(config, "_loaded_from", None)
             listed = ", ".join(
                 f"{key}: {list(loaded[key].shape)} in the file, {list(state_dict[key].shape)} here"
                 for key in wrong[:3]
             )
             raise ValueError(
-                f"{self.method_name} adapter{f' {where!r}' if where else ''}: {len(wrong)} tensor(s) of the adapter "
+                f"{self.method_name} adapter: {len(wrong)} tensor(s) of the adapter "
                 f"file do not fit this model ({listed}{', ...' if len(wrong) > 3 else ''}). It was saved from a model "
                 f"of other shapes ({config.base_model_name_or_path or 'name not recorded'}): load it onto that model. "
                 "Nothing was loaded."

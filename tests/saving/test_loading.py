@@ -236,31 +236,12 @@ def _edit(path, change) -> None:
     path.write_text(json.dumps(values))
 
 
-def test_adapter_config_and_peft_slim_config_that_disagree_are_refused_by_name(saved, tmp_path):
+def test_the_lora_settings_are_written_once_in_adapter_config_json(saved, tmp_path):
     folder = tmp_path / "edited"
     shutil.copytree(saved / "tokentune_lora" / "good", folder)
+    assert "lora" not in json.loads((folder / "peft_slim_config.json").read_text())
     _edit(folder / "adapter_config.json", lambda values: values.update(lora_alpha=16))
-    base = build("llama")
-    before = _snapshot(base)
-    message = (
-        r"adapter_config.json and peft_slim_config.json describe different LoRA adapters: lora_alpha is 16 in "
-        r"adapter_config.json and 8 in peft_slim_config.json"
-    )
-    with pytest.raises(ValueError, match=message):
-        peft_slim.from_pretrained(base, folder)
-    with pytest.raises(ValueError, match=message):
-        peft_slim.load_config(folder)
-    _assert_same(before, _snapshot(base))
-    # ...the other way round, several fields named
-    _edit(folder / "adapter_config.json", lambda values: values.update(lora_alpha=8))
-    _edit(folder / "peft_slim_config.json", lambda values: values["lora"].update(lora_dropout=0.1, use_rslora=True))
-    with pytest.raises(ValueError, match=r"lora_dropout is 0.0 in adapter_config.json and 0.1 .*; use_rslora is"):
-        peft_slim.load_config(folder)
-    # Names only (which base model, which PEFT wrote it) are not the adapter: accepted.
-    shutil.rmtree(folder)
-    shutil.copytree(saved / "tokentune_lora" / "good", folder)
-    _edit(folder / "adapter_config.json", lambda values: values.update(base_model_name_or_path="/models/tiny"))
-    assert peft_slim.load_config(folder).lora.lora_alpha == 8
+    assert peft_slim.load_config(folder).lora.lora_alpha == 16  # what vanilla PEFT loads too: one adapter
 
 
 def test_a_broken_peft_slim_config_is_named_with_what_is_wrong(saved, tmp_path):

@@ -272,7 +272,7 @@ def test_save_pretrained_writes_config_and_safetensors(run, name):
     with open(os.path.join(case.adapter_dir, "peft_slim_config.json")) as handle:
         record = json.load(handle)
     assert record["peft_type"] == "TOKENTUNE" and record["token_ratio"] == 0.5
-    assert record["lora"]["r"] == 4 and record["base_model_name_or_path"] == case.base_dir
+    assert "lora" not in record and "base_model_name_or_path" not in record  # in adapter_config.json only
     assert tensors, "saved an empty adapter"
     # The in-memory config is not left in inference mode by saving.
     assert case.model.peft_config["default"].inference_mode is False

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -26,11 +27,13 @@ METHODS = {
 
 
 def _load_for_inference(loader: str, folder):
-    """``peft_slim.from_pretrained``; or PEFT's own loader given the method's config as ``adapter_config.json`` (a
-    saved adapter's is plain LoRA, which PEFT loads as LoRA without peft_slim)."""
+    """``peft_slim.from_pretrained``; or PEFT's own loader given the method's whole config as ``adapter_config.json``
+    (a saved adapter's is plain LoRA, which PEFT loads as LoRA without peft_slim)."""
     if loader == "peft_slim":
         return peft_slim.from_pretrained(build("llama"), folder)
-    os.replace(folder / "peft_slim_config.json", folder / "adapter_config.json")
+    whole = peft_slim.load_config(folder).to_dict()  # the method's fields and its LoRA, as one PEFT config
+    os.remove(folder / "peft_slim_config.json")
+    (folder / "adapter_config.json").write_text(json.dumps(whole))
     return PeftModel.from_pretrained(build("llama"), folder)
 
 
