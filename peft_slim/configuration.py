@@ -146,10 +146,6 @@ def _compiled(where: str, pattern: str) -> str:
     return pattern
 
 
-def NameList():  # kept for nested_lora.py's `NameList()(value, where)` until it no longer calls it
-    return lambda value, where: check_names(where, value, regex=False)
-
-
 def nested(where: str, value: Any, cls: type) -> Any:
     """A nested config: an instance of ``cls``, its dict (how it reads from JSON; an unknown key is refused naming
     the nearest field), or None."""

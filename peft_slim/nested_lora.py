@@ -9,7 +9,7 @@ import difflib
 from peft import LoraConfig, PeftConfig
 from torch import nn
 
-from .configuration import NameList
+from .configuration import check_names
 
 # LoraConfig settings a peft_slim tuner cannot honour, refused rather than ignored.
 REFUSED_LORA_FIELDS = {
@@ -41,7 +41,7 @@ def merged_modules_to_save(modules_to_save: list[str] | None, lora: LoraConfig, 
     """The owner's ``modules_to_save`` followed by those only the nested LoRA names: both are trained and saved,
     as LoRA would train and save its own (a single string is one name, as for the owner's field)."""
     names = list(modules_to_save or [])
-    nested = NameList()(lora.modules_to_save, f"{where}.modules_to_save") or []
+    nested = check_names(f"{where}.modules_to_save", lora.modules_to_save, regex=False) or []
     names += [name for name in nested if name not in names]
     return names or modules_to_save
 
