@@ -1,4 +1,4 @@
-"""Export a stacked LoRA adapter as a plain PEFT LoRA adapter, without peft_slim's record."""
+"""Export a stacked LoRA adapter as a plain PEFT LoRA adapter, without `peft_slim_config.json`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 from peft import PeftModel
 
 from .atomic_folder import replaced_folder
-from .tuner.config import RECORD_NAME
+from .tuner.config import METHOD_CONFIG_NAME
 from .tuner.saving import ADAPTER_FILES, is_peft_slim_model
 
 
@@ -30,5 +30,5 @@ def export_lora(model: PeftModel, out_dir: str, adapter_name: str = "default") -
 
     with replaced_folder(out_dir, rewritten) as staging:
         model.save_pretrained(staging, selected_adapters=[adapter_name], save_embedding_layers=False)
-        os.remove(os.path.join(staging, folder, RECORD_NAME))
+        os.remove(os.path.join(staging, folder, METHOD_CONFIG_NAME))
     return out_dir

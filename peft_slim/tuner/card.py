@@ -8,7 +8,7 @@ from typing import Any
 import transformers
 from huggingface_hub import ModelCard
 
-from .config import RECORD_NAME
+from .config import METHOD_CONFIG_NAME
 
 CARD_NAME = "README.md"
 CARD_START = "<!-- peft_slim: loading (written by peft_slim.save_pretrained; kept up to date on every save) -->"
@@ -37,7 +37,7 @@ def card_section(peft_model: Any) -> str:
     ]
     lines = [
         f"This is a plain PEFT **LoRA** adapter, trained with peft_slim's **{tuner.method_name}** (its settings "
-        f"are in `{RECORD_NAME}`). It loads without peft_slim:",
+        f"are in `{METHOD_CONFIG_NAME}`). It loads without peft_slim:",
         "",
         *code,
         f"To continue training with {tuner.method_name} and the same settings: "

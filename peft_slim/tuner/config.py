@@ -28,7 +28,7 @@ from ..configuration import (
 from ..nested_lora import check_lora_fields, merged_modules_to_save
 from ..registry import add_peft_type
 
-RECORD_NAME = "peft_slim_config.json"  # a LoRA-stacked adapter's method and its own settings
+METHOD_CONFIG_NAME = "peft_slim_config.json"  # a LoRA-stacked adapter's method and its own settings
 _HUB_KEYWORDS = ("revision", "cache_dir", "token", "local_files_only", "force_download")
 # PeftConfig's fields, read from adapter_config.json (an earlier peft_slim_config.json repeats them, and the LoRA).
 _PEFT_FIELDS = frozenset(f.name for f in fields(PeftConfig)) | {"lora"}
@@ -134,9 +134,9 @@ class MethodConfig(PeftConfig):
         auto_mapping = kwargs.pop("auto_mapping_dict", None)
         extra = {} if auto_mapping is None else {"auto_mapping": auto_mapping}
         # Both fail here, before the disk is touched.
-        record_text = dump_json(self.method_dict())
+        method_text = dump_json(self.method_dict())
         lora_text = dump_json({**to_json_value(self.lora_export_config()), **extra})
-        atomic_write_text(os.path.join(save_directory, RECORD_NAME), record_text)
+        atomic_write_text(os.path.join(save_directory, METHOD_CONFIG_NAME), method_text)
         atomic_write_text(os.path.join(save_directory, CONFIG_NAME), lora_text)
 
     @classmethod
@@ -145,7 +145,7 @@ class MethodConfig(PeftConfig):
         LoRA-stacked adapter), else ``adapter_config.json`` (refused: an adapter of an earlier peft_slim without
         LoRA)."""
         hub_kwargs = {key: value for key, value in kwargs.items() if key in _HUB_KEYWORDS}
-        if adapter_file(pretrained_model_name_or_path, RECORD_NAME, subfolder, **hub_kwargs) is not None:
+        if adapter_file(pretrained_model_name_or_path, METHOD_CONFIG_NAME, subfolder, **hub_kwargs) is not None:
             return load_config(pretrained_model_name_or_path, subfolder=subfolder, **hub_kwargs)
         config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
         refuse_standalone(config, pretrained_model_name_or_path)
@@ -178,31 +178,32 @@ def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> An
     """The peft_slim config of the adapter at ``model_id``: the method and its fields from ``peft_slim_config.json``,
     the LoRA (and PEFT's fields) from ``adapter_config.json``, each written once. An earlier peft_slim repeated the
     LoRA in ``peft_slim_config.json``: that copy is ignored (read only where ``adapter_config.json`` is missing)."""
-    record = adapter_file(model_id, RECORD_NAME, subfolder, **hub_kwargs)
-    if record is None:
+    method_file = adapter_file(model_id, METHOD_CONFIG_NAME, subfolder, **hub_kwargs)
+    if method_file is None:
         config = PeftConfig.from_pretrained(model_id, subfolder=subfolder, **hub_kwargs)
         if not isinstance(config, MethodConfig):
             raise ValueError(
                 f"{model_id!r} holds a {getattr(config.peft_type, 'value', config.peft_type)} adapter without "
-                f"peft_slim's {RECORD_NAME}: it was not saved from a peft_slim method. Load it with "
+                f"peft_slim's {METHOD_CONFIG_NAME}: it was not saved from a peft_slim method. Load it with "
                 "peft.PeftModel.from_pretrained."
             )
         refuse_standalone(config, model_id)
         return config
-    with open(record) as handle:
+    with open(method_file) as handle:
         text = handle.read()
     try:
         values = json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(
-            f"{record} is not valid JSON ({error}; {len(text)} characters): the file is cut short or was edited by "
-            "hand. Save the adapter again (peft_slim.save_pretrained replaces the folder whole), or restore the file."
+            f"{method_file} is not valid JSON ({error}; {len(text)} characters): the file is cut short or was edited "
+            "by hand. Save the adapter again (peft_slim.save_pretrained replaces the folder whole), or restore the "
+            "file."
         ) from None
     config_cls = PEFT_TYPE_TO_CONFIG_MAPPING.get(values.get("peft_type")) if isinstance(values, dict) else None
     if config_cls is None or not issubclass(config_cls, MethodConfig):
         found = values.get("peft_type") if isinstance(values, dict) else values
         raise ValueError(
-            f"{record}: peft_type {found!r} is not a peft_slim method (expected one of "
+            f"{method_file}: peft_type {found!r} is not a peft_slim method (expected one of "
             f"{sorted(str(t) for t, c in PEFT_TYPE_TO_CONFIG_MAPPING.items() if issubclass(c, MethodConfig))})."
         )
     peft_fields = values  # an earlier peft_slim_config.json without adapter_config.json beside it
@@ -211,7 +212,7 @@ def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> An
         if not isinstance(adapter, LoraConfig):
             raise ValueError(
                 f"{model_id!r}: {CONFIG_NAME} holds a {getattr(adapter.peft_type, 'value', adapter.peft_type)} "
-                f"adapter, but {RECORD_NAME} a {values['peft_type']} one, which stands on LoRA. Save it again."
+                f"adapter, but {METHOD_CONFIG_NAME} a {values['peft_type']} one, which stands on LoRA. Save it again."
             )
         adapter.inference_mode = False  # written True for vanilla PEFT; PEFT sets the method config's at load
         peft_fields = {**to_json_value(adapter), "lora": adapter}
@@ -228,7 +229,7 @@ def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> An
     try:
         config = config_cls(**own, **common, lora=lora)
     except (TypeError, ValueError) as error:
-        raise ValueError(f"{record}: {error}") from None
+        raise ValueError(f"{method_file}: {error}") from None
     refuse_standalone(config, model_id)
     return config
 

@@ -28,11 +28,11 @@ from torch import nn
 
 from ..atomic_folder import FolderReplaced, held_files, recover, replaced_folder, sibling
 from .card import CARD_NAME, add_card_section
-from .config import RECORD_NAME, load_config
+from .config import METHOD_CONFIG_NAME, load_config
 from .model import MethodTuner, unchanged_if_raises
 
 WEIGHTS_NAME = "adapter_model.safetensors"
-CONFIG_FILES = ("adapter_config.json", RECORD_NAME)
+CONFIG_FILES = ("adapter_config.json", METHOD_CONFIG_NAME)
 ADAPTER_FILES = (*CONFIG_FILES, WEIGHTS_NAME, "adapter_model.bin")
 MODEL_FILES = re.compile(
     r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?|(generation_)?config\.json"

@@ -16,7 +16,7 @@ from peft import LoraConfig, PeftConfig, get_peft_model
 
 import peft_slim
 from peft_slim import ActivationCompressionConfig, SlimFitConfig, TokenSelectionConfig, TokenTuneConfig
-from peft_slim.tuner.config import RECORD_NAME
+from peft_slim.tuner.config import METHOD_CONFIG_NAME
 
 CONFIGS = [TokenTuneConfig, SlimFitConfig, TokenSelectionConfig, ActivationCompressionConfig]
 LORA = LoraConfig(r=2, target_modules=["q_proj"])
@@ -55,11 +55,11 @@ def test_unknown_key_in_slimfit_tokentune_dict_is_an_error():
 def test_unknown_keys_in_a_saved_config_warn_and_name_the_saving_version(tmp_path):
     compression = ActivationCompressionConfig(bits=4)
     TokenTuneConfig(token_ratio=0.25, activation_compression=compression, lora=LORA).save_pretrained(str(tmp_path))
-    config = json.loads((tmp_path / RECORD_NAME).read_text())
+    config = json.loads((tmp_path / METHOD_CONFIG_NAME).read_text())
     config["future_field"] = 1
     config["activation_compression"]["future_bits"] = 3
     config["peft_slim_version"] = "9.9.9"
-    (tmp_path / RECORD_NAME).write_text(json.dumps(config))
+    (tmp_path / METHOD_CONFIG_NAME).write_text(json.dumps(config))
     with pytest.warns(UserWarning) as caught:
         loaded = peft_slim.load_config(str(tmp_path))
     messages = " ".join(str(w.message) for w in caught)
@@ -71,10 +71,10 @@ def test_unknown_keys_in_a_saved_config_warn_and_name_the_saving_version(tmp_pat
 @pytest.mark.parametrize("saved_by", [peft_slim.__version__, "0.0.1"])
 def test_a_field_this_version_dropped_warns_without_asking_for_an_upgrade(tmp_path, saved_by):
     TokenTuneConfig(token_ratio=0.25, lora=LORA).save_pretrained(str(tmp_path))
-    config = json.loads((tmp_path / RECORD_NAME).read_text())
+    config = json.loads((tmp_path / METHOD_CONFIG_NAME).read_text())
     config["base_weights"] = None  # a field an earlier build of this version wrote
     config["peft_slim_version"] = saved_by
-    (tmp_path / RECORD_NAME).write_text(json.dumps(config))
+    (tmp_path / METHOD_CONFIG_NAME).write_text(json.dumps(config))
     with pytest.warns(UserWarning, match=r"\['base_weights'\].*no longer uses them") as caught:
         peft_slim.load_config(str(tmp_path))
     assert not any("upgrade" in str(w.message) for w in caught)
@@ -97,7 +97,7 @@ def test_numpy_values_are_coerced_to_python_and_save(tmp_path):
     assert type(config.num_tokens) is int and type(config.seed) is int
     assert type(slim.freeze_ratio) is float and type(slim.max_frozen_steps) is int
     config.save_pretrained(str(tmp_path))
-    assert json.loads((tmp_path / RECORD_NAME).read_text())["num_tokens"] == 8
+    assert json.loads((tmp_path / METHOD_CONFIG_NAME).read_text())["num_tokens"] == 8
 
 
 def test_a_single_module_name_is_one_name_not_its_characters():
@@ -188,7 +188,7 @@ def test_every_valid_config_round_trips_through_json(tmp_path_factory, ratio, co
 
 def test_a_failed_config_save_leaves_the_existing_file_untouched(tmp_path):
     TokenTuneConfig(token_ratio=0.5, lora=LORA).save_pretrained(str(tmp_path))
-    before = {name: (tmp_path / name).read_bytes() for name in ("adapter_config.json", RECORD_NAME)}
+    before = {name: (tmp_path / name).read_bytes() for name in ("adapter_config.json", METHOD_CONFIG_NAME)}
     broken = TokenTuneConfig(token_ratio=0.5, lora=LORA)
     broken.revision = object()  # not JSON-serialisable: the save must fail before touching the disk
     with pytest.raises(TypeError):
