@@ -32,10 +32,12 @@ import re
 import statistics
 import sys
 import time
+import types
 from contextlib import nullcontext
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
+from transformers.modeling_outputs import CausalLMOutput
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import markdown_table, write_report  # noqa: E402
@@ -223,18 +225,41 @@ def saved_activation_bytes(model, batch: dict, context) -> int:
     return saved.bytes if stats is None else stats.stored_bytes
 
 
-def build_method(base, parsed: argparse.Namespace, seed: int, trl_head: bool = False):
+def add_labelled_head(model) -> None:
+    """A training forward given ``labels`` runs the LM head and the loss only at the positions a label scores, as a
+    careful user writes it: the body's output, ``keep = labels[:, 1:] != -100``, ``lm_head(h[:, :-1][keep])``,
+    cross-entropy in fp32. The same loss as the model's own (its mean over labelled positions), without the
+    full-vocabulary logits of every position. Without ``labels`` the forward is the model's own."""
+    original = model.forward
+
+    def forward(self, *args, labels=None, **kwargs):
+        if labels is None:
+            return original(*args, **kwargs)
+        body = getattr(self, self.base_model_prefix)
+        hidden = body(*args, **(kwargs | {"use_cache": False})).last_hidden_state[:, :-1]
+        labels = labels[:, 1:]
+        keep = labels != IGNORE_INDEX
+        logits = self.get_output_embeddings()(hidden[keep])
+        return CausalLMOutput(loss=torch.nn.functional.cross_entropy(logits.float(), labels[keep]))
+
+    model.forward = types.MethodType(forward, model)
+
+
+def build_method(base, parsed: argparse.Namespace, seed: int, trl_head: bool = False, labelled_head: bool = False):
     """A copy of ``base`` wrapped as ``parsed`` (the method's `peft-slim train` flags) asks, in training mode, with
     its AdamW and what to call after each optimizer step. Returns (model, context, optimizer, after_step).
 
     ``trl_head``: the copy gets TRL's fused LM head first (``add_fused_lm_head``, what SFTTrainer's default loss
-    uses): a forward given ``fused_lm_head=True`` runs the head only at labelled positions, in tiles."""
+    uses): a forward given ``fused_lm_head=True`` runs the head in tiles of the vocabulary (at labelled positions
+    only on a GPU with Triton; on a CPU at every position). ``labelled_head``: ``add_labelled_head``."""
     torch.manual_seed(seed)
     model = copy.deepcopy(base)
     if trl_head:
         from trl.trainer.utils import add_fused_lm_head
 
         add_fused_lm_head(model)
+    if labelled_head:
+        add_labelled_head(model)
     if parsed.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model, context = wrap(model, parsed)

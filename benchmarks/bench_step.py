@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import statistics
 import sys
@@ -33,14 +34,18 @@ from benchmarks.report import markdown_table, write_report  # noqa: E402
 LORA = bench_sft.LORA
 CKPT = ["--gradient-checkpointing"]
 BASELINE = "lora+ckpt+trl-head"
-# name -> (`peft-slim train` flags, TRL's fused head, the previous TokenTune step)
-METHODS: dict[str, tuple[list[str], bool, bool]] = {
-    BASELINE: (["--method", "lora", *LORA, *CKPT], True, False),
-    "lora+ckpt": (["--method", "lora", *LORA, *CKPT], False, False),
-    "tokentune (defaults)": (["--method", "tokentune", *LORA], False, False),
-    "tokentune-0.5": (["--method", "tokentune", "--token-ratio", "0.5", *LORA], False, False),
-    "tokentune (defaults), previous step": (["--method", "tokentune", *LORA], False, True),
-    "tokentune (defaults), previous step + ckpt": (["--method", "tokentune", *LORA, *CKPT], False, True),
+LABELLED = "lora+ckpt+labelled-head"
+# The methods a user has without this package: the step time ratios are also given against the fastest of them.
+BASELINES = (BASELINE, "lora+ckpt", LABELLED)
+# name -> (`peft-slim train` flags, the LM head: the model's own, "trl" or "labelled", the previous TokenTune step)
+METHODS: dict[str, tuple[list[str], str, bool]] = {
+    BASELINE: (["--method", "lora", *LORA, *CKPT], "trl", False),
+    "lora+ckpt": (["--method", "lora", *LORA, *CKPT], "model", False),
+    LABELLED: (["--method", "lora", *LORA, *CKPT], "labelled", False),
+    "tokentune (defaults)": (["--method", "tokentune", *LORA], "model", False),
+    "tokentune-0.5": (["--method", "tokentune", "--token-ratio", "0.5", *LORA], "model", False),
+    "tokentune (defaults), previous step": (["--method", "tokentune", *LORA], "model", True),
+    "tokentune (defaults), previous step + ckpt": (["--method", "tokentune", *LORA, *CKPT], "model", True),
 }
 
 
@@ -51,6 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4, help="timed steps per method and task (+1 warm-up)")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--out", default=os.path.join(bench_sft.RESULTS, "step"))
+    parser.add_argument("--report", action="store_true", help="no measuring: <out>/step.md from <out>/step.json")
     return parser.parse_args(argv)
 
 
@@ -77,14 +83,16 @@ def measure_task(task: str, base, tokenizer, args) -> list[dict]:
     batches = [next(stream) for _ in range(args.steps + 1)]
     runs = {}
     for name in args.methods:
-        flags, trl_head, previous = METHODS[name]
+        flags, head, previous = METHODS[name]
         parsed = bench_sft.method_args(
             flags, argparse.Namespace(steps=100, learning_rate=1e-3, base_learning_rate=1e-4), 0
         )
-        model, context, optimizer, after_step = bench_sft.build_method(base, parsed, 0, trl_head=trl_head)
+        model, context, optimizer, after_step = bench_sft.build_method(
+            base, parsed, 0, trl_head=head == "trl", labelled_head=head == "labelled"
+        )
         if previous:
             draw_in_every_block(model)
-        runs[name] = (model, context, optimizer, after_step, {"fused_lm_head": True} if trl_head else {})
+        runs[name] = (model, context, optimizer, after_step, {"fused_lm_head": True} if head == "trl" else {})
     seconds = {name: [] for name in runs}
     for index, batch in enumerate(batches):  # methods interleaved, step by step
         for name, (model, context, optimizer, after_step, extra) in runs.items():
@@ -126,6 +134,8 @@ def markdown(report: dict) -> str:
         rows = [r for r in report["rows"] if r["task"] == task]
         base = next(r for r in rows if r["method"] == BASELINE)
         base_time = statistics.median(base["step_cpu_seconds"])
+        fastest = min((r for r in rows if r["method"] in BASELINES), key=lambda r: statistics.median(r["step_cpu_seconds"]))
+        fastest_time = statistics.median(fastest["step_cpu_seconds"])
         table = []
         for r in rows:
             peak, time_ = r["step_peak_bytes"], statistics.median(r["step_cpu_seconds"])
@@ -135,12 +145,20 @@ def markdown(report: dict) -> str:
                     f"{peak / 2**20:.1f} MiB ({peak / base['step_peak_bytes']:.2f}x)",
                     f"{r['saved_bytes'] / 2**20:.1f} MiB",
                     f"{time_:.2f} s ({time_ / base_time:.2f}x)",
+                    f"{time_ / fastest_time:.2f}x",
                 ]
             )
         lines += [f"*{rows[0]['task_description']}*, batch {rows[0]['batch_shape']}", ""]
         lines += [
             markdown_table(
-                ["method", "step peak (/ baseline)", "saved for backward", "step time (/ baseline)"], table
+                [
+                    "method",
+                    "step peak (/ baseline)",
+                    "saved for backward",
+                    "step time (/ baseline)",
+                    f"/ fastest baseline ({fastest['method']})",
+                ],
+                table,
             ),
             "",
         ]
@@ -156,6 +174,11 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     hf_logging.set_verbosity_error()
     args = parse_args(argv)
+    if args.report:
+        with open(os.path.join(args.out, "step.json")) as handle:
+            report = json.load(handle)
+        write_report(args.out, "step", report, markdown(report))
+        return report
     path, gguf_file, model_name = models.resolve_model(None, None)
     base, tokenizer = models.load_model(path, gguf_file)
     rows = [row for task in args.tasks for row in measure_task(task, base, tokenizer, args)]
