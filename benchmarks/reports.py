@@ -1,18 +1,23 @@
 """Tables of the data files that earlier runners wrote (their code is gone; their results stay and the docs read them).
 
-``slimfit_docs_block``: the docs' table of a ``bench_slimfit_accuracy`` run (``results/slimfit_*.json``, whose
+``sft_markdown``: the table of ``results/sft*.json`` (``bench_sft``, every seed's run); ``budget_markdown``: the
+equal-budget tables of a ``budget*/budget.json`` (``bench_budget``'s merge, whose ``summary`` holds the ratios per
+seed). ``slimfit_docs_block``: the docs' table of a ``bench_slimfit_accuracy`` run (``results/slimfit_*.json``, whose
 ``summary`` holds the per-method means), between ``slimfit_docs_markers`` in tools/benchmarks_page.md.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 
 from benchmarks.report import markdown_table
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DOCS_TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(RESULTS)), "tools", "benchmarks_page.md")
 SLIMFIT_BASELINE = "full-ft"
+DEFAULT_BUDGET = "lora+ckpt"  # the budget method of the runs that do not name one
+BUDGET_NAMES = {"lora+ckpt": "LoRA + checkpointing", "lora+ckpt+trl-head": "LoRA + checkpointing, TRL's fused LM head"}
 
 
 def slimfit_docs_markers(stem: str) -> tuple[str, str]:
@@ -43,3 +48,142 @@ def slimfit_docs_block(report: dict) -> str:
         markdown_table(header, rows),
     ]
     return "\n".join(lines)
+
+
+def sft_summarise(report: dict) -> tuple[list[list], dict]:
+    """Table rows (mean ± std over seeds; ratios to LoRA's mean) and the per-method summary."""
+    runs, summary = report["runs"], {}
+    lora = runs["lora"]
+
+    def mean(values):
+        return statistics.mean(values)
+
+    base = {k: mean([r[k] for r in lora]) for k in ("saved_activation_bytes", "step_peak_bytes", "step_cpu_seconds")}
+    rows = []
+    untrained = report["untrained"]
+    rows.append(
+        ["(untrained)", f"{untrained['answer_perplexity']:.2f}", f"{untrained['token_accuracy']:.3f}", "", "", "", 0]
+    )
+    for name, results in runs.items():
+        ppl = [r["answer_perplexity"] for r in results]
+        acc = [r["token_accuracy"] for r in results]
+        ratios = {k: mean([r[k] for r in results]) / base[k] for k in base}
+        summary[name] = {"answer_perplexity": ppl, "token_accuracy": acc, "ratios_to_lora": ratios}
+
+        def spread(values, digits):
+            return f"{mean(values):.{digits}f}" + (
+                f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else ""
+            )
+
+        rows.append(
+            [
+                name,
+                spread(ppl, 2),
+                spread(acc, 3),
+                f"{ratios['saved_activation_bytes']:.2f}",
+                f"{ratios['step_peak_bytes']:.2f}",
+                f"{ratios['step_cpu_seconds']:.2f}",
+                len(results),
+            ]
+        )
+    return rows, summary
+
+
+def sft_markdown(report: dict) -> str:
+    """The results table of a report (``sft.json``), as ``sft.md`` holds it; docs/benchmarks.md is built from it."""
+    rows, _ = sft_summarise(report)
+    header = [
+        "method",
+        "answer ppl",
+        "token acc",
+        "saved act. / LoRA",
+        "step peak / LoRA",
+        "step time / LoRA",
+        "seeds",
+    ]
+    return "\n\n".join(
+        [
+            f"### {report['setup']['title']}",
+            markdown_table(header, rows),
+            f"Machine: {report['setup']['machine']}. {report['setup']['protocol']}",
+        ]
+    )
+
+
+def reference_note(info: dict, budget_method: str = DEFAULT_BUDGET) -> str:
+    """Which seeds' LoRA reference came from the LoRA + checkpointing part (no LoRA part ran for them)."""
+    seeds = [seed for seed, method in info.get("reference_from", {}).items() if method == budget_method]
+    if not seeds:
+        return ""
+    return f" ({', '.join(seeds)}: LoRA + checkpointing's, the same computation; no LoRA part ran)"
+
+
+def mean_spread(values: list, digits: int) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "—"
+    text = f"{statistics.mean(values):.{digits}f}"
+    return text + (f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else "")
+
+
+def budget_markdown(report: dict) -> str:
+    """The tables of ``budget.json``, one per task, as ``budget.md`` holds them."""
+    out = []
+    steps = report["config"]["steps"]
+    header = [
+        "method",
+        "step peak / ckpt",
+        "step time / ckpt",
+        "steps in budget",
+        "best ppl in budget",
+        "/ LoRA final",
+        "time to LoRA final (≤ +2%) / budget",
+        f"ppl at {steps} steps / LoRA",
+        "seeds",
+    ]
+    for task, methods in report["summary"].items():
+        rows = []
+        for method, s in methods.items():
+            fits = s["peak_ratio_to_budget_method"] and statistics.mean(s["peak_ratio_to_budget_method"]) <= 1.0
+            n = len(s["seeds"])
+            reach = mean_spread(s["time_to_reference_ratio"], 2)
+            if s["seeds_reaching_reference"] < n:
+                reach += f" ({s['seeds_reaching_reference']}/{n} seeds reach it)"
+            rows.append(
+                [
+                    method,
+                    mean_spread(s["peak_ratio_to_budget_method"], 2)
+                    + ("" if fits or not s["peak_ratio_to_budget_method"] else " (over)")
+                    + ("" if s["peak_ratio_to_budget_method"] else " (not measured)"),
+                    mean_spread(s["step_time_ratio_to_budget_method"], 2),
+                    mean_spread(s["steps_in_budget"], 0)
+                    + (f" ({s['seeds_short_of_budget']} seeds stopped short)" if s["seeds_short_of_budget"] else ""),
+                    mean_spread(s["best_perplexity_within_budget"], 2),
+                    mean_spread(s["best_within_budget_ratio"], 3),
+                    reach,
+                    mean_spread(s["perplexity_at_steps_ratio"], 3),
+                    n,
+                ]
+            )
+        info = report["tasks"][task]
+        out += [
+            f"### {task}: {info['description']}",
+            markdown_table(header, rows),
+            f"Untrained held-out answer perplexity {info['untrained_perplexity']:.2f}; LoRA after {steps} steps "
+            f"{mean_spread(info['reference_perplexity'], 2)}{reference_note(info, report.get('budget_method', DEFAULT_BUDGET))}; "
+            f"budget ({BUDGET_NAMES.get(report.get('budget_method', DEFAULT_BUDGET))}, {steps} steps) "
+            f"{mean_spread(info['budget_seconds'], 0)} CPU s of training. "
+            + "".join(
+                f"`{m}`: TokenTune {ratio} whose prompt tokens are chosen by the `{probe}` probe "
+                "(benchmarks/selection_probes.py; its scoring is timed with the step). "
+                for m, (probe, ratio) in report.get("probes", {}).items()
+                if m in methods
+            )
+            + "Step peaks measured on batches of "
+            + ", ".join(f"{k} {v}" for k, v in info.get("peak_batch_shapes", {}).items())
+            + " (batch x padded tokens).",
+            f"![{task}: held-out perplexity against training CPU time; best within the budget against step peak]"
+            f"(budget_{task}.png)",
+        ]
+    out.append(f"Machine: {report['machine']}. {report['protocol']}")
+    return "\n\n".join(out)
