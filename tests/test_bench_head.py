@@ -9,7 +9,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks.bench_sft import add_labelled_head
+from benchmarks.harness import add_labelled_head
 
 IGNORE = -100
 
