@@ -40,6 +40,7 @@ from peft_slim.configuration import atomic_write_text  # noqa: E402
 from peft_slim.recipe import Recipe  # noqa: E402
 
 IGNORE_INDEX = -100
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 HEADS = ("model", "trl", "labelled")
 
 
@@ -183,9 +184,33 @@ def run_unit(task: Task, methods: list[Method], seed: int, steps: int, loaded) -
         step = functools.partial(train_step, model, optimizer, batches[0] | extra)
         runs[name]["step_peak_bytes"] = peak_memory_bytes(step)
         runs[name]["answer_perplexity"] = answer_perplexity(model, held_out, pad_id) if held_out else None
-    return {"task": task.name, "description": description, "seed": seed, "batch": list(batches[0]["input_ids"].shape),
+    return {"task": task.name, "description": description, "environment": environment(), "seed": seed, "batch": list(batches[0]["input_ids"].shape),
             "methods": {m.name: dataclasses.asdict(m.recipe) | {"head": m.head, "baseline": m.baseline} for m in methods},
             "runs": runs}
+
+
+def environment() -> dict:
+    """Where a run ran: machine, library versions and the commit."""
+    import platform
+    import subprocess
+
+    import peft
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                                cwd=os.path.dirname(RESULTS)).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {
+        "machine": f"{platform.machine()} CPU ({platform.processor() or 'unknown'}), {torch.get_num_threads()} "
+        "intra-op thread(s)",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "commit": commit,
+    }
 
 
 def load_results(path: str) -> dict:
@@ -286,7 +311,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=["lora+ckpt+labelled-head", "tokentune"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per method and unit (the first untimed)")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "harness"))
+    parser.add_argument("--out", default=os.path.join(RESULTS, "harness"))
     parser.add_argument("--held-out", type=int, help="held-out examples evaluated (0: none; default: the task's)")
     parser.add_argument("--report", action="store_true", help="no training: the report and plot of <out>")
     args = parser.parse_args(argv)
