@@ -184,9 +184,15 @@ def run_unit(task: Task, methods: list[Method], seed: int, steps: int, loaded) -
         step = functools.partial(train_step, model, optimizer, batches[0] | extra)
         runs[name]["step_peak_bytes"] = peak_memory_bytes(step)
         runs[name]["answer_perplexity"] = answer_perplexity(model, held_out, pad_id) if held_out else None
-    return {"task": task.name, "description": description, "environment": environment(), "seed": seed, "batch": list(batches[0]["input_ids"].shape),
-            "methods": {m.name: dataclasses.asdict(m.recipe) | {"head": m.head, "baseline": m.baseline} for m in methods},
-            "runs": runs}
+    return {
+        "task": task.name,
+        "description": description,
+        "environment": environment(),
+        "seed": seed,
+        "batch": list(batches[0]["input_ids"].shape),
+        "methods": {m.name: dataclasses.asdict(m.recipe) | {"head": m.head, "baseline": m.baseline} for m in methods},
+        "runs": runs,
+    }
 
 
 def environment() -> dict:
@@ -198,8 +204,9 @@ def environment() -> dict:
     import transformers
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                                cwd=os.path.dirname(RESULTS)).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=os.path.dirname(RESULTS)
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = None
     return {
@@ -220,8 +227,14 @@ def load_results(path: str) -> dict:
         return json.load(handle)
 
 
-def run(tasks: list[Task], methods: list[Method], seeds: list[int], steps: int, path: str,
-        after_unit: Callable[[str], None] = lambda key: None) -> dict:
+def run(
+    tasks: list[Task],
+    methods: list[Method],
+    seeds: list[int],
+    steps: int,
+    path: str,
+    after_unit: Callable[[str], None] = lambda key: None,
+) -> dict:
     """Every (task, seed) unit that ``path`` lacks, each written to ``path`` as soon as it is done (a killed run
     resumes where it stopped); a unit already there with other methods or steps is refused."""
     results = load_results(path)
@@ -248,7 +261,7 @@ def report(results: dict) -> str:
     by_task: dict[str, list[dict]] = {}
     for unit in results["units"].values():
         by_task.setdefault(unit["task"], []).append(unit)
-    for task, units in by_task.items():
+    for units in by_task.values():
         names = list(units[0]["runs"])
         time_ = {n: statistics.mean(statistics.median(u["runs"][n]["step_cpu_seconds"]) for u in units) for n in names}
         peak = {n: statistics.mean(u["runs"][n]["step_peak_bytes"] for u in units) for n in names}
@@ -257,13 +270,22 @@ def report(results: dict) -> str:
         rows = []
         for n in names:
             ppl = [u["runs"][n]["answer_perplexity"] for u in units if u["runs"][n]["answer_perplexity"] is not None]
-            rows.append([n, f"{peak[n] / 2**20:.1f} MiB ({peak[n] / peak[fastest]:.2f}x)",
-                         f"{time_[n]:.2f} s ({time_[n] / time_[fastest]:.2f}x)",
-                         f"{statistics.mean(u['runs'][n]['losses'][-1] for u in units):.3f}",
-                         f"{statistics.mean(ppl):.3f}" if ppl else "-"])
+            rows.append(
+                [
+                    n,
+                    f"{peak[n] / 2**20:.1f} MiB ({peak[n] / peak[fastest]:.2f}x)",
+                    f"{time_[n]:.2f} s ({time_[n] / time_[fastest]:.2f}x)",
+                    f"{statistics.mean(u['runs'][n]['losses'][-1] for u in units):.3f}",
+                    f"{statistics.mean(ppl):.3f}" if ppl else "-",
+                ]
+            )
         header = ["method", f"step peak (/ {fastest})", f"step time (/ {fastest})", "last loss", "held-out ppl"]
-        lines += [f"*{units[0]['description']}*, batch {units[0]['batch']}, seeds {[u['seed'] for u in units]}", "",
-                  markdown_table(header, rows), ""]
+        lines += [
+            f"*{units[0]['description']}*, batch {units[0]['batch']}, seeds {[u['seed'] for u in units]}",
+            "",
+            markdown_table(header, rows),
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -308,7 +330,9 @@ def sft_tasks(held_out: int | None = None) -> dict[str, Task]:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", nargs="+", default=["qa"])
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=["lora+ckpt+labelled-head", "tokentune"])
+    parser.add_argument(
+        "--methods", nargs="+", choices=list(METHODS), default=["lora+ckpt+labelled-head", "tokentune"]
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per method and unit (the first untimed)")
     parser.add_argument("--out", default=os.path.join(RESULTS, "harness"))

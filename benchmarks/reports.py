@@ -141,6 +141,7 @@ def budget_markdown(report: dict) -> str:
         f"ppl at {steps} steps / LoRA",
         "seeds",
     ]
+    budget_method = report.get("budget_method", DEFAULT_BUDGET)
     for task, methods in report["summary"].items():
         rows = []
         for method, s in methods.items():
@@ -170,8 +171,8 @@ def budget_markdown(report: dict) -> str:
             f"### {task}: {info['description']}",
             markdown_table(header, rows),
             f"Untrained held-out answer perplexity {info['untrained_perplexity']:.2f}; LoRA after {steps} steps "
-            f"{mean_spread(info['reference_perplexity'], 2)}{reference_note(info, report.get('budget_method', DEFAULT_BUDGET))}; "
-            f"budget ({BUDGET_NAMES.get(report.get('budget_method', DEFAULT_BUDGET))}, {steps} steps) "
+            f"{mean_spread(info['reference_perplexity'], 2)}{reference_note(info, budget_method)}; "
+            f"budget ({BUDGET_NAMES.get(budget_method)}, {steps} steps) "
             f"{mean_spread(info['budget_seconds'], 0)} CPU s of training. "
             + "".join(
                 f"`{m}`: TokenTune {ratio} whose prompt tokens are chosen by the `{probe}` probe "

@@ -120,7 +120,11 @@ def spread_pick(items: list, n: int) -> list:
 
 
 def task_data(
-    task: str, tokenizer, max_length: int | None = None, held: int | None = None, train_examples: int = 600,
+    task: str,
+    tokenizer,
+    max_length: int | None = None,
+    held: int | None = None,
+    train_examples: int = 600,
     quick: bool = False,
 ) -> tuple[list[dict], list[dict], str]:
     """Tokenised (train, held-out) examples of ``task`` and its description; ``max_length`` and ``held`` (held-out
@@ -137,13 +141,13 @@ def task_data(
         train, held_out = split(examples)
         held_out = held_out[:held] if held else held_out
         if quick:
-            train = train[: train_examples]
+            train = train[:train_examples]
         return train, held_out, f"chatterbot-corpus QA ({len(train)} train / {len(held_out)} held-out pairs)"
     if task == "longqa":
         train_rows, held_rows = longqa_rows(sft_data.read_rows(None, "train"), tokenizer)
         held_rows = held_rows[:held] if held else held_rows
         if quick:
-            train_rows = train_rows[: train_examples]
+            train_rows = train_rows[:train_examples]
         train = tokenize(train_rows, tokenizer, max_length)
         held_out = tokenize(held_rows, tokenizer, max_length)
         lengths = [len(e["input_ids"]) for e in train]

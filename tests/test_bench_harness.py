@@ -19,8 +19,15 @@ VOCAB = 61
 def tiny_task(name: str) -> harness.Task:
     def load():
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
         rng = random.Random(0)
         examples = []
         for _ in range(12):
@@ -47,7 +54,8 @@ def test_two_methods_interleaved_a_killed_run_resumes_and_the_report_reads_the_f
 
     with pytest.raises(KeyboardInterrupt):
         harness.run(tasks, METHODS, [0], 3, path, after_unit=kill)
-    first = json.load(open(path))
+    with open(path) as handle:
+        first = json.load(handle)
     assert list(first["units"]) == ["a/seed0"]
     # Interleaved: the two methods alternate, step after step (then one more step each for the peak).
     models = list(dict.fromkeys(order))
@@ -57,7 +65,7 @@ def test_two_methods_interleaved_a_killed_run_resumes_and_the_report_reads_the_f
     assert finished == ["b/seed0"]  # the unit in the file is not run again
     assert results["units"]["a/seed0"] == first["units"]["a/seed0"]
     for unit in results["units"].values():
-        for name, run in unit["runs"].items():
+        for run in unit["runs"].values():
             assert len(run["losses"]) == 3 and len(run["step_cpu_seconds"]) == 2 and run["step_peak_bytes"] > 0
             assert all(map(torch.isfinite, torch.tensor(run["losses"])))
             assert run["answer_perplexity"] > 1

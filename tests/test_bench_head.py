@@ -1,4 +1,4 @@
-"""The benchmark's restricted-head baseline (``add_labelled_head``): the model's own loss, at labelled positions only."""
+"""The benchmark's restricted-head baseline (``add_labelled_head``): the model's loss, at labelled positions only."""
 
 from __future__ import annotations
 
@@ -17,8 +17,13 @@ IGNORE = -100
 def tiny_lora(seed: int = 0):
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
     return LlamaForCausalLM(config)
 
