@@ -1,1 +1,1 @@
-"""Benchmarks of peft_slim's methods against the usual alternatives (``python -m benchmarks.run``)."""
+"""Benchmarks of peft_slim's methods against the usual alternatives (``python -m benchmarks.harness``)."""

@@ -4,7 +4,7 @@
 
 At ratio r each row selects ceil(r x its real tokens) positions, every labelled position first (a causal LM's
 position t when labels[t+1] != -100), so a row whose labelled share is above r leaves some of its loss out of
-the step. For each task of ``benchmarks.bench_budget`` (its training rows, tokenised as the benchmark does) this
+the step. For each task of ``benchmarks.sft_tasks`` (its training rows, tokenised as the benchmark does) this
 draws the package's own selection (``draw_selection``, first and last real token forced, as for a decoder LM) and
 counts the labelled positions selected, and the ratio each row would need to select all of them. No model runs:
 writes ``label_coverage.json`` and ``.md``.
@@ -18,7 +18,8 @@ import statistics
 import torch
 from transformers import AutoTokenizer
 
-from benchmarks import bench_budget
+from benchmarks import sft_tasks
+from benchmarks.harness import RESULTS, environment
 from benchmarks.report import markdown_table, write_report
 from peft_slim.cli import models
 from peft_slim.token_selection.config import TokenSelectionConfig
@@ -54,15 +55,14 @@ def ratio_needed(example: dict) -> float:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ratios", nargs="+", type=float, default=[0.2, 0.3, 0.5])
-    parser.add_argument("--out", default=bench_budget.RESULTS)
+    parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
-    task_args = bench_budget.parse_args([])
     path, gguf_file, model_name = models.resolve_model(None, None)
     tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
-    report = {"model": model_name, "ratios": args.ratios, "environment": bench_budget.environment(), "tasks": {}}
+    report = {"model": model_name, "ratios": args.ratios, "environment": environment(), "tasks": {}}
     rows = []
-    for task in bench_budget.TASKS:
-        train, _, description = bench_budget.task_data(task, tokenizer, task_args)
+    for task in sft_tasks.TASK_DEFAULTS:
+        train, _, description = sft_tasks.task_data(task, tokenizer)
         needed = sorted(ratio_needed(example) for example in train)
         entry = {
             "description": description,
@@ -83,7 +83,7 @@ def main(argv=None) -> dict:
         [
             "# Loss kept by answer-first selection",
             markdown_table(header, rows),
-            f"{model_name}'s tokenizer; the training rows of `benchmarks.bench_budget`'s tasks as it tokenises them; "
+            f"{model_name}'s tokenizer; the training rows of `benchmarks.sft_tasks`' tasks as it tokenises them; "
             "one draw per row (seed 0). Written by `python -m benchmarks.label_coverage`.",
         ]
     )

@@ -1,6 +1,6 @@
 """Methods measured side by side in one process: steps that alternate between methods, ratios to a baseline.
 
-Shared by ``bench_tokentune.py``, ``bench_compression.py`` and ``bench_slimfit.py``.
+Shared by ``bench_tokentune.py`` and ``bench_compression.py``.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@
 The page's prose lives in tools/benchmarks_page.md. A line ``{{results/<path>.md}}`` there is replaced by that
 file, which the benchmark wrote in the same call as its ``.json`` (``benchmarks/report.py``), with its title
 dropped, headings moved one level down and figure links pointed at benchmarks/results/; ``{{sft.json}}`` is the SFT
-table rendered from ``sft.json`` by ``benchmarks.bench_sft.markdown``; ``{{budget.json}}`` the equal-budget tables
-rendered from ``budget/budget.json`` by ``benchmarks.bench_budget.markdown``. The README's headline table (between
+table rendered from ``sft.json`` by ``benchmarks.reports.sft_markdown``; ``{{budget.json}}`` the equal-budget tables
+rendered from ``budget/budget.json`` by ``benchmarks.reports.budget_markdown``. The README's headline table (between
 the two marker comments): TokenTune's defaults against TRL's baseline, one row per task of
 ``budget_trl/budget.json`` and ``budget_trl_longqa/budget.json``.
 tests/project/test_docs.py checks both are up to date.
@@ -53,7 +53,7 @@ def _sft_report() -> dict:
 
 def _budget_tables(folder: str = "budget") -> str:
     """The tables of ``results/<folder>/budget.json`` (an equal-budget run's merge), plots linked from the page."""
-    from benchmarks.bench_budget import markdown
+    from benchmarks.reports import budget_markdown as markdown
 
     text = markdown(json.loads((RESULTS / folder / "budget.json").read_text()))
     text = re.sub(r"^### ", "#### ", text, flags=re.M)
@@ -77,7 +77,7 @@ def _include(relative: str) -> str:
 
 def render_page() -> str:
     sys.path.insert(0, str(ROOT))
-    from benchmarks.bench_sft import markdown
+    from benchmarks.reports import sft_markdown as markdown
 
     out = []
     for line in TEMPLATE.read_text().splitlines():
@@ -96,7 +96,7 @@ def render_page() -> str:
 def render_readme_headline() -> str:
     """One row per task of the runs against TRL's baseline: TokenTune's defaults against the budget method."""
     sys.path.insert(0, str(ROOT))
-    from benchmarks.bench_budget import mean_spread
+    from benchmarks.reports import mean_spread
 
     lines = [
         "| task | step peak / baseline's | perplexity at equal steps / baseline's | "

