@@ -174,9 +174,10 @@ RECORDED_CASES = {
 }
 
 
-def estimate_case(model, arguments: dict) -> dict[str, dict[str, int]]:
+def estimate_case(model, arguments: dict, only=None) -> dict[str, dict[str, int]]:
     """Every setting `plan` tries for ``arguments`` (checkpointed variants included, kept or not), and full
-    fine-tuning ("full", "full+ckpt"), each estimated on its own by `estimate_memory`: name -> estimate's fields."""
+    fine-tuning ("full", "full+ckpt"), each estimated on its own by `estimate_memory`: name -> estimate's fields.
+    ``only``: those names only."""
     from dataclasses import replace
 
     from peft_slim.planner.plan import ladder
@@ -187,19 +188,23 @@ def estimate_case(model, arguments: dict) -> dict[str, dict[str, int]]:
     targets = arguments.pop("target_modules", "all-linear")
     config = load_config(model)
     step = {"optimizer": "adamw", "dtype": "float32", "task": None, **arguments}
-    task = resolve_workload(config, None, step["batch_size"], step["seq_len"], step["optimizer"], step["dtype"],
-                            step["task"]).task
+    workload = [step[key] for key in ("batch_size", "seq_len", "optimizer", "dtype", "task")]
+    task = resolve_workload(config, None, *workload).task
     step["task"] = task
     settings = ladder(lora_r, min_ratio)
     settings += [replace(c, gradient_checkpointing=True) for c in settings]
     found = {}
     for candidate in settings:
+        if only is not None and candidate.name not in only:
+            continue
         peft_config = candidate.peft_config(TASK_TYPES.get(task), targets)
         estimate = peft_slim.estimate_memory(
             config, peft_config, **step, gradient_checkpointing=candidate.gradient_checkpointing
         )
         found[candidate.name] = estimate.to_dict()
     for checkpointing in (False, True):
+        if only is not None and ("full+ckpt" if checkpointing else "full") not in only:
+            continue
         estimate = peft_slim.estimate_memory(config, None, **step, gradient_checkpointing=checkpointing)
         found["full+ckpt" if checkpointing else "full"] = estimate.to_dict()
     return found

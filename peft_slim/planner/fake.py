@@ -18,6 +18,15 @@ from torch.utils._pytree import tree_leaves as tree_leaves
 from ..compat import is_fake_tensor
 
 
+def device_of_fake(tensor) -> Any:
+    """The device a fake tensor reports (``FakeTensor.fake_device``, private) as fake tensor mode answers
+    ``prim.device`` outside its kernels, without a dispatch through the mode; None where that is not the answer
+    (not a fake tensor, or inside a fake kernel, where the answer is "meta")."""
+    if is_fake_tensor(tensor) and not tensor.fake_mode.in_kernel_invocation:
+        return tensor.fake_device
+    return None
+
+
 def fake_tensor_mode() -> Any:
     """A ``FakeTensorMode`` (private module ``torch._subclasses.fake_tensor``): inside it, operators compute shapes,
     dtypes and strides only. Real tensors given to an operator are converted (``allow_non_fake_inputs``): the
