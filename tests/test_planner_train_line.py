@@ -5,7 +5,11 @@ AdamW, the optimizer ``train`` uses."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import shlex
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -82,3 +86,16 @@ def test_one_short_line_per_setting_and_no_warning(tmp_path, capsys):
     full = {line.split(" | ")[0]: line.split(" | ")[-1] for line in verbose[1:]}
     assert all(full[row[0]] == row[-1] or "benchmarks/results/budget" in full[row[0]] for row in rows)
     assert any(len(text) > 200 for text in full.values())
+
+
+def test_the_command_writes_nothing_but_its_progress_bar_to_stderr(tmp_path):
+    """The real command in a fresh process, Python's warnings all shown: stderr holds the progress bar only (no
+    warning of Python, transformers' logging or C++), stdout the table."""
+    llama_config(num_hidden_layers=4).save_pretrained(tmp_path)
+    env = {**os.environ, "PYTHONWARNINGS": "always", "TRANSFORMERS_VERBOSITY": "warning"}
+    argv = [sys.executable, "-m", "peft_slim", "plan", "--model", str(tmp_path), *FEW_SETTINGS, "--lora-r", "2"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    pieces = [piece.strip() for piece in re.split(r"[\r\n]+", done.stderr) if piece.strip()]
+    assert pieces and all(piece.startswith("estimating:") for piece in pieces), pieces
+    assert done.stdout.splitlines()[1].startswith("lora+lora-r2 | ")
