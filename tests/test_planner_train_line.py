@@ -99,3 +99,17 @@ def test_the_command_writes_nothing_but_its_progress_bar_to_stderr(tmp_path):
     pieces = [piece.strip() for piece in re.split(r"[\r\n]+", done.stderr) if piece.strip()]
     assert pieces and all(piece.startswith("estimating:") for piece in pieces), pieces
     assert done.stdout.splitlines()[1].startswith("lora+lora-r2 | ")
+
+
+def test_json_output_holds_the_table_in_bytes_and_the_train_line(tmp_path, capsys):
+    llama_config().save_pretrained(tmp_path)
+    argv = ["--model", str(tmp_path), "--budget", "1GB", *FEW_SETTINGS]
+    code, lines = plan_lines(capsys, *argv)
+    json_code, json_lines = plan_lines(capsys, *argv, "--json")
+    found = json.loads("\n".join(json_lines))
+    assert code == json_code == 0
+    assert [s["name"] for s in found["settings"]] == [line.split(" | ")[0] for line in lines[1:-2]]
+    assert found["train_command"] == lines[-1] and found["notes"] == [lines[-2]]
+    first = found["settings"][0]
+    assert set(first["estimate"]) == {"parameters", "gradients", "optimizer_state", "activations", "peak"}
+    assert first["method"] == "lora" and first["lora_r"] == 8 and first["evidence"]
