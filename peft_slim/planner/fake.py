@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import transformers.masking_utils
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -16,6 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
 from torch.utils._pytree import tree_leaves as tree_leaves
 
 from ..compat import is_fake_tensor
+
+# The operator a tensor's ``.device`` dispatches to inside a mode (``torch.ops``: the operator registry).
+PRIM_DEVICE = torch.ops.prim.device.default
 
 
 def device_of_fake(tensor) -> Any:
