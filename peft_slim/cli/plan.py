@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json as jsonlib
 import math
 import os
 import pathlib
 import re
 import shlex
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from functools import partial
 
 from ..configuration import check_float, check_int
@@ -85,6 +86,9 @@ class PlanArguments:
     verbose: bool = _field(
         False, "Give each setting's evidence in full: the measured numbers and where they come from."
     )
+    json: bool = _field(
+        False, "Print the settings that fit as JSON (estimates in bytes, evidence in full, the train line)."
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -136,30 +140,49 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"peft-slim plan: {error}")
         return 2
-    columns = ("setting", "peak", "parameters", "gradients", "optimizer state", "activations", "evidence")
-    print(" | ".join(columns))
-    for candidate in found:
-        e = candidate.estimate
-        cells = (e.peak, e.parameters, e.gradients, e.optimizer_state, e.activations)
-        evidence = candidate.evidence if args.verbose else candidate.brief
-        print(" | ".join([candidate.name, *map(_size, cells), evidence]))
-    if args.budget is None:
-        return 0
-    if not found:
-        print(f"Nothing fits {_size(args.budget)}: lower --batch-size or --seq-len.")
-        return 1
-    if args.optimizer != "adamw":  # train's optimizer state would be AdamW's: the setting may not fit under it
-        print(
+    lines = [] if args.json else _table(found, args.verbose)
+    command, code = None, 0
+    if args.budget is not None and not found:
+        lines.append(f"Nothing fits {_size(args.budget)}: lower --batch-size or --seq-len.")
+        code = 1
+    elif args.budget is not None and args.optimizer != "adamw":
+        # train's optimizer state would be AdamW's: the setting may not fit under it
+        lines.append(
             f"Plan with --optimizer adamw for a `peft-slim train` line: train always uses AdamW, and these estimates "
             f"count {args.optimizer}'s optimizer state."
         )
-        return 0
-    model = args.model
-    if not holds_weights(model):
-        print(
-            f"Replace {MODEL_PLACEHOLDER} with the folder or hub id of the model's weights ({model} holds its config "
-            "only), then train the first setting:"
-        )
-        model = MODEL_PLACEHOLDER
-    print(train_command(model, found[0], args.batch_size, args.seq_len, args.dtype, args.gguf_file))
-    return 0
+    elif args.budget is not None:
+        model = args.model
+        if not holds_weights(model):
+            lines.append(
+                f"Replace {MODEL_PLACEHOLDER} with the folder or hub id of the model's weights ({model} holds its "
+                "config only), then train the first setting:"
+            )
+            model = MODEL_PLACEHOLDER
+        command = train_command(model, found[0], args.batch_size, args.seq_len, args.dtype, args.gguf_file)
+        lines.append(command)
+    if args.json:
+        settings = [
+            {"name": c.name, **_setting(c), "estimate": c.estimate.to_dict(), "evidence": c.evidence} for c in found
+        ]
+        notes = lines[:-1] if command is not None else lines
+        lines = [jsonlib.dumps({"settings": settings, "notes": notes, "train_command": command}, indent=1)]
+    print("\n".join(lines))
+    return code
+
+
+def _setting(candidate) -> dict:
+    """The train-command fields a candidate stands for (method, LoRA rank, token ratio, ...)."""
+    return {spec.name: getattr(candidate, spec.name) for spec in fields(candidate) if spec.compare}
+
+
+def _table(found, verbose: bool) -> list[str]:
+    """One line per setting: its name, sizes, and the evidence in a few words (``verbose``: in full)."""
+    columns = ("setting", "peak", "parameters", "gradients", "optimizer state", "activations", "evidence")
+    lines = [" | ".join(columns)]
+    for candidate in found:
+        e = candidate.estimate
+        cells = (e.peak, e.parameters, e.gradients, e.optimizer_state, e.activations)
+        evidence = candidate.evidence if verbose else candidate.brief
+        lines.append(" | ".join([candidate.name, *map(_size, cells), evidence]))
+    return lines

@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import transformers.masking_utils
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -17,6 +18,18 @@ from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
 from torch.utils._pytree import tree_leaves as tree_leaves
 
 from ..compat import is_fake_tensor
+
+# The operator a tensor's ``.device`` dispatches to inside a mode (``torch.ops``: the operator registry).
+PRIM_DEVICE = torch.ops.prim.device.default
+
+
+def device_of_fake(tensor) -> Any:
+    """The device a fake tensor reports (``FakeTensor.fake_device``, private) as fake tensor mode answers
+    ``prim.device`` outside its kernels, without a dispatch through the mode; None where that is not the answer
+    (not a fake tensor, or inside a fake kernel, where the answer is "meta")."""
+    if is_fake_tensor(tensor) and not tensor.fake_mode.in_kernel_invocation:
+        return tensor.fake_device
+    return None
 
 
 def fake_tensor_mode() -> Any:

@@ -15,7 +15,7 @@ import weakref
 import torch
 
 from ..compat import storage_key
-from .fake import TorchDispatchMode, tree_leaves
+from .fake import PRIM_DEVICE, TorchDispatchMode, device_of_fake, tree_leaves
 
 
 class LiveBytes(TorchDispatchMode):
@@ -28,6 +28,9 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is PRIM_DEVICE:  # a tensor's device, asked more often than any operator: nothing allocated
+            device = device_of_fake(args[0])
+            return func(*args) if device is None else device
         out = func(*args, **(kwargs or {}))
         inputs = None
         for tensor in tree_leaves(out):

@@ -51,6 +51,7 @@ DEFAULTS = {
     "task": None,
     "rank": "measured",
     "verbose": False,
+    "json": False,
 }
 # (option strings, default, choices, required, help), in the order the help lists them.
 FLAGS = [
@@ -100,6 +101,13 @@ FLAGS = [
         False,
         "Give each setting's evidence in full: the measured numbers and where they come from.",
     ),
+    (
+        ("--json",),
+        False,
+        None,
+        False,
+        "Print the settings that fit as JSON (estimates in bytes, evidence in full, the train line).",
+    ),
 ]
 
 B = ("--batch-size", "1")
@@ -109,6 +117,7 @@ BUDGET_RANGE = "expected from 1 byte to 1 PiB (1125899906842624 bytes)."
 CASES = [
     ((), {"exit": 2, "error": "peft-slim plan: error: the following arguments are required: --batch-size"}),
     (("--batch-size", "4"), {"parsed": {"batch_size": 4}}),
+    (("--batch-size", "4", "--json"), {"parsed": {"batch_size": 4, "json": True}}),
     (("--batch", "4"), {"parsed": {"batch_size": 4}}),  # argparse's prefixes
     (("--batch-size", "65536"), {"parsed": {"batch_size": 65536}}),
     (

@@ -119,3 +119,107 @@ def resident_step_peaks(names: list[str]) -> dict[str, int]:
     done = subprocess.run([sys.executable, "-c", _CHILD, *names], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# The planner's estimates recorded before its speed-up (tests/helpers/data/planner_estimates*.json): each case is a
+# model config and `plan`'s arguments; every setting of its ladder (checkpointed variants included) and full
+# fine-tuning are estimated one by one with `estimate_memory`, as `plan` did. Recorded with
+#   PYTHONPATH=.:tests python tests/helpers/planner_cases.py tests/helpers/data/planner_estimates.json tiny
+#   PYTHONPATH=.:tests python tests/helpers/planner_cases.py tests/helpers/data/planner_estimates_8b.json 8b
+LLAMA3_8B = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "llama3_8b_config.json")
+RECORDED_CASES = {
+    "tiny": {
+        "llama 2 blocks": lambda: (llama_config(), dict(batch_size=2, seq_len=64, min_token_ratio=0.05)),
+        "llama 6 blocks bf16": lambda: (
+            llama_config(num_hidden_layers=6),
+            dict(batch_size=2, seq_len=128, dtype="bfloat16", min_token_ratio=0.2),
+        ),
+        "llama 5 blocks q,v sgd": lambda: (
+            llama_config(num_hidden_layers=5, tie_word_embeddings=True),
+            dict(batch_size=3, seq_len=48, optimizer="sgd", lora_r=4, target_modules=["q_proj", "v_proj"]),
+        ),
+        "bert 4 blocks": lambda: (
+            transformers.BertConfig(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                vocab_size=500,
+                num_labels=3,
+                architectures=["BertForSequenceClassification"],
+            ),
+            dict(batch_size=2, seq_len=64, min_token_ratio=0.3),
+        ),
+        "vit 4 blocks": lambda: (
+            transformers.ViTConfig(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                image_size=32,
+                patch_size=4,
+                num_labels=3,
+            ),
+            dict(batch_size=2, seq_len=None, task="image_classification", min_token_ratio=0.5),
+        ),
+    },
+    "8b": {
+        # docs/planner.md's example: --budget 24GB --batch-size 4 --seq-len 4096 --dtype bfloat16
+        "llama3-8b example": lambda: (LLAMA3_8B, dict(batch_size=4, seq_len=4096, dtype="bfloat16")),
+        "llama3-8b float32 r16 sgd": lambda: (
+            LLAMA3_8B,
+            dict(batch_size=1, seq_len=2048, optimizer="sgd", lora_r=16, min_token_ratio=0.2),
+        ),
+    },
+}
+
+
+def estimate_case(model, arguments: dict, only=None) -> dict[str, dict[str, int]]:
+    """Every setting `plan` tries for ``arguments`` (checkpointed variants included, kept or not), and full
+    fine-tuning ("full", "full+ckpt"), each estimated on its own by `estimate_memory`: name -> estimate's fields.
+    ``only``: those names only."""
+    from dataclasses import replace
+
+    from peft_slim.planner.plan import ladder
+    from peft_slim.planner.setup import TASK_TYPES, load_config, resolve_workload
+
+    arguments = dict(arguments)
+    lora_r, min_ratio = arguments.pop("lora_r", 8), arguments.pop("min_token_ratio", 0.1)
+    targets = arguments.pop("target_modules", "all-linear")
+    config = load_config(model)
+    step = {"optimizer": "adamw", "dtype": "float32", "task": None, **arguments}
+    workload = [step[key] for key in ("batch_size", "seq_len", "optimizer", "dtype", "task")]
+    task = resolve_workload(config, None, *workload).task
+    step["task"] = task
+    settings = ladder(lora_r, min_ratio)
+    settings += [replace(c, gradient_checkpointing=True) for c in settings]
+    found = {}
+    for candidate in settings:
+        if only is not None and candidate.name not in only:
+            continue
+        peft_config = candidate.peft_config(TASK_TYPES.get(task), targets)
+        estimate = peft_slim.estimate_memory(
+            config, peft_config, **step, gradient_checkpointing=candidate.gradient_checkpointing
+        )
+        found[candidate.name] = estimate.to_dict()
+    for checkpointing in (False, True):
+        if only is not None and ("full+ckpt" if checkpointing else "full") not in only:
+            continue
+        estimate = peft_slim.estimate_memory(config, None, **step, gradient_checkpointing=checkpointing)
+        found["full+ckpt" if checkpointing else "full"] = estimate.to_dict()
+    return found
+
+
+if __name__ == "__main__":
+    import warnings
+
+    warnings.simplefilter("ignore")
+    path, group = sys.argv[1:3]
+    recorded = {"command": f"PYTHONPATH=. python tests/helpers/planner_cases.py {path} {group}", "cases": {}}
+    for name, case in RECORDED_CASES[group].items():
+        model, arguments = case()
+        recorded["cases"][name] = estimate_case(model, arguments)
+        print(name, flush=True)
+    with open(path, "w") as handle:
+        json.dump(recorded, handle, indent=1, sort_keys=True)
+        handle.write("\n")

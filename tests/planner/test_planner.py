@@ -483,3 +483,14 @@ def test_cli_plans_trains_default_model_offline(capsys):
     line = capsys.readouterr().out.strip().splitlines()[-1]
     parsed = parse_train_line(shlex.split(line)[1:])
     assert (parsed.model, parsed.gguf_file, parsed.method) == (None, None, "lora")
+
+
+def test_a_fake_tensors_device_is_answered_as_fake_tensor_mode_answers_it():
+    from peft_slim.planner.fake import PRIM_DEVICE, device_of_fake
+
+    with fake_tensor_mode():
+        fake = torch.empty(2, 3)
+        assert device_of_fake(fake) == PRIM_DEVICE(fake) == torch.device("cpu")
+        with LiveBytes() as live:
+            assert fake.device == torch.device("cpu") and live.total == 0
+    assert device_of_fake(torch.empty(2)) is None

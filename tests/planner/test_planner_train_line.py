@@ -5,7 +5,11 @@ AdamW, the optimizer ``train`` uses."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import shlex
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -82,3 +86,31 @@ def test_one_short_line_per_setting_and_no_warning(tmp_path, capsys):
     full = {line.split(" | ")[0]: line.split(" | ")[-1] for line in verbose[1:]}
     assert all(full[row[0]] == row[-1] or "benchmarks/results/budget" in full[row[0]] for row in rows)
     assert any(len(text) > 200 for text in full.values())
+
+
+def test_the_command_writes_nothing_but_its_progress_bar_to_stderr(tmp_path):
+    """The real command in a fresh process, Python's warnings all shown: stderr holds the progress bar only (no
+    warning of Python, transformers' logging or C++), stdout the table. DeprecationWarnings stay hidden, as Python
+    hides them outside ``__main__`` (torch warns one when bitsandbytes, imported by PEFT, compiles a kernel)."""
+    llama_config(num_hidden_layers=4).save_pretrained(tmp_path)
+    env = {**os.environ, "PYTHONWARNINGS": "always,ignore::DeprecationWarning", "TRANSFORMERS_VERBOSITY": "warning"}
+    argv = [sys.executable, "-m", "peft_slim", "plan", "--model", str(tmp_path), *FEW_SETTINGS, "--lora-r", "2"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    pieces = [piece.strip() for piece in re.split(r"[\r\n]+", done.stderr) if piece.strip()]
+    assert pieces and all(piece.startswith("estimating:") for piece in pieces), pieces
+    assert done.stdout.splitlines()[1].startswith("lora+lora-r2 | ")
+
+
+def test_json_output_holds_the_table_in_bytes_and_the_train_line(tmp_path, capsys):
+    llama_config().save_pretrained(tmp_path)
+    argv = ["--model", str(tmp_path), "--budget", "1GB", *FEW_SETTINGS]
+    code, lines = plan_lines(capsys, *argv)
+    json_code, json_lines = plan_lines(capsys, *argv, "--json")
+    found = json.loads("\n".join(json_lines))
+    assert code == json_code == 0
+    assert [s["name"] for s in found["settings"]] == [line.split(" | ")[0] for line in lines[1:-2]]
+    assert found["train_command"] == lines[-1] and found["notes"] == [lines[-2]]
+    first = found["settings"][0]
+    assert set(first["estimate"]) == {"parameters", "gradients", "optimizer_state", "activations", "peak"}
+    assert first["method"] == "lora" and first["lora_r"] == 8 and first["evidence"]
