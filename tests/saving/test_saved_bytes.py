@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+from helpers.recorded import VERSIONS_KEY, skip_unless_recorded_with, versions
 from helpers.tiny_models import build
 from peft import LoraConfig, get_peft_model
 
@@ -118,7 +119,9 @@ def saved_digests(name: str, folder: str, how: str) -> dict[str, str]:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_saved_files_are_those_recorded(name, how, tmp_path):
     with open(RECORD) as handle:
-        recorded = json.load(handle)[name]
+        record = json.load(handle)
+    skip_unless_recorded_with(record.get(VERSIONS_KEY))
+    recorded = record[name]
     assert saved_digests(name, str(tmp_path), how) == recorded
 
 
@@ -129,6 +132,7 @@ if __name__ == "__main__":
     for case in sorted(CASES):
         with tempfile.TemporaryDirectory() as folder:
             record[case] = saved_digests(case, folder, "peft")
+    record[VERSIONS_KEY] = versions()
     with open(RECORD, "w") as handle:
         json.dump(record, handle, indent=1, sort_keys=True)
         handle.write("\n")

@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from helpers.recorded import VERSIONS_KEY, skip_unless_recorded_with, versions
 from helpers.tiny_models import build, make_batch
 from peft import LoraConfig, get_peft_model
 
@@ -85,7 +86,9 @@ def one_thread():
 @pytest.mark.parametrize("name", sorted(_configs()))
 def test_bit_identical_to_the_recorded_steps(name, one_thread):
     with open(RECORD) as handle:
-        recorded = {key: value for key, value in json.load(handle).items() if key.startswith(f"{name}/")}
+        record = json.load(handle)
+    skip_unless_recorded_with(record.get(VERSIONS_KEY))
+    recorded = {key: value for key, value in record.items() if key.startswith(f"{name}/")}
     got = run(name)
     assert got.keys() == recorded.keys()
     differ = sorted(key for key in recorded if got[key] != recorded[key])
@@ -95,6 +98,7 @@ def test_bit_identical_to_the_recorded_steps(name, one_thread):
 if __name__ == "__main__":
     torch.set_num_threads(1)
     record = {key: value for name in sorted(_configs()) for key, value in run(name).items()}
+    record[VERSIONS_KEY] = versions()
     with open(RECORD, "w") as handle:
         json.dump(record, handle, indent=0, sort_keys=True)
         handle.write("\n")
