@@ -49,7 +49,7 @@ def main() -> None:
         freeze_ratio=0.75,
         seed=0,  # the same first sweep on every rank
         lora=LoraConfig(r=8, target_modules=["q_proj", "v_proj", "down_proj"]) if args.lora else None,
-        tokentune=peft_slim.TokenTuneConfig(token_ratio=0.5, seed=0) if args.tokentune else None,
+        token_selection=peft_slim.TokenSelectionConfig(token_ratio=0.5, seed=0) if args.tokentune else None,
     )
     torch.manual_seed(0)  # the same LoRA initialisation on every rank
     if args.lora:  # a LoRA adapter, through PEFT

@@ -95,7 +95,7 @@ def peft_config(case: Case):
         task_type="CAUSAL_LM",
         freeze_ratio=0.5,
         lora=_lora(),
-        tokentune=tokentune,
+        token_selection=tokentune,
         seed=SEED,
         activation_compression=None,  # quantization groups depend on the batch: no exact 1-vs-2-process match
     )
