@@ -26,7 +26,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import peft_slim
-import peft_slim.distributed
 
 
 def main() -> None:
@@ -84,7 +83,7 @@ def main() -> None:
         schedule.slimfit_step()  # score, re-rank, freeze: the same decision on every rank
         print(f"rank {rank} step {step}: loss {loss.item():.4f}, {trained} units trained", flush=True)
 
-    peft_slim.distributed.save_pretrained(wrapped, args.output)  # every rank takes part; rank 0 writes
+    peft_slim.save_pretrained(wrapped, args.output, distributed=True)  # every rank takes part; rank 0 writes
     if rank == 0:
         # a single process reads it back: the LoRA adapter, or the plain checkpoint of full fine-tuning
         reloaded = (

@@ -15,7 +15,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 import peft_slim
 from helpers.tiny_models import LORA_TARGETS, VOCAB, build
 from peft_slim import TokenTuneConfig
-from peft_slim.distributed import unwrap
+from peft_slim.tuner.saving import unwrap
 
 WORLD = 2
 ROWS_PER_RANK = 2

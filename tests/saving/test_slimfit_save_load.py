@@ -16,12 +16,12 @@ from helpers.tiny_models import build, make_batch
 from peft import LoraConfig
 from safetensors.torch import load_file
 
+import peft_slim
 from peft_slim import (
     ActivationCompressionConfig,
     SlimFitConfig,
     TokenSelectionConfig,
     TokenTuneConfig,
-    export_lora,
 )
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where the helpers package is
@@ -75,7 +75,7 @@ _VANILLA_CHILD = """
     from peft import PeftModel
     from helpers.tiny_models import build, make_batch
     report = {{}}
-    for name in ("adapter", "lora"):  # what save_pretrained wrote, what export_lora wrote
+    for name in ("adapter", "lora"):  # what save_pretrained wrote, with plain_lora=True
         model = PeftModel.from_pretrained(build("llama"), {root!r} + "/" + name).eval()
         batch = {{k: v for k, v in make_batch("llama").items() if k != "labels"}}
         with torch.no_grad():
@@ -107,7 +107,7 @@ def saved(tmp_path_factory):
     )
     train(stack, "llama", steps=3)
     stack.save_pretrained(root / "adapter")
-    export_lora(stack, str(root / "lora"))
+    peft_slim.save_pretrained(stack, str(root / "lora"), plain_lora=True)
 
     slim = _run_fresh(_SLIM_CHILD.format(root=str(root)))
     vanilla = _run_fresh(_VANILLA_CHILD.format(root=str(root)))
