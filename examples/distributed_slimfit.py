@@ -67,7 +67,7 @@ def main() -> None:
         wrapped = DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=True)
     # Before the first training forward every unit requires grad, so the optimizer (and DDP) hold them all.
     optimizer = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-3)
-    model.base_model.slimfit_attach(optimizer)  # SlimFit scores the units through this optimizer's steps
+    schedule.slimfit_attach(optimizer)  # SlimFit scores the units through this optimizer's steps
 
     data = TensorDataset(torch.randint(0, 128, (64, 32), generator=torch.Generator().manual_seed(1)))
     loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=True, seed=0))
