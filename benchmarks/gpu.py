@@ -159,7 +159,9 @@ def slimfit(stack: bool):
     def build(config, device):
         extra = {}
         if stack:
-            extra = dict(lora=lora_config(), tokentune=peft_slim.TokenSelectionConfig(token_ratio=TOKEN_RATIO, seed=0))
+            extra = dict(
+                lora=lora_config(), token_selection=peft_slim.TokenSelectionConfig(token_ratio=TOKEN_RATIO, seed=0)
+            )
         tuner = peft_slim.SlimFitConfig(freeze_ratio=FREEZE_RATIO, seed=0, task_type="CAUSAL_LM", **extra)
         model, _ = trainable(base_model(config, device), tuner)  # without LoRA: SlimFit's full fine-tuning transform
         schedule = find_slimfit(model)

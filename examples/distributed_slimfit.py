@@ -26,7 +26,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import peft_slim
-import peft_slim.distributed
 
 
 def main() -> None:
@@ -49,7 +48,7 @@ def main() -> None:
         freeze_ratio=0.75,
         seed=0,  # the same first sweep on every rank
         lora=LoraConfig(r=8, target_modules=["q_proj", "v_proj", "down_proj"]) if args.lora else None,
-        tokentune=peft_slim.TokenTuneConfig(token_ratio=0.5, seed=0) if args.tokentune else None,
+        token_selection=peft_slim.TokenSelectionConfig(token_ratio=0.5, seed=0) if args.tokentune else None,
     )
     torch.manual_seed(0)  # the same LoRA initialisation on every rank
     if args.lora:  # a LoRA adapter, through PEFT
@@ -68,7 +67,7 @@ def main() -> None:
         wrapped = DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=True)
     # Before the first training forward every unit requires grad, so the optimizer (and DDP) hold them all.
     optimizer = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-3)
-    model.base_model.slimfit_attach(optimizer)  # SlimFit scores the units through this optimizer's steps
+    schedule.slimfit_attach(optimizer)  # SlimFit scores the units through this optimizer's steps
 
     data = TensorDataset(torch.randint(0, 128, (64, 32), generator=torch.Generator().manual_seed(1)))
     loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=True, seed=0))
@@ -84,7 +83,7 @@ def main() -> None:
         schedule.slimfit_step()  # score, re-rank, freeze: the same decision on every rank
         print(f"rank {rank} step {step}: loss {loss.item():.4f}, {trained} units trained", flush=True)
 
-    peft_slim.distributed.save_pretrained(wrapped, args.output)  # every rank takes part; rank 0 writes
+    peft_slim.save_pretrained(wrapped, args.output, distributed=True)  # every rank takes part; rank 0 writes
     if rank == 0:
         # a single process reads it back: the LoRA adapter, or the plain checkpoint of full fine-tuning
         reloaded = (

@@ -24,7 +24,6 @@ from torch.utils.data.distributed import DistributedSampler
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import peft_slim
-import peft_slim.distributed
 
 
 def tiny_llama() -> LlamaForCausalLM:
@@ -84,7 +83,7 @@ def main() -> None:
         print(f"rank {rank} step {step}: loss {loss.item():.4f}, selected tokens per row {selected}", flush=True)
 
     # Every rank takes part (FSDP gathers the shards); rank 0 writes the adapter.
-    peft_slim.distributed.save_pretrained(wrapped, args.output)
+    peft_slim.save_pretrained(wrapped, args.output, distributed=True)
     if rank == 0:
         reloaded = PeftModel.from_pretrained(tiny_llama(), args.output)  # a single process reads it back
         print(f"saved {args.output}; reloaded as {type(reloaded).__name__}")

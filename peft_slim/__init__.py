@@ -13,15 +13,11 @@ from . import (
 )
 from ._version import __version__
 from .compression import ActivationCompressionConfig, compress_activations
-from .export import export_lora
 from .planner import MemoryEstimate, estimate_memory, plan
 from .slimfit import SlimFitCallback, SlimFitConfig, SlimFitModel, SlimFitTransform, slimfit_
 from .token_selection import TokenSelectionConfig
 from .tokentune import TokenTuneCallback, TokenTuneConfig, TokenTuneModel, TokenTuneTransform, tokentune_
 from .tuner.saving import from_pretrained, load_adapter, load_config, save_pretrained
-
-# isort: split
-from . import distributed  # noqa: F401  (public: peft_slim.distributed.save_pretrained after `import peft_slim`)
 
 __all__ = [
     "ActivationCompressionConfig",
@@ -37,7 +33,6 @@ __all__ = [
     "TokenTuneTransform",
     "compress_activations",
     "estimate_memory",
-    "export_lora",
     "from_pretrained",
     "load_adapter",
     "load_config",

@@ -249,7 +249,7 @@ class Recipe:
             return TokenTuneConfig(**common, **selecting, **fields)
         selection = TokenSelectionConfig(**selecting, **seeded) if self.token_ratio is not None else None
         freezing = {"freeze_ratio": self.freeze_ratio, "catch_up": self.catch_up}
-        return SlimFitConfig(**common, **freezing, tokentune=selection, **fields)
+        return SlimFitConfig(**common, **freezing, token_selection=selection, **fields)
 
     # ------------------------------------------------------------------------------------------- command line
     @classmethod

@@ -368,7 +368,7 @@ def render(data: dict) -> str:
         "LoRA model's own step fails |",
         "",
         f"Run with torch {data['torch']}. A model of a refused architecture trains with plain LoRA (or SlimFit "
-        "without its `tokentune` field).",
+        "without its `token_selection` field).",
         "",
         "No list of architectures decides this: at the first training step of each block (and of each new layout of "
         "its arguments) TokenTune runs the block's selected tokens once more on their own and refuses the model "

@@ -33,7 +33,7 @@ def configs() -> dict:
         "slimfit": SlimFitConfig(
             lora=LoraConfig(**lora),
             freeze_ratio=0.5,
-            tokentune=TokenSelectionConfig(num_tokens=5),
+            token_selection=TokenSelectionConfig(num_tokens=5),
             activation_compression=ActivationCompressionConfig(bits=4, kinds=["linear"]),
             task_type="CAUSAL_LM",
         ),

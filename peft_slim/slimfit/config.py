@@ -17,7 +17,7 @@ FREEZE_BY = ("bytes", "count")
 LORA_UNITS = ("pair", "matrix")
 CATCH_UP = ("sqrt", "linear", "none")
 MAX_SEED = 2**63 - 1
-# Fields of a TokenTuneConfig that SlimFit's `tokentune` (a token selection) has no use for: set, they are refused.
+# Fields of a TokenTuneConfig that SlimFit's `token_selection` has no use for: set, they are refused.
 _TOKENTUNE_ONLY = ("lora", "trainable_modules", "modules_to_save", "activation_compression")
 
 
@@ -39,15 +39,15 @@ def default_compression() -> ActivationCompressionConfig:
 
 
 def token_selection_from(where: str, value: Any) -> Any:
-    """`tokentune` given as a TokenTuneConfig: its selection fields. A TokenTuneConfig that sets LoRA, compression
-    or saved modules is refused: SlimFit's own fields say those for the whole model."""
+    """`token_selection` given as a TokenTuneConfig: its selection fields. A TokenTuneConfig that sets LoRA,
+    compression or saved modules is refused: SlimFit's own fields say those for the whole model."""
     if not isinstance(value, TokenSelectionConfig) or type(value) is TokenSelectionConfig:
         return value
     nested = sorted(name for name in _TOKENTUNE_ONLY if getattr(value, name) is not None)
     if nested:
         raise ValueError(
             f"{where} sets {nested}: set them on the SlimFitConfig instead (one LoRA, one compression, one list of "
-            "saved modules for the whole model); `tokentune` takes a peft_slim.TokenSelectionConfig."
+            "saved modules for the whole model); `token_selection` takes a peft_slim.TokenSelectionConfig."
         )
     return TokenSelectionConfig(
         **{spec.name: getattr(value, spec.name) for spec in dataclasses.fields(TokenSelectionConfig)}
@@ -69,7 +69,8 @@ class SlimFitConfig(MethodConfig):
     """
 
     method: ClassVar[str] = "SLIMFIT"
-    nested_types: ClassVar[dict[str, type]] = {**MethodConfig.nested_types, "tokentune": TokenSelectionConfig}
+    nested_types: ClassVar[dict[str, type]] = {**MethodConfig.nested_types, "token_selection": TokenSelectionConfig}
+    saved_names: ClassVar[dict[str, str]] = {"tokentune": "token_selection"}
 
     freeze_ratio: float = field(
         default=0.8,
@@ -192,7 +193,7 @@ class SlimFitConfig(MethodConfig):
             "would score zero after its first step and never train again); 'matrix' schedules A and B apart."
         },
     )
-    tokentune: TokenSelectionConfig | dict | None = field(
+    token_selection: TokenSelectionConfig | dict | None = field(
         default=None,
         metadata={
             "help": "A peft_slim.TokenSelectionConfig (or its dict): also backpropagate through a subset of tokens, "
@@ -228,8 +229,8 @@ class SlimFitConfig(MethodConfig):
         self.max_frozen_steps = check_int(f"{name}.max_frozen_steps", self.max_frozen_steps, 1, optional=True)
         self.seed = check_int(f"{name}.seed", self.seed, 0, MAX_SEED)
         self.lora_units = check_choice(f"{name}.lora_units", self.lora_units, LORA_UNITS)
-        selection = token_selection_from(f"{name}.tokentune", self.tokentune)
-        self.tokentune = nested(f"{name}.tokentune", selection, TokenSelectionConfig)
+        selection = token_selection_from(f"{name}.token_selection", self.token_selection)
+        self.token_selection = nested(f"{name}.token_selection", selection, TokenSelectionConfig)
         release = self.release_frozen_optimizer_state
         self.release_frozen_optimizer_state = check_bool(f"{name}.release_frozen_optimizer_state", release)
         self.release_after_steps = check_int(f"{name}.release_after_steps", self.release_after_steps, 1)

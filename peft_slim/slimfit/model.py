@@ -48,13 +48,13 @@ class SlimFitSchedule:
     gradient (so no optimizer update, weight decay or momentum) and no cached input for backward. The training
     context (``training_context.py``) applies the decision at every forward of the transformers model, so it holds
     for every forward path; optimizer hooks score the units that trained; ``slimfit_step()`` re-ranks. With
-    ``tokentune``, the token selection is attached too.
+    ``token_selection``, the token selection is attached too.
     """
 
     trains_lora: ClassVar[bool]  # the units: the LoRA adapters (the tuner), or the model's own weights (the transform)
 
     def _token_selection(self, config: SlimFitConfig) -> TokenSelectionConfig | None:
-        return config.tokentune
+        return config.token_selection
 
     def _trainable_base_parameters(self, model: nn.Module, config: SlimFitConfig) -> list[str]:
         return [name for name, _ in model.named_parameters()]  # full fine-tuning; the schedule freezes units

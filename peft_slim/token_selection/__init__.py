@@ -2,7 +2,7 @@
 
 ``TokenSelector.attach(model, config)`` puts it on the model, for a ``TrainingContext`` to run at every training
 forward (train mode, grad enabled); ``detach()`` removes it. TokenTune is this component plus LoRA or base-weight
-training; SlimFit's ``tokentune`` field attaches it.
+training; SlimFit's ``token_selection`` field attaches it.
 """
 
 from .config import TokenSelectionConfig

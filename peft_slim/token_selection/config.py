@@ -19,7 +19,7 @@ class TokenSelectionConfig:
     Give exactly one of `token_ratio` or `num_tokens` (neither means `token_ratio=0.3`, the paper's Llama
     setting). The positions the head reads (see `peft_slim.token_selection.heads`), the first real token and a
     decoder LM's last real token are always selected; padding only where the head reads it. Used as TokenTune's
-    selection fields and as `SlimFitConfig.tokentune`.
+    selection fields and as `SlimFitConfig.token_selection`.
     """
 
     token_ratio: float | None = field(

@@ -32,7 +32,7 @@ FUSED_METRICS_NOTE = (
 )
 _ALTERNATIVES = (
     "Token selection supports trl.SFTTrainer (loss_type='nll'). For DPO, GRPO and the other TRL trainers train a "
-    "LoRA adapter without token selection (a peft.LoraConfig, or SlimFit without `tokentune`); what a TokenTune "
+    "LoRA adapter without token selection (a peft.LoraConfig, or SlimFit without `token_selection`); what a TokenTune "
     "+ LoRA SFT run saved is a plain LoRA adapter and continues there (PeftModel.from_pretrained(..., "
     "is_trainable=True))."
 )

@@ -26,7 +26,7 @@ from .selection import TokenSelection
 # sums may round differently). A mixer that sees other tokens moves outputs by a sizeable fraction of their scale.
 TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-3}
 
-NOT_SUPPORTED_FIX = "train this model without token selection (LoRA, or SlimFit without `tokentune`)"
+NOT_SUPPORTED_FIX = "train this model without token selection (LoRA, or SlimFit without `token_selection`)"
 
 
 def layout(arguments: dict[str, Any]) -> tuple:

@@ -21,9 +21,9 @@ def check_output_flags(config: Any, kwargs: dict) -> None:
             given, source = True, f"model.config.{flag}=True"
         if given:
             raise ValueError(
-                f"Token selection (TokenTune, SlimFit's tokentune) does not return {flag.removeprefix('output_')} "
-                f"in a training forward ({source}): each block runs with gradients on the selected positions only, "
-                f"so whole-sequence per-layer outputs are never computed{_ALSO.get(flag, '')}. Run that forward in "
-                "eval mode or under torch.no_grad() (every position, the plain model's values), or leave the flag "
-                "unset in training."
+                f"Token selection (TokenTune, SlimFit's token_selection) does not return "
+                f"{flag.removeprefix('output_')} in a training forward ({source}): each block runs with gradients on "
+                f"the selected positions only, so whole-sequence per-layer outputs are never computed"
+                f"{_ALSO.get(flag, '')}. Run that forward in eval mode or under torch.no_grad() (every position, "
+                "the plain model's values), or leave the flag unset in training."
             )

@@ -1,6 +1,6 @@
 """Token selection's training forward, as hooks on a transformers model: select tokens, run the blocks, score.
 
-A component any tuner attaches (TokenTune always, SlimFit with its ``tokentune`` field): ``attach`` refuses a
+A component any tuner attaches (TokenTune always, SlimFit with its ``token_selection`` field): ``attach`` refuses a
 model it cannot make exact before changing anything, ``detach`` leaves the model as it was. A
 ``peft_slim.training_context.TrainingContext`` runs it at each forward of the model.
 """
@@ -385,7 +385,7 @@ class TokenSelector:
             raise ValueError(
                 f"TokenTune: {type(model).__name__}.forward changes the LM head's logits before returning them, so "
                 "the chunked loss (which runs the head itself) would differ from the model's. Set "
-                "chunked_loss=False in the TokenTune config (or SlimFitConfig.tokentune)."
+                "chunked_loss=False in the TokenTune config (or SlimFitConfig.token_selection)."
             )
         hidden = state.head_input
         labels = state.labels.to(hidden.device)
@@ -472,7 +472,7 @@ def check_block_input(hidden: Any, sequence: tuple[int, int] | None, block_name:
     given = f"for an input of [batch, seq] = {tuple(sequence)}" if sequence is not None else "for its input"
     raise ValueError(
         f"TokenTune cannot train {block_name} on a token subset: train this model without token selection (LoRA, "
-        f"or SlimFit without `tokentune`). Its input hidden states have shape "
+        f"or SlimFit without `token_selection`). Its input hidden states have shape "
         f"{shape if shape is not None else type(hidden).__name__} {given}, where token selection needs [batch, seq, "
         "hidden] with one position per input token (this model adds positions, joins streams or orders the axes "
         "otherwise)."

@@ -19,8 +19,8 @@ from ..tuner.transform import find_transform
 
 
 def find_token_selector(model: nn.Module) -> TokenSelector | None:
-    """The token selector of the peft_slim tuner or transform on ``model`` (TokenTune, or SlimFit with ``tokentune``),
-    or None."""
+    """The token selector of the peft_slim tuner or transform on ``model`` (TokenTune, or SlimFit with
+    ``token_selection``), or None."""
     tuner = find_tuner(model)
     tuner = find_transform(model) if tuner is None else tuner
     return None if tuner is None else tuner.token_selector
@@ -57,7 +57,7 @@ class TokenTuneCallback(TrainerCallback, ExportableState):
         if self._selector is None:
             raise ValueError(
                 "TokenTuneCallback: the Trainer's model has no token selection (a TokenTune adapter, or SlimFit with "
-                "`tokentune`); remove the callback, or wrap the model with get_peft_model or apply "
+                "`token_selection`); remove the callback, or wrap the model with get_peft_model or apply "
                 "peft_slim.tokentune_ first."
             )
         self._selector.set_trainer_args(args)  # which trainer: TRL's fused-head call is exact under SFTTrainer only

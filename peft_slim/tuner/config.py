@@ -49,6 +49,7 @@ class MethodConfig(PeftConfig):
 
     method: ClassVar[str] = ""
     nested_types: ClassVar[dict[str, type]] = {"activation_compression": ActivationCompressionConfig}
+    saved_names: ClassVar[dict[str, str]] = {}  # a field's name in sidecars of an earlier peft_slim -> its name now
 
     lora: LoraConfig | dict | None = field(
         default=None,
@@ -217,6 +218,7 @@ def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> An
         adapter.inference_mode = False  # written True for vanilla PEFT; PEFT sets the method config's at load
         peft_fields = {**to_json_value(adapter), "lora": adapter}
     version = values.get(VERSION_KEY)
+    values = {config_cls.saved_names.get(key, key): value for key, value in values.items()}
     own = saved_fields(
         config_cls, {k: v for k, v in values.items() if k not in _PEFT_FIELDS}, version, config_cls.nested_types
     )

@@ -246,14 +246,14 @@ class MethodTuner(LoraModel):
                 raise ValueError(
                     f"{type(config).__name__}.lora.alora_invocation_tokens is not supported with token selection: "
                     "aLoRA's offsets count positions of the whole sequence, which the selected tokens are not. Use it "
-                    "without token selection (SlimFit without `tokentune`)."
+                    "without token selection (SlimFit without `token_selection`)."
                 )
             if config.lora.monteclora_config is not None:
                 raise ValueError(
                     f"{type(config).__name__}.lora.monteclora_config is not supported with token selection: "
                     "MonteCLoRA draws new weight samples at every forward, so the backward's recomputation of the "
                     "selected tokens would use other weights. Use it without token selection (SlimFit without "
-                    "`tokentune`)."
+                    "`token_selection`)."
                 )
         self._check_model(model, config)
         # LoRA's own injection, which reads the adapter's config from `peft_config`: there, while it runs, the
@@ -349,7 +349,7 @@ class MethodTuner(LoraModel):
 
     @property
     def token_selector(self) -> TokenSelector | None:
-        """The active adapter's token selection (TokenTune, SlimFit with ``tokentune``), or None."""
+        """The active adapter's token selection (TokenTune, SlimFit with ``token_selection``), or None."""
         state = self._active_state()
         return None if state is None else state.selector
 

@@ -3,7 +3,7 @@
 * DeepSpeed ZeRO-3 shards every parameter to an empty tensor before PEFT sees the model, so the methods' units,
   hashes, LoRA shapes and selection hooks would be built on empty stand-ins: refused; FSDP2 (the tested sharded
   path), DDP and ZeRO-1/2 keep whole parameters on each rank.
-* Token selection (TokenTune, SlimFit's ``tokentune``) reads a transformers model's config (attention
+* Token selection (TokenTune, SlimFit's ``token_selection``) reads a transformers model's config (attention
   implementation, head kind) and its decoder blocks: any other ``nn.Module`` (a plain module, a timm model) is
   refused. SlimFit without token selection, activation compression and the nested LoRA work on any module.
 """
@@ -33,5 +33,5 @@ def check_model_kind(model: nn.Module, method: str, selects_tokens: bool) -> Non
             f"{method}'s token selection needs a transformers model (a PreTrainedModel with a `config` and decoder "
             f"or encoder blocks, e.g. AutoModelForCausalLM), got {type(model).__name__}"
             f"{'' if hasattr(model, 'config') else ' (no `config` attribute)'}. For another nn.Module use SlimFit "
-            "without `tokentune`, or LoRA with `compress_activations`."
+            "without `token_selection`, or LoRA with `compress_activations`."
         )

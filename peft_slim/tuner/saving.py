@@ -7,7 +7,8 @@ such a folder as LoRA, without peft_slim; :func:`from_pretrained` loads it with 
 
 Nothing of PEFT is replaced: what PEFT's methods cannot do for us is done by the tuner's hooks (missing and
 unexpected keys at load) or here: :func:`save_pretrained` (atomic, with peft_slim's
-section in the model card; ``peft-slim train`` uses it), :func:`from_pretrained` and :func:`load_adapter` (with the
+section in the model card, or the plain LoRA adapter alone; under ``torch.distributed`` too; ``peft-slim train``
+uses it), :func:`from_pretrained` and :func:`load_adapter` (with the
 config ``tuner.config.load_config`` reads, which ``PeftModel.load_adapter`` cannot be given), both reading one save
 of a folder (:func:`consistent_read`).
 """
@@ -23,10 +24,12 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
 from peft import PeftModel
 from torch import nn
 
 from ..atomic_folder import FolderReplaced, held_files, recover, replaced_folder, sibling
+from ..process_rank import rank
 from .card import CARD_NAME, add_card_section
 from .config import METHOD_CONFIG_NAME, load_config
 from .model import MethodTuner, unchanged_if_raises
@@ -62,23 +65,49 @@ def is_peft_slim_model(peft_model: Any) -> bool:
 
 
 def save_pretrained(
-    model: Any, save_directory: str, tokenizer: Any = None, replace_model_files: bool = False, **kwargs
+    model: Any,
+    save_directory: str,
+    tokenizer: Any = None,
+    replace_model_files: bool = False,
+    plain_lora: bool = False,
+    distributed: bool = False,
+    **kwargs,
 ) -> None:
     """``model.save_pretrained(save_directory, **kwargs)`` made atomic, with peft_slim's card section for a
     peft_slim adapter. ``model``: a PeftModel (any PEFT type) or a transformers model. ``tokenizer`` (or any
     processor with ``save_pretrained``): saved into the folder in the same swap, replacing the tokenizer files there.
     ``replace_model_files=True``: every :func:`model_file` of the folder goes too, also those of another kind of
-    model (a full model saved over a LoRA adapter, or the reverse).
+    model (a full model saved over a LoRA adapter, or the reverse). ``plain_lora=True`` (a peft_slim adapter): the
+    plain LoRA adapter alone, without ``peft_slim_config.json`` (the method's settings) or peft_slim's card section.
+    ``distributed=True``: call it on every rank of a ``torch.distributed`` run with the wrapped or sharded model
+    (DDP, FSDP2 ``fully_shard``, FSDP1); full tensors are gathered on every rank and rank 0 writes.
 
     The files are written into a new folder beside ``save_directory`` that holds everything else of the folder too
     (files as hard links, sub-folders, symbolic links), then swapped in whole: a process killed at any point leaves
     the old files or the new ones (adapter and tokenizer together); leftovers of a killed save are cleaned up by the
     next one.
     """
-    if not callable(getattr(model, "save_pretrained", None)):
+    inner = unwrap(model) if distributed else model
+    if not callable(getattr(inner, "save_pretrained", None)):
+        wrapped = isinstance(getattr(inner, "module", None), nn.Module)
         raise ValueError(
-            f"peft_slim.save_pretrained expects a PeftModel or a transformers model, got {type(model).__name__}."
+            f"peft_slim.save_pretrained expects a PeftModel or a transformers model, got {type(model).__name__}"
+            + (": for a model wrapped by DDP or FSDP pass distributed=True, on every rank." if wrapped else ".")
         )
+    if plain_lora and not is_peft_slim_model(inner):
+        raise ValueError(
+            f"peft_slim.save_pretrained: plain_lora=True leaves {METHOD_CONFIG_NAME} out of a peft_slim adapter, and "
+            f"a {type(inner).__name__} has none; save it without plain_lora."
+        )
+    if distributed:
+        state_dict = full_state_dict(model)
+        if rank() == 0:
+            save_pretrained(
+                inner, save_directory, tokenizer, replace_model_files, plain_lora, state_dict=state_dict, **kwargs
+            )
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        return
     if not kwargs.get("is_main_process", True):  # PEFT and transformers write nothing then
         model.save_pretrained(save_directory, **kwargs)
         return
@@ -105,8 +134,28 @@ def save_pretrained(
             model.save_pretrained(staging, **kwargs)
             if tokenizer is not None:
                 shutil.copytree(tokenizer_files, staging, dirs_exist_ok=True)
-            if is_peft_slim_model(model):
+            if plain_lora:
+                for folder in folders:
+                    os.remove(os.path.join(staging, folder, METHOD_CONFIG_NAME))
+            elif is_peft_slim_model(model):
                 add_card_section(os.path.join(staging, CARD_NAME), model)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside DDP / FSDP1 wrappers (FSDP2 ``fully_shard`` keeps the model itself)."""
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict:
+    """The full, unsharded state dict on rank 0 (on CPU), ``{}`` on other ranks. Call it on every rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return unwrap(model).state_dict()
+    # torch.distributed.checkpoint is slow to import, and needed only under a process group
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def model_file(relative: str) -> bool:

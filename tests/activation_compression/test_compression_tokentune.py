@@ -177,7 +177,11 @@ def _selecting_config(method: str, compression: ActivationCompressionConfig):
     lora = LoraConfig(r=4, target_modules=LORA_TARGETS["llama"], init_lora_weights=False)
     selection = TokenSelectionConfig(token_ratio=0.5, seed=0)
     return SlimFitConfig(
-        task_type="CAUSAL_LM", freeze_ratio=0.5, lora=lora, tokentune=selection, activation_compression=compression
+        task_type="CAUSAL_LM",
+        freeze_ratio=0.5,
+        lora=lora,
+        token_selection=selection,
+        activation_compression=compression,
     )
 
 

@@ -25,7 +25,7 @@ def method_config(name: str, seed: int = 0, **lora):
         freeze_ratio=0.5,
         seed=seed,
         lora=lora_config,
-        tokentune=TokenSelectionConfig(token_ratio=0.5, seed=seed),
+        token_selection=TokenSelectionConfig(token_ratio=0.5, seed=seed),
         activation_compression=ActivationCompressionConfig(bits=4, min_numel=0),
     )
 

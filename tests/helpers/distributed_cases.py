@@ -15,7 +15,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 import peft_slim
 from helpers.tiny_models import LORA_TARGETS, VOCAB, build
 from peft_slim import TokenTuneConfig
-from peft_slim.distributed import unwrap
+from peft_slim.tuner.saving import unwrap
 
 WORLD = 2
 ROWS_PER_RANK = 2
@@ -95,7 +95,7 @@ def peft_config(case: Case):
         task_type="CAUSAL_LM",
         freeze_ratio=0.5,
         lora=_lora(),
-        tokentune=tokentune,
+        token_selection=tokentune,
         seed=SEED,
         activation_compression=None,  # quantization groups depend on the batch: no exact 1-vs-2-process match
     )

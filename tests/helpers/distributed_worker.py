@@ -21,7 +21,6 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import peft_slim
-import peft_slim.distributed
 from helpers.distributed_cases import (
     CASES,
     LR,
@@ -68,7 +67,7 @@ def run_case(case, rank: int, out_dir: str, init_dir: str) -> dict:
     # Every rank's own copy of the full weights (DDP: local tensors; FSDP: gathered from the shards).
     full = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True))
     result["weights"] = {name: tensor.detach().clone() for name, tensor in full.items()}
-    peft_slim.distributed.save_pretrained(wrapped, os.path.join(out_dir, case.name, "checkpoint"))
+    peft_slim.save_pretrained(wrapped, os.path.join(out_dir, case.name, "checkpoint"), distributed=True)
     return result
 
 
@@ -157,7 +156,7 @@ def run_errors(rank: int, out_dir: str, init_dir: str) -> dict:
         fully_shard(block)
     fully_shard(model)
     if rank == 0:
-        try:  # rank 0 alone cannot write a sharded model: peft_slim.distributed.save_pretrained gathers first
+        try:  # rank 0 alone cannot write a sharded model: save_pretrained(..., distributed=True) gathers first
             model.save_pretrained(os.path.join(out_dir, "errors", "direct"))
         except Exception as error:
             messages["direct_save_under_fsdp"] = f"{type(error).__name__}: {error}"

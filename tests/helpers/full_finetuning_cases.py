@@ -32,7 +32,7 @@ CASES: dict[str, tuple[str, str, dict]] = {
     "slimfit-llama-tokentune": (
         "slimfit",
         "llama",
-        {"activation_compression": None, "tokentune": {"token_ratio": 0.5, "seed": 0}},
+        {"activation_compression": None, "token_selection": {"token_ratio": 0.5, "seed": 0}},
     ),
 }
 

@@ -326,7 +326,7 @@ def _module_and_input(kind: str) -> tuple[torch.nn.Module, torch.Tensor]:
     [
         lambda targets: TokenTuneConfig(token_ratio=0.5, lora=LoraConfig(r=2, target_modules=targets)),
         lambda targets: TokenTuneConfig(token_ratio=0.5),
-        lambda targets: SlimFitConfig(freeze_ratio=0.5, tokentune=TokenSelectionConfig(token_ratio=0.5)),
+        lambda targets: SlimFitConfig(freeze_ratio=0.5, token_selection=TokenSelectionConfig(token_ratio=0.5)),
     ],
     ids=["tokentune+lora", "tokentune", "slimfit+tokentune"],
 )

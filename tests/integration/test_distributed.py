@@ -234,7 +234,7 @@ def test_what_refuses_to_work_under_two_processes(runs):
         assert "FSDP needs a non-CPU accelerator device" in r["fsdp1_on_cpu"]
         assert "find_unused_parameters=True" in r["slimfit_ddp_without_find_unused"]
         assert "processes disagree on which units train" in r["slimfit_ranks_disagree"]
-    assert "direct_save_under_fsdp" in ranks[0]  # hence peft_slim.distributed.save_pretrained
+    assert "direct_save_under_fsdp" in ranks[0]  # hence save_pretrained(..., distributed=True)
 
 
 # ---------------------------------------------------------------------------------------------- no launch

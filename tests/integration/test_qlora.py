@@ -136,7 +136,7 @@ def test_qlora_slimfit_trains_lora_pairs_over_a_4bit_base(saved_llama):
         task_type="CAUSAL_LM",
         freeze_ratio=0.5,
         lora=LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS["llama"]),
-        tokentune=TokenTuneConfig(token_ratio=0.5, seed=0),
+        token_selection=TokenTuneConfig(token_ratio=0.5, seed=0),
     )
     model = get_peft_model(model, config)
     tuner = model.base_model

@@ -55,7 +55,7 @@ def slimfit_tokentune(seed: int = 0, **selection):
         lora=lora,
         freeze_ratio=0.5,
         activation_compression=None,
-        tokentune=TokenSelectionConfig(token_ratio=0.5, seed=seed, **selection),
+        token_selection=TokenSelectionConfig(token_ratio=0.5, seed=seed, **selection),
         seed=seed,
     )
     return get_peft_model(build("llama", seed=seed), config)
@@ -129,7 +129,7 @@ def test_sft_with_peft_config_builds_the_model(tmp_path, method):
     else:
         selection = TokenSelectionConfig(token_ratio=0.5, seed=0, selection="answer")
         config = SlimFitConfig(
-            task_type="CAUSAL_LM", lora=lora, freeze_ratio=0.5, activation_compression=None, tokentune=selection
+            task_type="CAUSAL_LM", lora=lora, freeze_ratio=0.5, activation_compression=None, token_selection=selection
         )
     result = run_sft_step(
         tmp_path, sft_dataset("completion", seed=6), model=build("llama", seed=6), peft_config=config

@@ -90,7 +90,7 @@ def train_config(args: argparse.Namespace):
         catch_up=args.catch_up,
         seed=args.seed,
         lora=lora,
-        tokentune=selection,
+        token_selection=selection,
         **own,
     )
 

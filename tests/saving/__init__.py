@@ -1,2 +1,2 @@
-"""Saving and loading in one place: peft_slim.save_pretrained / from_pretrained, export_lora, vanilla PEFT loading, the
-atomic folder swap."""
+"""Saving and loading in one place: peft_slim.save_pretrained (plain_lora, distributed) / from_pretrained, vanilla
+PEFT loading, the atomic folder swap."""

@@ -1,5 +1,5 @@
-"""What `peft_slim.save_pretrained` and `export_lora` keep of the folder they replace, and what a reader gets while
-they replace it.
+"""What `peft_slim.save_pretrained` (also with `plain_lora=True`) keeps of the folder it replaces, and what a reader
+gets while it replaces it.
 
 * Everything the save does not write stays: files, folders (nested and empty ones), symbolic links to files and to
   folders (dangling ones too); `replace_model_files=True` removes the model files of another kind of save.
@@ -23,7 +23,7 @@ from helpers.tiny_models import build
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import peft_slim
-from peft_slim import TokenTuneConfig, atomic_folder, export_lora
+from peft_slim import TokenTuneConfig, atomic_folder
 from peft_slim.atomic_folder import FolderReplaced, held_files
 from peft_slim.tuner import saving
 
@@ -99,7 +99,7 @@ def _tree(folder) -> dict[str, object]:
     return entries
 
 
-@pytest.mark.parametrize("save", ["save_pretrained", "export_lora"])
+@pytest.mark.parametrize("save", ["save_pretrained", "plain_lora"])
 def test_a_save_keeps_the_folders_links_and_files_it_does_not_write(save, models, tmp_path):
     target = tmp_path / "adapter"
     peft_slim.save_pretrained(models[8], target)
@@ -107,8 +107,8 @@ def test_a_save_keeps_the_folders_links_and_files_it_does_not_write(save, models
     before = _tree(target)
     assert before[os.path.join("wandb", "latest-run")] == ("link", "run-1")
 
-    if save == "export_lora":
-        export_lora(models[64], target)
+    if save == "plain_lora":
+        peft_slim.save_pretrained(models[64], target, plain_lora=True)
     else:
         peft_slim.save_pretrained(models[64], target)
 
@@ -119,7 +119,7 @@ def test_a_save_keeps_the_folders_links_and_files_it_does_not_write(save, models
     assert (target / "peft_slim_config.json").exists() == (save == "save_pretrained")
 
 
-@pytest.mark.parametrize("save", ["save_pretrained", "export_lora"])
+@pytest.mark.parametrize("save", ["save_pretrained", "plain_lora"])
 def test_a_save_through_a_link_to_a_folder_replaces_the_folder_and_keeps_the_link(save, models, tmp_path):
     """The bug: the swap exchanged the link itself with the new folder, then failed to remove the link
     (`Cannot call rmtree on a symbolic link`): the save raised, the link was gone, and a link left as
@@ -129,11 +129,11 @@ def test_a_save_through_a_link_to_a_folder_replaces_the_folder_and_keeps_the_lin
     (real / "notes.txt").write_text("kept")
     link.symlink_to(real, target_is_directory=True)
     for alpha in ALPHAS:
-        (export_lora if save == "export_lora" else peft_slim.save_pretrained)(models[alpha], link)
+        peft_slim.save_pretrained(models[alpha], link, plain_lora=save == "plain_lora")
     assert link.is_symlink() and sorted(os.listdir(tmp_path)) == ["link", "real"]
     assert (real / "notes.txt").read_text() == "kept"
     assert _which(PeftModel.from_pretrained(build("llama"), link), models) == "64"
-    if save == "export_lora":
+    if save == "plain_lora":
         return
     os.rename(real, atomic_folder.sibling(str(real), "new"))  # as a save killed between its two renames leaves it
     assert _which(peft_slim.from_pretrained(build("llama"), link), models) == "64"  # the loader puts it in place

@@ -41,7 +41,7 @@ def _config(name: str):
             freeze_ratio=0.5,
             seed=0,
             lora=LoraConfig(**LORA),
-            tokentune=TokenSelectionConfig(token_ratio=0.5, seed=0),
+            token_selection=TokenSelectionConfig(token_ratio=0.5, seed=0),
             activation_compression=ActivationCompressionConfig(bits=4, min_numel=0),
         )
     raise KeyError(name)

@@ -1,9 +1,9 @@
-"""save_pretrained / from_pretrained (fresh processes), export_lora, merge/unload, push_to_hub, is_trainable.
+"""save_pretrained / from_pretrained (fresh processes), the plain LoRA save, merge/unload, push_to_hub, is_trainable.
 
 One module-scoped fixture trains and saves every case once and runs two child processes over all of
 them: one that imports peft_slim and loads the adapters (with the method, through peft_slim.from_pretrained,
-and with PEFT's own loaders), one that never imports peft_slim and loads what save_pretrained and export_lora
-wrote for the LoRA cases with vanilla PEFT, recording every warning. The tests then compare what came back.
+and with PEFT's own loaders), one that never imports peft_slim and loads what save_pretrained wrote (also with
+plain_lora=True) for the LoRA cases with vanilla PEFT, recording every warning. The tests then compare what came back.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
 
 import peft_slim
-from peft_slim import TokenTuneConfig, TokenTuneModel, export_lora
+from peft_slim import TokenTuneConfig, TokenTuneModel
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where the helpers package is
 PREFIX = "base_model.model."
@@ -142,7 +142,7 @@ _VANILLA_CHILD = textwrap.dedent(
         inputs = {{k: v for k, v in batch.items() if k != "labels"}}
         causal = job["kind"] == "causal"
         base_cls = AutoModelForCausalLM if causal else AutoModelForSequenceClassification
-        for kind in ("adapter", "export"):  # what save_pretrained wrote, what export_lora wrote
+        for kind in ("adapter", "export"):  # what save_pretrained wrote, with plain_lora=True
             folder = job[kind + "_dir"]
             base = base_cls.from_pretrained(job["base_dir"], attn_implementation="sdpa")
             with warnings.catch_warnings(record=True) as caught:
@@ -211,7 +211,7 @@ class Case:
         self.logits = _eval_logits(self.model, self.batch)
         self.model.save_pretrained(self.adapter_dir)
         torch.save(self.batch, self.batch_path)
-        export_lora(self.model, self.export_dir)
+        peft_slim.save_pretrained(self.model, self.export_dir, plain_lora=True)
 
     def load_base(self):
         return _auto_class(self.arch).from_pretrained(self.base_dir, attn_implementation="sdpa")
@@ -368,7 +368,7 @@ def test_fresh_process_auto_peft_model(run, name):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_export_lora_is_a_plain_lora_adapter(run, name, tmp_path):
+def test_plain_lora_save_is_a_plain_lora_adapter(run, name, tmp_path):
     case = run["cases"][name]
     with open(os.path.join(case.export_dir, "adapter_config.json")) as handle:
         config = json.load(handle)
@@ -405,12 +405,13 @@ def test_saved_and_exported_lora_load_in_vanilla_peft_without_peft_slim_or_a_war
         assert torch.equal(torch.load(case.out + f".vanilla_auto_{kind}.pt"), case.logits)
 
 
-def test_export_lora_rejects_non_peft_model_and_unknown_adapter(run, tmp_path):
+def test_plain_lora_save_refuses_a_model_without_the_method_and_an_unknown_adapter(run, tmp_path):
     case = run["cases"]["llama_lora"]
-    with pytest.raises(ValueError, match="PeftModel"):
-        export_lora(case.vanilla_base, str(tmp_path / "a"))
+    with pytest.raises(ValueError, match="plain_lora=True leaves peft_slim_config.json out"):
+        peft_slim.save_pretrained(case.vanilla_base, str(tmp_path / "a"), plain_lora=True)
     with pytest.raises(ValueError, match="nope"):
-        export_lora(case.model, str(tmp_path / "b"), adapter_name="nope")
+        peft_slim.save_pretrained(case.model, str(tmp_path / "b"), plain_lora=True, selected_adapters=["nope"])
+    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
 
 
 # ---------------------------------------------------------------------------------------------- merge / unload

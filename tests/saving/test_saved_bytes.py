@@ -45,7 +45,7 @@ CASES = {  # name: (architecture, the configs of its adapters by name)
                 freeze_ratio=0.5,
                 seed=0,
                 lora=LoraConfig(**LLAMA),
-                tokentune=TokenSelectionConfig(token_ratio=0.5, seed=0),
+                token_selection=TokenSelectionConfig(token_ratio=0.5, seed=0),
                 activation_compression=ActivationCompressionConfig(bits=4, min_numel=0),
             )
         },

@@ -28,9 +28,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import peft_slim
-import peft_slim.export
 import peft_slim.tuner.config
-from peft_slim import SlimFitConfig, SlimFitModel, TokenTuneConfig, export_lora
+from peft_slim import SlimFitConfig, SlimFitModel, TokenTuneConfig
 from peft_slim.tuner.card import CARD_END, CARD_START
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where the helpers package is
@@ -166,9 +165,9 @@ def test_a_failed_save_into_a_subfolder_adapter_leaves_it_byte_identical(tmp_pat
     assert _snapshot(tmp_path) == before
 
 
-def test_a_failed_export_leaves_the_exported_adapter_byte_identical(tmp_path, monkeypatch):
+def test_a_failed_plain_lora_save_leaves_the_saved_adapter_byte_identical(tmp_path, monkeypatch):
     model = _trained("tokentune_lora")
-    export_lora(model, tmp_path / "export")
+    peft_slim.save_pretrained(model, tmp_path / "export", plain_lora=True)
     before = _snapshot(tmp_path)
     assert set(before) == {"export/adapter_model.safetensors", "export/adapter_config.json", "export/README.md"}
     _train(model, "llama", steps=1, seed=7)
@@ -176,10 +175,30 @@ def test_a_failed_export_leaves_the_exported_adapter_byte_identical(tmp_path, mo
     with monkeypatch.context() as patch:
         _fail_weights(patch)
         with pytest.raises(OSError, match="simulated"):
-            export_lora(model, tmp_path / "export")
+            peft_slim.save_pretrained(model, tmp_path / "export", plain_lora=True)
     assert _snapshot(tmp_path) == before
-    export_lora(model, tmp_path / "export")
+    peft_slim.save_pretrained(model, tmp_path / "export", plain_lora=True)
     assert _snapshot(tmp_path)["export/adapter_model.safetensors"] != before["export/adapter_model.safetensors"]
+
+
+class _Wrapper(torch.nn.Module):
+    """Stands in for DDP's wrapper: the model as `.module`, no `save_pretrained`."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+
+def test_distributed_save_in_one_process_writes_what_a_plain_save_writes(tmp_path):
+    """`distributed=True` unwraps the model and, without a process group, saves its own state dict; a wrapped model
+    saved without it is refused, naming it."""
+    model = _trained("slimfit_lora")
+    peft_slim.save_pretrained(model, tmp_path / "plain")
+    peft_slim.save_pretrained(_Wrapper(model), tmp_path / "distributed", distributed=True)
+    assert _snapshot(tmp_path / "distributed") == _snapshot(tmp_path / "plain")
+    with pytest.raises(ValueError, match="got _Wrapper: for a model wrapped by DDP or FSDP pass distributed=True"):
+        peft_slim.save_pretrained(_Wrapper(model), tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
 
 
 def test_save_pretrained_refuses_the_pissa_conversion_argument(tmp_path):
@@ -295,14 +314,14 @@ def test_nested_lora_trains_and_saves_what_vanilla_lora_does(variant, method, tm
 @pytest.mark.parametrize(
     "variant", ["bias_all", "bias_lora_only", "bias_all_gpt2", "modules_to_save", "modules_to_save_llama", "dora"]
 )
-def test_export_lora_and_save_pretrained_round_trip_the_lora_fields(variant, tmp_path):
+def test_plain_lora_save_and_save_pretrained_round_trip_the_lora_fields(variant, tmp_path):
     arch, _, fields = LORA_VARIANTS[variant]
     model = _ours(variant, "tokentune")
     _train(model, arch, steps=2)
     expected = _logits(model, arch)
     assert not torch.equal(expected, _logits(_vanilla(variant), arch))  # training changed what the fields train
 
-    export_lora(model, tmp_path / "export")
+    peft_slim.save_pretrained(model, tmp_path / "export", plain_lora=True)
     exported = PeftModel.from_pretrained(build(arch), tmp_path / "export")
     config = exported.peft_config["default"]
     assert type(config) is LoraConfig
@@ -318,7 +337,7 @@ def test_export_with_trained_biases_loads_in_a_process_without_peft_slim(tmp_pat
     arch = LORA_VARIANTS["bias_all_gpt2"][0]
     model = _ours("bias_all_gpt2", "tokentune")
     _train(model, arch, steps=2)
-    export_lora(model, tmp_path / "export")
+    peft_slim.save_pretrained(model, tmp_path / "export", plain_lora=True)
     torch.save({k: v for k, v in make_batch(arch, seed=5).items() if k != "labels"}, tmp_path / "batch.pt")
     torch.save(_logits(model, arch), tmp_path / "expected.pt")
     script = f"""

@@ -16,12 +16,12 @@ from helpers.tiny_models import build, make_batch
 from peft import LoraConfig
 from safetensors.torch import load_file
 
+import peft_slim
 from peft_slim import (
     ActivationCompressionConfig,
     SlimFitConfig,
     TokenSelectionConfig,
     TokenTuneConfig,
-    export_lora,
 )
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where the helpers package is
@@ -66,7 +66,7 @@ _SLIM_CHILD = """
         config = model.peft_config["default"]
         report[name] = {{
             "tuner": type(model.base_model).__name__,
-            "token_ratio": config.tokentune.token_ratio if config.tokentune is not None else None,
+            "token_ratio": config.token_selection.token_ratio if config.token_selection is not None else None,
         }}
     print("RESULT=" + json.dumps(report))
 """
@@ -75,7 +75,7 @@ _VANILLA_CHILD = """
     from peft import PeftModel
     from helpers.tiny_models import build, make_batch
     report = {{}}
-    for name in ("adapter", "lora"):  # what save_pretrained wrote, what export_lora wrote
+    for name in ("adapter", "lora"):  # what save_pretrained wrote, with plain_lora=True
         model = PeftModel.from_pretrained(build("llama"), {root!r} + "/" + name).eval()
         batch = {{k: v for k, v in make_batch("llama").items() if k != "labels"}}
         with torch.no_grad():
@@ -103,11 +103,11 @@ def saved(tmp_path_factory):
     tokentune = TokenTuneConfig(token_ratio=0.5, seed=0)
     compression = ActivationCompressionConfig(bits=4, min_numel=0)
     stack = slimfit_model(
-        "llama", lora=True, freeze_ratio=0.5, tokentune=tokentune, activation_compression=compression
+        "llama", lora=True, freeze_ratio=0.5, token_selection=tokentune, activation_compression=compression
     )
     train(stack, "llama", steps=3)
     stack.save_pretrained(root / "adapter")
-    export_lora(stack, str(root / "lora"))
+    peft_slim.save_pretrained(stack, str(root / "lora"), plain_lora=True)
 
     slim = _run_fresh(_SLIM_CHILD.format(root=str(root)))
     vanilla = _run_fresh(_VANILLA_CHILD.format(root=str(root)))
@@ -131,7 +131,7 @@ def test_lora_stack_saves_reloads_and_exports_for_vanilla_peft(saved):
     config = json.loads((root / "adapter" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4  # a plain LoRA adapter...
     record = json.loads((root / "adapter" / "peft_slim_config.json").read_text())  # ...the method beside it
-    assert record["peft_type"] == "SLIMFIT" and record["tokentune"]["token_ratio"] == 0.5
+    assert record["peft_type"] == "SLIMFIT" and record["token_selection"]["token_ratio"] == 0.5
     assert record["activation_compression"]["bits"] == 4 and "lora" not in record  # LoRA: adapter_config.json only
     expected = _eval_logits(model, "llama")
     assert not torch.equal(expected, _eval_logits(build("llama"), "llama"))  # training changed the outputs
@@ -156,7 +156,7 @@ def test_config_round_trip_through_json(tmp_path):
     config = SlimFitConfig(
         freeze_ratio=0.8,
         units=[r".*layers\.(\d+)\..*"],
-        tokentune=TokenTuneConfig(num_tokens=8),
+        token_selection=TokenTuneConfig(num_tokens=8),
         activation_compression={"bits": 4},
         task_type="CAUSAL_LM",
         lora=LoraConfig(r=2, target_modules=["q_proj"]),
@@ -165,7 +165,7 @@ def test_config_round_trip_through_json(tmp_path):
     loaded = SlimFitConfig.from_pretrained(tmp_path)
     assert loaded.method_dict() == config.method_dict()
     assert loaded.lora_export_config().to_dict() == config.lora_export_config().to_dict()  # the same LoRA adapter
-    assert isinstance(loaded.tokentune, TokenSelectionConfig) and loaded.tokentune.num_tokens == 8
+    assert isinstance(loaded.token_selection, TokenSelectionConfig) and loaded.token_selection.num_tokens == 8
     assert loaded.activation_compression == config.activation_compression
 
 

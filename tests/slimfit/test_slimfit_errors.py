@@ -29,9 +29,9 @@ from peft_slim import SlimFitConfig, TokenTuneConfig, slimfit_
         ({"lora_units": "row"}, "lora_units must be one of"),
         ({"activation_compression": 8}, "activation_compression must be"),
         ({"activation_compression": {"bits": 3}}, "bits must be one of"),
-        ({"tokentune": 0.3}, "tokentune must be a peft_slim.TokenSelectionConfig"),
-        ({"tokentune": TokenTuneConfig(lora=LoraConfig(r=2))}, "set them on the SlimFitConfig instead"),
-        ({"tokentune": TokenTuneConfig(activation_compression={"bits": 8})}, "set them on the SlimFitConfig"),
+        ({"token_selection": 0.3}, "token_selection must be a peft_slim.TokenSelectionConfig"),
+        ({"token_selection": TokenTuneConfig(lora=LoraConfig(r=2))}, "set them on the SlimFitConfig instead"),
+        ({"token_selection": TokenTuneConfig(activation_compression={"bits": 8})}, "set them on the SlimFitConfig"),
     ],
 )
 def test_bad_config_fields(fields, message):
@@ -62,7 +62,7 @@ def test_tokentune_on_an_unsupported_model_refused_before_changes(lora):
     model.config._attn_implementation = "flash_attention_2"
     before = {name: (param.requires_grad, param.detach().clone()) for name, param in model.named_parameters()}
     fields = {"lora": LoraConfig(r=2, target_modules=["q_proj"])} if lora else {}
-    config = SlimFitConfig(tokentune=TokenTuneConfig(), activation_compression=None, **fields)
+    config = SlimFitConfig(token_selection=TokenTuneConfig(), activation_compression=None, **fields)
     with pytest.raises(ValueError, match="attn_implementation"):
         get_peft_model(model, config) if lora else slimfit_(model, config)
     # the model is as it was: no LoRA layer, no hook, the same parameters and trainable flags

@@ -75,7 +75,7 @@ def test_step_hooks_go_on_unload(how, fields, no_automatic_gc):
     assert step_hook_counts(optimizer) == (0, 0)
 
 
-@pytest.mark.parametrize("fields", [{}, {"lora": True}, {"tokentune": TokenSelectionConfig(token_ratio=0.5)}])
+@pytest.mark.parametrize("fields", [{}, {"lora": True}, {"token_selection": TokenSelectionConfig(token_ratio=0.5)}])
 def test_step_hooks_go_when_the_model_is_collected(fields, no_automatic_gc):
     start = step_hook_counts()
     model = slimfit_model("llama", freeze_ratio=0.5, **fields)

@@ -79,7 +79,7 @@ def test_composition_with_tokentune_matches_the_tokentune_definition(lora):
     """SlimFit + TokenTune (+ LoRA): trained units get the TokenTune gradient (tests/helpers/reference.py), frozen
     none."""
     tokentune = TokenTuneConfig(token_ratio=0.5, seed=1)
-    model = slimfit_model("llama", lora=lora, freeze_ratio=0.5, tokentune=tokentune)
+    model = slimfit_model("llama", lora=lora, freeze_ratio=0.5, token_selection=tokentune)
     tuner = model.base_model
     batch = make_batch("llama")
     model.train()

@@ -108,13 +108,13 @@ def test_resuming_a_checkpoint_without_the_state_warns(tmp_path):
 
 
 def test_callback_needs_token_selection(tmp_path):
-    plain = slimfit_model("llama", lora=True, freeze_ratio=0.5)  # SlimFit without `tokentune`: no token selection
+    plain = slimfit_model("llama", lora=True, freeze_ratio=0.5)  # SlimFit without `token_selection`
     with pytest.raises(ValueError, match="TokenTuneCallback: the Trainer's model has no token selection"):
         _trainer(tmp_path, plain, [TokenTuneCallback()], max_steps=1).train()
 
 
 def test_callback_finds_slimfit_token_selection():
-    model = slimfit_model("llama", freeze_ratio=0.5, tokentune=TokenSelectionConfig(token_ratio=0.5, seed=0))
+    model = slimfit_model("llama", freeze_ratio=0.5, token_selection=TokenSelectionConfig(token_ratio=0.5, seed=0))
     assert find_token_selector(model) is model.base_model.token_selector is not None
 
 

@@ -49,8 +49,8 @@ def test_unknown_key_in_a_nested_dict_is_an_error(fields, where, nearest):
 
 
 def test_unknown_key_in_slimfit_tokentune_dict_is_an_error():
-    with pytest.raises(ValueError, match="(?s)SlimFitConfig.tokentune.*did you mean `token_ratio`"):
-        SlimFitConfig(tokentune={"token_ratios": 0.2})
+    with pytest.raises(ValueError, match="(?s)SlimFitConfig.token_selection.*did you mean `token_ratio`"):
+        SlimFitConfig(token_selection={"token_ratios": 0.2})
 
 
 def test_unknown_keys_in_a_saved_config_warn_and_name_the_saving_version(tmp_path):
@@ -85,8 +85,8 @@ def test_a_field_this_version_dropped_warns_without_asking_for_an_upgrade(tmp_pa
 
 
 def test_a_tokentune_config_in_slimfit_gives_its_selection_fields():
-    config = SlimFitConfig(tokentune=TokenTuneConfig(num_tokens=8, selection="answer", seed=3))
-    assert config.tokentune == TokenSelectionConfig(num_tokens=8, selection="answer", seed=3)
+    config = SlimFitConfig(token_selection=TokenTuneConfig(num_tokens=8, selection="answer", seed=3))
+    assert config.token_selection == TokenSelectionConfig(num_tokens=8, selection="answer", seed=3)
 
 
 # ---------------------------------------------------------------------------------------------- coercion
@@ -170,7 +170,7 @@ def test_every_valid_config_round_trips_through_json(tmp_path_factory, ratio, co
     compression = {"bits": bits, "kind_bits": {"activation": 4}}
     for config in (
         TokenTuneConfig(**selection, activation_compression=compression, lora=LoraConfig(r=2)),
-        SlimFitConfig(freeze_ratio=freeze, tokentune=selection, activation_compression=compression, lora=LORA),
+        SlimFitConfig(freeze_ratio=freeze, token_selection=selection, activation_compression=compression, lora=LORA),
     ):
         folder = str(tmp_path_factory.mktemp("config"))
         config.save_pretrained(folder)
@@ -230,7 +230,8 @@ def test_adapter_config_json_is_byte_identical_to_the_recorded_one(name, tmp_pat
 
 @pytest.mark.parametrize("name", ["tokentune", "slimfit"])
 def test_a_folder_saved_by_the_earlier_code_loads_as_the_same_config(name):
-    """The earlier sidecar repeats the LoRA settings: they are ignored, the LoRA is adapter_config.json's."""
+    """The earlier sidecar repeats the LoRA settings: they are ignored, the LoRA is adapter_config.json's. SlimFit's
+    holds `token_selection` under its earlier name `tokentune`."""
     config = _recorded_configs()[name]
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -39,7 +39,7 @@ SLIMFIT = {
     "slimfit": dict(),
     "slimfit+lora": dict(lora=True),
     "slimfit+compression": dict(activation_compression=COMPRESSION),
-    "slimfit+tokentune": dict(tokentune=TokenSelectionConfig(token_ratio=0.5)),
+    "slimfit+tokentune": dict(token_selection=TokenSelectionConfig(token_ratio=0.5)),
 }
 KINDS = [*TOKENTUNE, *SLIMFIT]
 
@@ -164,7 +164,7 @@ def test_torch_load_in_a_fresh_process_gives_the_same_gradients(tmp_path):
     "value",
     [
         TokenTuneConfig(token_ratio=0.5, activation_compression=COMPRESSION),
-        SlimFitConfig(freeze_ratio=0.5, tokentune=TokenSelectionConfig(num_tokens=4)),
+        SlimFitConfig(freeze_ratio=0.5, token_selection=TokenSelectionConfig(num_tokens=4)),
         COMPRESSION,
         TokenSelectionConfig(token_ratio=0.25),
     ],

@@ -54,7 +54,7 @@ def test_bit_identical_to_the_standalone_types(case, one_thread):
 def test_remove_restores_a_plain_model():
     model = build("llama")
     model.lm_head.weight.requires_grad_(False)
-    handle = peft_slim.slimfit_(model, SlimFitConfig(tokentune={"token_ratio": 0.5}))
+    handle = peft_slim.slimfit_(model, SlimFitConfig(token_selection={"token_ratio": 0.5}))
     assert peft_slim.tokentune.find_token_selector(model) is handle.token_selector is not None
     handle.remove()
     assert not model._forward_pre_hooks and not model._forward_hooks

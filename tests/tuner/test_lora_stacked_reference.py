@@ -32,7 +32,7 @@ def _configs():
                 freeze_ratio=0.5,
                 seed=0,
                 lora=LoraConfig(**LLAMA),
-                tokentune=TokenSelectionConfig(token_ratio=0.5, seed=0),
+                token_selection=TokenSelectionConfig(token_ratio=0.5, seed=0),
                 activation_compression=ActivationCompressionConfig(bits=4, min_numel=0),
             ),
         ),

@@ -70,7 +70,7 @@ CONFIGS = {
             "task_type": "CAUSAL_LM",
             "freeze_ratio": 0.5,
             "lora": _lora(),
-            "tokentune": TokenSelectionConfig(token_ratio=0.5),
+            "token_selection": TokenSelectionConfig(token_ratio=0.5),
             "activation_compression": {"bits": 4, "min_numel": 0},
         },
     ),

@@ -63,7 +63,7 @@ def test_tokentune_is_a_peft_type_and_registered():
     assert TokenTuneConfig().peft_type is member
     # The public API of the package.
     assert peft_slim.TokenTuneConfig is TokenTuneConfig
-    assert callable(peft_slim.export_lora)
+    assert callable(peft_slim.save_pretrained)
 
 
 def test_import_twice_reload_and_reregister_are_harmless():

@@ -38,7 +38,7 @@ CASES = {
     "slimfit": lambda: _slimfit(activation_compression=None),
     "slimfit+compression": lambda: _slimfit(activation_compression=COMPRESSION),
     "slimfit+tokentune+compression": lambda: _slimfit(
-        activation_compression=COMPRESSION, tokentune=TokenSelectionConfig(token_ratio=0.5, seed=0)
+        activation_compression=COMPRESSION, token_selection=TokenSelectionConfig(token_ratio=0.5, seed=0)
     ),
 }
 
