@@ -20,8 +20,9 @@ import sys
 
 import pytest
 import torch
-from helpers.adapter_cases import METHODS, eval_inputs, eval_logits, method_config
+from helpers.adapter_cases import METHODS, eval_logits, method_config, vanilla_loads
 from helpers.tiny_models import build, make_batch
+from helpers.trainer_cases import selection_trainer, tokentune_llama
 from peft import PeftModel, get_peft_model
 from tokenizers import Tokenizer, pre_tokenizers, trainers
 from tokenizers import models as tokenizer_models
@@ -51,42 +52,6 @@ def _trained(name: str, steps: int = 3):
     return _train(get_peft_model(build("llama"), method_config(name)), steps)
 
 
-# A process that never imports peft_slim: PEFT's own loader on each folder, every warning recorded.
-_VANILLA = """
-import json, sys, warnings, torch
-sys.path.insert(0, {tests!r})
-from peft import PeftConfig, PeftModel
-from helpers.tiny_models import build
-out = {{}}
-for name, folder in json.loads({folders!r}).items():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        config = PeftConfig.from_pretrained(folder)
-        model = PeftModel.from_pretrained(build("llama"), folder).eval()
-    with torch.no_grad():
-        torch.save(model(**torch.load({inputs!r})).logits, folder + ".vanilla.pt")
-    # PeftModel.__init__ reads transformers' deprecated `is_gradient_checkpointing` for every adapter type.
-    messages = [str(w.message) for w in caught if "is_gradient_checkpointing" not in str(w.message)]
-    out[name] = {{"config": type(config).__name__, "tuner": type(model.base_model).__name__, "warnings": messages}}
-out["imported"] = any(m.startswith("peft_slim") for m in sys.modules)
-print("RESULT=" + json.dumps(out))
-"""
-
-
-def _child(script: str) -> dict:
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # no peft_slim on the path
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, cwd="/", env=env, timeout=300, check=False
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.split("RESULT=")[-1])
-
-
-def _vanilla_loads(folders: dict, root) -> dict:
-    torch.save(eval_inputs(), root / "inputs.pt")
-    return _child(_VANILLA.format(tests=HERE, folders=json.dumps(folders), inputs=str(root / "inputs.pt")))
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Each method trained, written by save_pretrained, and loaded by vanilla PEFT in one fresh process."""
@@ -95,7 +60,7 @@ def saved(tmp_path_factory):
     for name, model in models.items():
         model.save_pretrained(root / name)
     folders = {name: str(root / name) for name in METHODS}
-    return {"root": root, "models": models, "folders": folders, "vanilla": _vanilla_loads(folders, root)}
+    return {"root": root, "models": models, "folders": folders, "vanilla": vanilla_loads(folders, root)}
 
 
 def _assert_vanilla_load(report: dict, folder: str, model) -> None:
@@ -125,7 +90,7 @@ def test_vanilla_peft_loads_what_push_to_hub_uploaded_without_peft_slim_or_a_war
                 handle.write(data)
         assert {"adapter_config.json", "adapter_model.safetensors", "peft_slim_config.json"} <= set(os.listdir(folder))
     assert offline_hub["http"] == []
-    report = _vanilla_loads(folders, tmp_path)
+    report = vanilla_loads(folders, tmp_path)
     assert report.pop("imported") is False
     for name, folder in folders.items():
         _assert_vanilla_load(report[name], folder, saved["models"][name])
@@ -135,12 +100,12 @@ def test_vanilla_peft_loads_what_push_to_hub_uploaded_without_peft_slim_or_a_war
 
 
 def test_a_trainer_checkpoint_is_a_plain_lora_adapter_with_the_record(tmp_path):
-    from tokentune.test_tokentune_resume import _model, _trainer
-
-    model = _model()
-    _trainer(tmp_path / "run", model, [TokenTuneCallback()], max_steps=2, save_strategy="steps", save_steps=2).train()
+    model = tokentune_llama()
+    selection_trainer(
+        tmp_path / "run", model, [TokenTuneCallback()], max_steps=2, save_strategy="steps", save_steps=2
+    ).train()
     checkpoint = str(tmp_path / "run" / "checkpoint-2")
-    report = _vanilla_loads({"checkpoint": checkpoint}, tmp_path)
+    report = vanilla_loads({"checkpoint": checkpoint}, tmp_path)
     assert report["imported"] is False
     _assert_vanilla_load(report["checkpoint"], checkpoint, model)
     assert type(peft_slim.load_config(checkpoint)) is TokenTuneConfig
