@@ -21,6 +21,7 @@ import sys
 import pytest
 import torch
 from helpers.adapter_cases import METHODS, eval_logits, method_config, vanilla_loads
+from helpers.killed import killed_runs
 from helpers.tiny_models import build, make_batch
 from helpers.trainer_cases import selection_trainer, tokentune_llama
 from peft import PeftModel, get_peft_model
@@ -176,9 +177,12 @@ def test_import_peft_slim_leaves_every_attribute_of_peft_classes_identical():
 
 # ---------------------------------------------------------------------------------------------- crash consistency
 
-_KILLED_SAVE = """
+# One process loads the new version once; a child forked from it per stage saves it and is killed at that stage.
+_LOADED = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
+import torch
+torch.set_num_threads(1)  # no thread pool for the forked children to inherit
 import peft_slim
 from peft_slim import atomic_folder
 from helpers.tiny_models import build
@@ -186,6 +190,8 @@ from transformers import PreTrainedTokenizerFast
 
 model = peft_slim.from_pretrained(build("llama"), {source!r}, is_trainable=True)
 tokenizer = PreTrainedTokenizerFast.from_pretrained({source!r})
+"""
+_KILLED_SAVE = """
 if {no_exchange!r}:
     atomic_folder._exchange = lambda first, second: False  # the two-rename path (no renameat2)
 def reached(stage):
@@ -236,18 +242,27 @@ def versions(tmp_path_factory):
     return {"root": root, "v1": first, "v2": eval_logits(model), "files": files}
 
 
+@pytest.fixture(scope="module")
+def killed(versions, tmp_path_factory):
+    """For each stage, a copy of v1 (with other files, an empty folder and a link to a folder) over which a process
+    saving v2 was killed at that stage; by stage, the folder and the process's return code."""
+    root = tmp_path_factory.mktemp("killed")
+    targets, scripts = {}, []
+    for stage, no_exchange in STAGES:
+        target = targets[stage] = root / stage / "adapter"
+        shutil.copytree(versions["root"] / "v1", target)
+        (target / "notes.txt").write_text("kept")
+        (target / "runs" / "empty").mkdir(parents=True)
+        os.symlink("runs", target / "latest-run")
+        scripts.append(_KILLED_SAVE.format(stage=stage, no_exchange=no_exchange, target=str(target)))
+    codes, stderr = killed_runs(_LOADED.format(tests=HERE, source=str(versions["root"] / "v2")), scripts)
+    return {stage: (targets[stage], code, stderr) for (stage, _), code in zip(STAGES, codes)}
+
+
 @pytest.mark.parametrize("stage, no_exchange", STAGES, ids=[stage for stage, _ in STAGES])
-def test_a_save_killed_at_each_stage_leaves_the_old_or_the_new_adapter(versions, stage, no_exchange, tmp_path):
-    target = tmp_path / "adapter"
-    shutil.copytree(versions["root"] / "v1", target)
-    (target / "notes.txt").write_text("kept")  # another file of the folder, an empty folder, a link to a folder
-    (target / "runs" / "empty").mkdir(parents=True)
-    os.symlink("runs", target / "latest-run")
-    script = _KILLED_SAVE.format(
-        tests=HERE, source=str(versions["root"] / "v2"), target=str(target), stage=stage, no_exchange=no_exchange
-    )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == -9, (done.returncode, done.stdout[-2000:], done.stderr[-4000:])
+def test_a_save_killed_at_each_stage_leaves_the_old_or_the_new_adapter(versions, killed, stage, no_exchange):
+    target, code, stderr = killed[stage]
+    assert code == -9, (stage, code, stderr)
 
     if target.exists():  # the target path always holds a complete folder: a reader that never recovers sees it
         plain = PeftModel.from_pretrained(build("llama"), target)
