@@ -21,7 +21,9 @@ for script in json.loads({scripts!r}):
         except BaseException:
             import traceback
             traceback.print_exc()
+            sys.stderr.flush()
             os._exit(1)
+        sys.stdout.flush()
         os._exit(0)
     status = os.waitpid(pid, 0)[1]
     codes.append(-os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
