@@ -33,7 +33,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="the subprocess itself, or no Triton")
 def test_kernels_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not cuda"]
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", "-m", "not cuda"]
     command += ["-W", "ignore::RuntimeWarning", __file__]  # numpy's overflow warnings inside the interpreter
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.killed import killed_runs
 from helpers.tiny_chat import QA, save_tiny_chat_llama
 from transformers import PreTrainedTokenizerFast
 
@@ -494,14 +495,19 @@ def test_a_failed_save_leaves_the_earlier_run_as_it_was(tmp_path):
     assert os.listdir(tmp_path) == ["out"]
 
 
-_KILLED_SAVE = """
+# One process builds the model once; a child forked from it per run saves it and is killed at the run's stage.
+_LOADED = """
 import os, signal, sys
 from pathlib import Path
 sys.path.insert(0, {tests!r})
+import torch
+torch.set_num_threads(1)  # no thread pool for the forked children to inherit
 from peft_slim import atomic_folder
 from peft_slim.cli.train import save
 from helpers.tiny_models import build
-
+model = build("llama")
+"""
+_KILLED_SAVE = """
 calls = 0
 def reached(stage):
     global calls
@@ -509,30 +515,41 @@ def reached(stage):
     if calls == {kill_at}:
         os.kill(os.getpid(), signal.SIGKILL)
 atomic_folder.reached = reached
-save(build("llama"), None, Path({target!r}))
+save(model, None, Path({target!r}))
 """
 EARLIER = {"adapter_config.json": "{}", "adapter_model.safetensors": "lora", "train.log": "log"}
 FULL_FILES = {"config.json", "generation_config.json", "model.safetensors", "train.log"}
 
 
+@pytest.fixture(scope="module")
+def killed_saves(tmp_path_factory):
+    """By stage (1 to 3): a folder of an earlier run's files over which a process saving a full model was killed at
+    that stage of the swap, and the process's return code."""
+    root = tmp_path_factory.mktemp("killed")
+    outputs, scripts = {}, []
+    for kill_at in range(1, 4):
+        output = outputs[kill_at] = root / str(kill_at) / "out"
+        output.mkdir(parents=True)
+        for name, text in EARLIER.items():
+            (output / name).write_text(text)
+        scripts.append(_KILLED_SAVE.format(kill_at=kill_at, target=str(output)))
+    codes, stderr = killed_runs(_LOADED.format(tests=str(Path(__file__).parents[1])), scripts)
+    return {kill_at: (outputs[kill_at], code, stderr) for kill_at, code in zip(range(1, 4), codes)}
+
+
 @pytest.mark.parametrize("kill_at", range(1, 4))
-def test_a_save_killed_at_any_stage_leaves_the_earlier_run_or_the_new_one(kill_at, tmp_path):
+def test_a_save_killed_at_any_stage_leaves_the_earlier_run_or_the_new_one(kill_at, killed_saves):
     """A full model saved over an adapter, the process killed at each of the three stages of its swap: the folder
     holds the earlier run's files or the new ones, never a mix, and the next save clears every leftover."""
     from helpers.tiny_models import build
 
     from peft_slim.cli.train import save
 
-    output = tmp_path / "out"
-    output.mkdir()
-    for name, text in EARLIER.items():
-        (output / name).write_text(text)
-    script = _KILLED_SAVE.format(tests=str(Path(__file__).parents[1]), kill_at=kill_at, target=str(output))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == -9, done.stderr[-4000:]
+    output, code, stderr = killed_saves[kill_at]
+    assert code == -9, (kill_at, code, stderr)
     assert set(os.listdir(output)) in (set(EARLIER), FULL_FILES), kill_at
     save(build("llama"), None, output)
-    assert set(os.listdir(output)) == FULL_FILES and os.listdir(tmp_path) == ["out"]
+    assert set(os.listdir(output)) == FULL_FILES and os.listdir(output.parent) == ["out"]
 
 
 @pytest.fixture()

@@ -6,8 +6,14 @@ import torch
 from transformers import (
     BertConfig,
     BertForSequenceClassification,
+    BloomConfig,
+    BloomForCausalLM,
+    DebertaV2Config,
+    DebertaV2ForSequenceClassification,
     GPT2Config,
     GPT2LMHeadModel,
+    GPTNeoConfig,
+    GPTNeoForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -99,6 +105,30 @@ LORA_TARGETS = {
     "qwen3": ["q_proj", "v_proj", "down_proj"],
     "mistral": ["q_proj", "v_proj", "down_proj"],
 }
+
+
+def gpt_neo():
+    """A tiny GPT-Neo, BLOOM and DeBERTa-v2 (below): architectures TokenTune refuses."""
+    config = GPTNeoConfig(
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        attention_types=[[["global"], 2]],
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return GPTNeoForCausalLM._from_config(config, attn_implementation="eager")
+
+
+def bloom():
+    return BloomForCausalLM._from_config(BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=VOCAB))
+
+
+def deberta_v2():
+    config = DebertaV2Config(**TEXT_SIZES)
+    return DebertaV2ForSequenceClassification._from_config(config, attn_implementation="eager")
 
 
 def build(arch: str, attn_implementation: str = "sdpa", seed: int = 0) -> torch.nn.Module:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, TrainingArguments
+from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast, Trainer, TrainingArguments
 
-from helpers.tiny_models import VOCAB, trainer_kwargs
+from helpers.tiny_models import LORA_TARGETS, VOCAB, FullFineTuned, build, trainer_kwargs
+from peft_slim import SlimFitCallback, TokenTuneConfig
 
 datasets = pytest.importorskip("datasets")
 
@@ -32,3 +34,64 @@ def make_dataset(tokenizer, lengths: list[int], seed: int = 0):
 
 def training_args(tmp_path, **overrides) -> TrainingArguments:
     return TrainingArguments(**trainer_kwargs(tmp_path, **overrides))
+
+
+STEPS = 6  # selection_trainer's steps
+
+
+def selection_trainer(output_dir, model, callbacks=(), **overrides) -> Trainer:
+    """A Trainer over 12 short texts of different lengths: ``STEPS`` AdamW steps of one micro-batch at a constant
+    lr of 1e-2, weight decay 0.1; ``overrides`` change TrainingArguments."""
+    tokenizer = make_tokenizer()
+    # Rows of different lengths: a selection drawn for one batch would not fit another.
+    dataset = make_dataset(tokenizer, [9, 7, 12, 8, 10, 6, 11, 5, 13, 9, 7, 12])
+    args = dict(
+        max_steps=STEPS,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        gradient_accumulation_steps=1,
+        lr_scheduler_type="constant",
+        logging_steps=100,
+    )
+    args.update(overrides)
+    return Trainer(
+        model=model,
+        args=training_args(output_dir, **args),
+        train_dataset=dataset,
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+        callbacks=list(callbacks),
+    )
+
+
+def tokentune_llama():
+    """A tiny Llama with TokenTune + LoRA and a fixed selection seed."""
+    config = TokenTuneConfig(
+        task_type="CAUSAL_LM",
+        token_ratio=0.3,
+        seed=7,
+        lora=LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS["llama"], init_lora_weights=False),
+    )
+    return get_peft_model(build("llama", seed=0), config)
+
+
+def slimfit_trainer(tmp_path, model, steps: int, callbacks=(), evaluate: bool = False, **overrides) -> Trainer:
+    """A Trainer with SlimFitCallback (and ``callbacks``) over 16 short texts: ``steps`` AdamW steps of one
+    micro-batch at a constant lr of 1e-2, weight decay 0.1; with ``evaluate``, 4 other texts to evaluate on."""
+    tokenizer = make_tokenizer()
+    args = training_args(
+        tmp_path,
+        max_steps=steps,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        gradient_accumulation_steps=1,
+        lr_scheduler_type="constant",
+        **overrides,
+    )
+    return Trainer(
+        model=model.get_base_model() if isinstance(model, FullFineTuned) else model,
+        args=args,
+        train_dataset=make_dataset(tokenizer, [9, 7, 12, 8] * 4),
+        eval_dataset=make_dataset(tokenizer, [10, 6, 11, 9], seed=1) if evaluate else None,
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+        callbacks=[SlimFitCallback(), *callbacks],
+    )

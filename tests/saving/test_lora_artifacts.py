@@ -20,8 +20,10 @@ import sys
 
 import pytest
 import torch
-from helpers.adapter_cases import METHODS, eval_inputs, eval_logits, method_config
+from helpers.adapter_cases import METHODS, eval_logits, method_config, vanilla_loads
+from helpers.killed import killed_runs
 from helpers.tiny_models import build, make_batch
+from helpers.trainer_cases import selection_trainer, tokentune_llama
 from peft import PeftModel, get_peft_model
 from tokenizers import Tokenizer, pre_tokenizers, trainers
 from tokenizers import models as tokenizer_models
@@ -51,42 +53,6 @@ def _trained(name: str, steps: int = 3):
     return _train(get_peft_model(build("llama"), method_config(name)), steps)
 
 
-# A process that never imports peft_slim: PEFT's own loader on each folder, every warning recorded.
-_VANILLA = """
-import json, sys, warnings, torch
-sys.path.insert(0, {tests!r})
-from peft import PeftConfig, PeftModel
-from helpers.tiny_models import build
-out = {{}}
-for name, folder in json.loads({folders!r}).items():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        config = PeftConfig.from_pretrained(folder)
-        model = PeftModel.from_pretrained(build("llama"), folder).eval()
-    with torch.no_grad():
-        torch.save(model(**torch.load({inputs!r})).logits, folder + ".vanilla.pt")
-    # PeftModel.__init__ reads transformers' deprecated `is_gradient_checkpointing` for every adapter type.
-    messages = [str(w.message) for w in caught if "is_gradient_checkpointing" not in str(w.message)]
-    out[name] = {{"config": type(config).__name__, "tuner": type(model.base_model).__name__, "warnings": messages}}
-out["imported"] = any(m.startswith("peft_slim") for m in sys.modules)
-print("RESULT=" + json.dumps(out))
-"""
-
-
-def _child(script: str) -> dict:
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # no peft_slim on the path
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, cwd="/", env=env, timeout=300, check=False
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.split("RESULT=")[-1])
-
-
-def _vanilla_loads(folders: dict, root) -> dict:
-    torch.save(eval_inputs(), root / "inputs.pt")
-    return _child(_VANILLA.format(tests=HERE, folders=json.dumps(folders), inputs=str(root / "inputs.pt")))
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Each method trained, written by save_pretrained, and loaded by vanilla PEFT in one fresh process."""
@@ -95,7 +61,7 @@ def saved(tmp_path_factory):
     for name, model in models.items():
         model.save_pretrained(root / name)
     folders = {name: str(root / name) for name in METHODS}
-    return {"root": root, "models": models, "folders": folders, "vanilla": _vanilla_loads(folders, root)}
+    return {"root": root, "models": models, "folders": folders, "vanilla": vanilla_loads(folders, root)}
 
 
 def _assert_vanilla_load(report: dict, folder: str, model) -> None:
@@ -125,7 +91,7 @@ def test_vanilla_peft_loads_what_push_to_hub_uploaded_without_peft_slim_or_a_war
                 handle.write(data)
         assert {"adapter_config.json", "adapter_model.safetensors", "peft_slim_config.json"} <= set(os.listdir(folder))
     assert offline_hub["http"] == []
-    report = _vanilla_loads(folders, tmp_path)
+    report = vanilla_loads(folders, tmp_path)
     assert report.pop("imported") is False
     for name, folder in folders.items():
         _assert_vanilla_load(report[name], folder, saved["models"][name])
@@ -135,12 +101,12 @@ def test_vanilla_peft_loads_what_push_to_hub_uploaded_without_peft_slim_or_a_war
 
 
 def test_a_trainer_checkpoint_is_a_plain_lora_adapter_with_the_record(tmp_path):
-    from tokentune.test_tokentune_resume import _model, _trainer
-
-    model = _model()
-    _trainer(tmp_path / "run", model, [TokenTuneCallback()], max_steps=2, save_strategy="steps", save_steps=2).train()
+    model = tokentune_llama()
+    selection_trainer(
+        tmp_path / "run", model, [TokenTuneCallback()], max_steps=2, save_strategy="steps", save_steps=2
+    ).train()
     checkpoint = str(tmp_path / "run" / "checkpoint-2")
-    report = _vanilla_loads({"checkpoint": checkpoint}, tmp_path)
+    report = vanilla_loads({"checkpoint": checkpoint}, tmp_path)
     assert report["imported"] is False
     _assert_vanilla_load(report["checkpoint"], checkpoint, model)
     assert type(peft_slim.load_config(checkpoint)) is TokenTuneConfig
@@ -211,9 +177,12 @@ def test_import_peft_slim_leaves_every_attribute_of_peft_classes_identical():
 
 # ---------------------------------------------------------------------------------------------- crash consistency
 
-_KILLED_SAVE = """
+# One process loads the new version once; a child forked from it per stage saves it and is killed at that stage.
+_LOADED = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
+import torch
+torch.set_num_threads(1)  # no thread pool for the forked children to inherit
 import peft_slim
 from peft_slim import atomic_folder
 from helpers.tiny_models import build
@@ -221,6 +190,8 @@ from transformers import PreTrainedTokenizerFast
 
 model = peft_slim.from_pretrained(build("llama"), {source!r}, is_trainable=True)
 tokenizer = PreTrainedTokenizerFast.from_pretrained({source!r})
+"""
+_KILLED_SAVE = """
 if {no_exchange!r}:
     atomic_folder._exchange = lambda first, second: False  # the two-rename path (no renameat2)
 def reached(stage):
@@ -271,18 +242,27 @@ def versions(tmp_path_factory):
     return {"root": root, "v1": first, "v2": eval_logits(model), "files": files}
 
 
+@pytest.fixture(scope="module")
+def killed(versions, tmp_path_factory):
+    """For each stage, a copy of v1 (with other files, an empty folder and a link to a folder) over which a process
+    saving v2 was killed at that stage; by stage, the folder and the process's return code."""
+    root = tmp_path_factory.mktemp("killed")
+    targets, scripts = {}, []
+    for stage, no_exchange in STAGES:
+        target = targets[stage] = root / stage / "adapter"
+        shutil.copytree(versions["root"] / "v1", target)
+        (target / "notes.txt").write_text("kept")
+        (target / "runs" / "empty").mkdir(parents=True)
+        os.symlink("runs", target / "latest-run")
+        scripts.append(_KILLED_SAVE.format(stage=stage, no_exchange=no_exchange, target=str(target)))
+    codes, stderr = killed_runs(_LOADED.format(tests=HERE, source=str(versions["root"] / "v2")), scripts)
+    return {stage: (targets[stage], code, stderr) for (stage, _), code in zip(STAGES, codes)}
+
+
 @pytest.mark.parametrize("stage, no_exchange", STAGES, ids=[stage for stage, _ in STAGES])
-def test_a_save_killed_at_each_stage_leaves_the_old_or_the_new_adapter(versions, stage, no_exchange, tmp_path):
-    target = tmp_path / "adapter"
-    shutil.copytree(versions["root"] / "v1", target)
-    (target / "notes.txt").write_text("kept")  # another file of the folder, an empty folder, a link to a folder
-    (target / "runs" / "empty").mkdir(parents=True)
-    os.symlink("runs", target / "latest-run")
-    script = _KILLED_SAVE.format(
-        tests=HERE, source=str(versions["root"] / "v2"), target=str(target), stage=stage, no_exchange=no_exchange
-    )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == -9, (done.returncode, done.stdout[-2000:], done.stderr[-4000:])
+def test_a_save_killed_at_each_stage_leaves_the_old_or_the_new_adapter(versions, killed, stage, no_exchange):
+    target, code, stderr = killed[stage]
+    assert code == -9, (stage, code, stderr)
 
     if target.exists():  # the target path always holds a complete folder: a reader that never recovers sees it
         plain = PeftModel.from_pretrained(build("llama"), target)

@@ -15,20 +15,20 @@ import os
 
 import pytest
 import torch
+from helpers.adapter_cases import bert_dora_config, method_config
 from helpers.recorded import VERSIONS_KEY, skip_unless_recorded_with, versions
 from helpers.tiny_models import build
 from peft import LoraConfig, get_peft_model
 
 import peft_slim
-from peft_slim import ActivationCompressionConfig, SlimFitConfig, TokenSelectionConfig, TokenTuneConfig
+from peft_slim import SlimFitConfig
 
 RECORD = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers", "data", "saved_adapters.json")
 OLD_STAMP_KEY = "peft_slim.config_blake2b"
-LLAMA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 
 
 def _tokentune(**lora):
-    return TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.5, seed=0, lora=LoraConfig(**{**LLAMA, **lora}))
+    return method_config("tokentune_lora", **lora)
 
 
 CASES = {  # name: (architecture, the configs of its adapters by name)
@@ -37,19 +37,7 @@ CASES = {  # name: (architecture, the configs of its adapters by name)
         "llama",
         {"default": _tokentune(), "second": _tokentune(r=2, target_modules=["k_proj"], use_rslora=True)},
     ),
-    "slimfit_llama_full_stack": (
-        "llama",
-        {
-            "default": SlimFitConfig(
-                task_type="CAUSAL_LM",
-                freeze_ratio=0.5,
-                seed=0,
-                lora=LoraConfig(**LLAMA),
-                token_selection=TokenSelectionConfig(token_ratio=0.5, seed=0),
-                activation_compression=ActivationCompressionConfig(bits=4, min_numel=0),
-            )
-        },
-    ),
+    "slimfit_llama_full_stack": ("llama", {"default": method_config("full_stack")}),
     "slimfit_gpt2_bias_all": (
         "gpt2",
         {
@@ -58,14 +46,7 @@ CASES = {  # name: (architecture, the configs of its adapters by name)
             )
         },
     ),
-    "slimfit_bert_dora_head": (
-        "bert",
-        {
-            "default": SlimFitConfig(
-                task_type="SEQ_CLS", seed=0, lora=LoraConfig(r=4, target_modules=["query", "value"], use_dora=True)
-            )
-        },
-    ),
+    "slimfit_bert_dora_head": ("bert", {"default": bert_dora_config()}),
 }
 
 

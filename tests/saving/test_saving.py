@@ -23,6 +23,7 @@ import torch
 from helpers.slimfit_cases import slimfit_model
 from helpers.slimfit_cases import train as slimfit_train
 from helpers.tiny_models import TEXT_SIZES, build, make_batch
+from helpers.trainer_cases import selection_trainer
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
@@ -549,19 +550,17 @@ def test_resume_from_checkpoint_loads_without_missing_keys(tmp_path):
     """Trainer's resume_from_checkpoint calls model.load_adapter(checkpoint, 'default', is_trainable=True) on a model
     that already has the adapter (its own config, not the checkpoint's): no missing keys, as for LoRA; a LoRA
     adapter applies to any base model of its shapes, as with PEFT; a tensor missing from it is reported."""
-    from tokentune.test_tokentune_resume import _trainer
-
     make = MODELS["tokentune_lora"][1]
-    _trainer(tmp_path / "run", make(), max_steps=2, save_strategy="steps", save_steps=2).train()
+    selection_trainer(tmp_path / "run", make(), max_steps=2, save_strategy="steps", save_steps=2).train()
     checkpoint = str(tmp_path / "run" / "checkpoint-2")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", category=FutureWarning)
         result = make().load_adapter(checkpoint, "default", is_trainable=True)
         assert result.missing_keys == [] and result.unexpected_keys == []
-        _trainer(tmp_path / "run", make(), max_steps=3).train(resume_from_checkpoint=checkpoint)
+        selection_trainer(tmp_path / "run", make(), max_steps=3).train(resume_from_checkpoint=checkpoint)
     other = get_peft_model(build("llama", seed=3), make().peft_config["default"])
-    _trainer(tmp_path / "run", other, max_steps=3).train(resume_from_checkpoint=checkpoint)
+    selection_trainer(tmp_path / "run", other, max_steps=3).train(resume_from_checkpoint=checkpoint)
     tensors = load_file(os.path.join(checkpoint, "adapter_model.safetensors"))
     dropped = sorted(tensors)[0]
     del tensors[dropped]

@@ -13,11 +13,11 @@ import pytest
 import torch
 from helpers.slimfit_cases import loss_of, slimfit_model, step_hook_counts, train
 from helpers.tiny_models import build, make_batch
+from helpers.trainer_cases import slimfit_trainer
 from transformers import TrainerCallback
 
 from peft_slim import TokenSelectionConfig
 from peft_slim.slimfit.observer import ORDER
-from slimfit.test_slimfit_training import slimfit_trainer
 
 
 def _eval_logits(model, arch: str) -> torch.Tensor:

@@ -8,9 +8,8 @@ import torch
 from helpers.slimfit_cases import PAPER, TASK, FullFineTuned, loss_of, slimfit_model, train
 from helpers.tiny_models import LORA_TARGETS, build, make_batch
 from helpers.tokentune_cases import assert_grads_match, reference_loss_and_grads
-from helpers.trainer_cases import make_dataset, make_tokenizer, training_args
+from helpers.trainer_cases import slimfit_trainer
 from peft import LoraConfig, get_peft_model
-from transformers import DataCollatorForLanguageModeling, Trainer
 
 from peft_slim import ActivationCompressionConfig, SlimFitCallback, TokenTuneConfig
 from peft_slim.memory import SavedActivationBytes
@@ -126,29 +125,6 @@ def test_compression_config_is_applied_with_lora():
 
 
 # ---------------------------------------------------------------------------------------------- Trainer
-
-
-def slimfit_trainer(tmp_path, model, steps: int, callbacks=(), evaluate: bool = False, **overrides) -> Trainer:
-    """A Trainer with SlimFitCallback (and ``callbacks``) over 16 short texts: ``steps`` AdamW steps of one
-    micro-batch at a constant lr of 1e-2, weight decay 0.1; with ``evaluate``, 4 other texts to evaluate on."""
-    tokenizer = make_tokenizer()
-    args = training_args(
-        tmp_path,
-        max_steps=steps,
-        learning_rate=1e-2,
-        weight_decay=0.1,
-        gradient_accumulation_steps=1,
-        lr_scheduler_type="constant",
-        **overrides,
-    )
-    return Trainer(
-        model=model.get_base_model() if isinstance(model, FullFineTuned) else model,
-        args=args,
-        train_dataset=make_dataset(tokenizer, [9, 7, 12, 8] * 4),
-        eval_dataset=make_dataset(tokenizer, [10, 6, 11, 9], seed=1) if evaluate else None,
-        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
-        callbacks=[SlimFitCallback(), *callbacks],
-    )
 
 
 def test_trainer_callback_steps_and_resume_restores_the_schedule(tmp_path):

@@ -6,20 +6,24 @@ import re
 
 import pytest
 import torch
-from helpers.tiny_models import TEXT_SIZES, VOCAB, FullFineTuned, build, decoder_config, make_batch
+from helpers.tiny_models import (
+    TEXT_SIZES,
+    VOCAB,
+    FullFineTuned,
+    bloom,
+    build,
+    deberta_v2,
+    decoder_config,
+    gpt_neo,
+    make_batch,
+)
 from helpers.tokentune_cases import tokentune_config, tokentune_model
 from peft import IA3Config, LoraConfig, get_peft_model
 from transformers import (
     BertConfig,
     BertForQuestionAnswering,
-    BloomConfig,
-    BloomForCausalLM,
     CLIPConfig,
     CLIPModel,
-    DebertaV2Config,
-    DebertaV2ForSequenceClassification,
-    GPTNeoConfig,
-    GPTNeoForCausalLM,
     LlamaForSequenceClassification,
 )
 
@@ -160,36 +164,13 @@ def test_attention_implementation_switched_after_wrapping():
     assert model.get_base_model().config._attn_implementation == "flex_attention"
 
 
-def _gpt_neo():
-    config = GPTNeoConfig(
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        attention_types=[[["global"], 2]],
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return GPTNeoForCausalLM._from_config(config, attn_implementation="eager")
-
-
-def _bloom():
-    return BloomForCausalLM._from_config(BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=VOCAB))
-
-
-def _deberta():
-    config = DebertaV2Config(**TEXT_SIZES)
-    return DebertaV2ForSequenceClassification._from_config(config, attn_implementation="eager")
-
-
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize(
     ("builder", "block_class", "lora_targets"),
     [
-        (_gpt_neo, "GPTNeoBlock", ["q_proj"]),
-        (_bloom, "BloomBlock", ["query_key_value"]),
-        (_deberta, "DebertaV2Layer", ["query_proj"]),
+        (gpt_neo, "GPTNeoBlock", ["q_proj"]),
+        (bloom, "BloomBlock", ["query_key_value"]),
+        (deberta_v2, "DebertaV2Layer", ["query_proj"]),
     ],
     ids=["gpt_neo", "bloom", "deberta_v2"],
 )

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers.tiny_models import BUILDERS, IMAGE_SIZES, TEXT_SIZES, VOCAB, build
+from helpers.tiny_models import BUILDERS, IMAGE_SIZES, TEXT_SIZES, VOCAB, bloom, build, deberta_v2, gpt_neo
 from helpers.tokentune_cases import (
     assert_grads_match,
     build_decoder_classifier,
@@ -364,9 +364,7 @@ def test_readme_architectures():
     names = {name.strip().lower().replace("-", "") for name in tested.split(",")}
     assert names == set(BUILDERS)  # the architectures tests/tokentune/test_tokentune_gradients.py checks
     refused = paragraph.split("e.g.", 1)[1].rstrip(".")
-    from tokentune.test_tokentune_errors import _bloom, _deberta, _gpt_neo
-
-    builders = {"GPT-Neo": _gpt_neo, "BLOOM": _bloom, "DeBERTa-v2": _deberta}
+    builders = {"GPT-Neo": gpt_neo, "BLOOM": bloom, "DeBERTa-v2": deberta_v2}
     assert {name.strip() for name in refused.split(",")} == set(builders)
     for builder in builders.values():  # refused at the first training forward, naming the block class
         torch.manual_seed(0)

@@ -7,17 +7,15 @@ import json
 import pytest
 import torch
 from helpers.slimfit_cases import slimfit_model
-from helpers.tiny_models import LORA_TARGETS, build, make_batch
+from helpers.tiny_models import make_batch
 from helpers.tokentune_cases import tokentune_model
-from helpers.trainer_cases import make_dataset, make_tokenizer, training_args
-from peft import LoraConfig, get_peft_model
-from transformers import DataCollatorForLanguageModeling, Trainer
+from helpers.trainer_cases import STEPS, selection_trainer, tokentune_llama
 
 import peft_slim.tokentune.callback as callback_module
-from peft_slim import TokenSelectionConfig, TokenTuneCallback, TokenTuneConfig
+from peft_slim import TokenSelectionConfig, TokenTuneCallback
 from peft_slim.tokentune import find_token_selector
 
-STEPS, SAVE_AT = 6, 3
+SAVE_AT = 3
 
 
 class MaskRecorder:
@@ -33,61 +31,28 @@ class MaskRecorder:
             self.masks.append(self.model.base_model.last_token_mask.clone())
 
 
-def _trainer(output_dir, model, callbacks=(), **overrides) -> Trainer:
-    tokenizer = make_tokenizer()
-    # Rows of different lengths: a selection drawn for one batch would not fit another.
-    dataset = make_dataset(tokenizer, [9, 7, 12, 8, 10, 6, 11, 5, 13, 9, 7, 12])
-    args = dict(
-        max_steps=STEPS,
-        learning_rate=1e-2,
-        weight_decay=0.1,
-        gradient_accumulation_steps=1,
-        lr_scheduler_type="constant",
-        logging_steps=100,
-    )
-    args.update(overrides)
-    return Trainer(
-        model=model,
-        args=training_args(output_dir, **args),
-        train_dataset=dataset,
-        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
-        callbacks=list(callbacks),
-    )
-
-
-def _model():
-    """A tiny Llama with TokenTune + LoRA and a fixed selection seed."""
-    config = TokenTuneConfig(
-        task_type="CAUSAL_LM",
-        token_ratio=0.3,
-        seed=7,
-        lora=LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS["llama"], init_lora_weights=False),
-    )
-    return get_peft_model(build("llama", seed=0), config)
-
-
 def _weights(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
 @pytest.mark.parametrize("restore_callback_states", [False, True])
 def test_resumed_trainer_run_selects_and_trains_as_an_uninterrupted_one(tmp_path, restore_callback_states):
-    straight = _model()
+    straight = tokentune_llama()
     straight_masks = MaskRecorder(straight)
-    _trainer(tmp_path / "straight", straight, [TokenTuneCallback()]).train()
+    selection_trainer(tmp_path / "straight", straight, [TokenTuneCallback()]).train()
     assert len(straight_masks.masks) == STEPS
 
-    first = _model()
+    first = tokentune_llama()
     first_masks = MaskRecorder(first)
     run = tmp_path / "run"
-    _trainer(run, first, [TokenTuneCallback()], save_strategy="steps", save_steps=SAVE_AT).train()
+    selection_trainer(run, first, [TokenTuneCallback()], save_strategy="steps", save_steps=SAVE_AT).train()
     assert all(torch.equal(a, b) for a, b in zip(first_masks.masks, straight_masks.masks))
     saved = json.loads((run / f"checkpoint-{SAVE_AT}" / "trainer_state.json").read_text())
     assert saved["stateful_callbacks"]["TokenTuneCallback"]["attributes"]["generator_states"]
 
-    resumed = _model()  # a fresh model: its generator starts from the seed again
+    resumed = tokentune_llama()  # a fresh model: its generator starts from the seed again
     resumed_masks = MaskRecorder(resumed)
-    trainer = _trainer(
+    trainer = selection_trainer(
         run, resumed, [TokenTuneCallback()], restore_callback_states_from_checkpoint=restore_callback_states
     )
     trainer.train(resume_from_checkpoint=str(run / f"checkpoint-{SAVE_AT}"))
@@ -102,15 +67,17 @@ def test_resumed_trainer_run_selects_and_trains_as_an_uninterrupted_one(tmp_path
 
 def test_resuming_a_checkpoint_without_the_state_warns(tmp_path):
     run = tmp_path / "run"
-    _trainer(run, _model(), save_strategy="steps", save_steps=SAVE_AT).train()
+    selection_trainer(run, tokentune_llama(), save_strategy="steps", save_steps=SAVE_AT).train()
     with pytest.warns(UserWarning, match="without the token-selection state"):
-        _trainer(run, _model(), [TokenTuneCallback()]).train(resume_from_checkpoint=str(run / f"checkpoint-{SAVE_AT}"))
+        selection_trainer(run, tokentune_llama(), [TokenTuneCallback()]).train(
+            resume_from_checkpoint=str(run / f"checkpoint-{SAVE_AT}")
+        )
 
 
 def test_callback_needs_token_selection(tmp_path):
     plain = slimfit_model("llama", lora=True, freeze_ratio=0.5)  # SlimFit without `token_selection`
     with pytest.raises(ValueError, match="TokenTuneCallback: the Trainer's model has no token selection"):
-        _trainer(tmp_path, plain, [TokenTuneCallback()], max_steps=1).train()
+        selection_trainer(tmp_path, plain, [TokenTuneCallback()], max_steps=1).train()
 
 
 def test_callback_finds_slimfit_token_selection():

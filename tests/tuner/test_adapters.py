@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from helpers.adapter_cases import METHODS, eval_inputs, eval_logits, method_config
+from helpers.adapter_cases import METHODS, eval_inputs, eval_logits, method_config, vanilla_loads
 from helpers.tiny_models import build, make_batch
 from peft import (
     PeftModel,
@@ -25,7 +25,6 @@ from peft import (
     inject_adapter_in_model,
     set_peft_model_state_dict,
 )
-from saving.test_lora_artifacts import _vanilla_loads
 from trl.trainer.utils import use_adapter
 
 import peft_slim
@@ -165,7 +164,7 @@ def test_vanilla_peft_loads_both_saved_adapters_without_peft_slim(two_saved, tmp
     for name in METHODS:
         folders[f"{name}/default"] = str(two_saved[name]["folder"])
         folders[f"{name}/b"] = str(two_saved[name]["folder"] / "b")
-    report = _vanilla_loads(folders, tmp_path)
+    report = vanilla_loads(folders, tmp_path)
     assert report.pop("imported") is False
     for key, folder in folders.items():
         name, adapter_name = key.split("/")

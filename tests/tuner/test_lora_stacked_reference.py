@@ -12,36 +12,21 @@ import os
 
 import pytest
 import torch
+from helpers.adapter_cases import bert_dora_config, method_config
 from helpers.recorded import VERSIONS_KEY, skip_unless_recorded_with, versions
 from helpers.tiny_models import build, make_batch
 from peft import LoraConfig, get_peft_model
 
-from peft_slim import ActivationCompressionConfig, SlimFitConfig, TokenSelectionConfig, TokenTuneConfig
+from peft_slim import TokenTuneConfig
 
 RECORD = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers", "data", "lora_stacked.json")
-LLAMA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 
 
 def _configs():
     return {
-        "tt": ("llama", TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.5, seed=0, lora=LoraConfig(**LLAMA))),
-        "sf": (
-            "llama",
-            SlimFitConfig(
-                task_type="CAUSAL_LM",
-                freeze_ratio=0.5,
-                seed=0,
-                lora=LoraConfig(**LLAMA),
-                token_selection=TokenSelectionConfig(token_ratio=0.5, seed=0),
-                activation_compression=ActivationCompressionConfig(bits=4, min_numel=0),
-            ),
-        ),
-        "sf_bert": (
-            "bert",
-            SlimFitConfig(
-                task_type="SEQ_CLS", seed=0, lora=LoraConfig(r=4, target_modules=["query", "value"], use_dora=True)
-            ),
-        ),
+        "tt": ("llama", method_config("tokentune_lora")),
+        "sf": ("llama", method_config("full_stack")),
+        "sf_bert": ("bert", bert_dora_config()),
     }
 
 
