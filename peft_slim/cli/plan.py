@@ -136,7 +136,9 @@ def run(args: argparse.Namespace) -> int:
         task = args.task or ("causal_lm" if gguf_file else None)
         same = {name: getattr(args, name) for name in ("dtype", "lora_r", "min_token_ratio", "rank")}
         workload = (config, args.budget, args.batch_size, args.seq_len, args.optimizer)
-        found = plan(*workload, task=task, checkpointing=not args.no_checkpointing, progress=True, **same)
+        # Two processes: this one has run no operator yet, so forking is safe (see ``plan``).
+        options = {"task": task, "checkpointing": not args.no_checkpointing, "progress": True, "processes": 2}
+        found = plan(*workload, **options, **same)
     except ValueError as error:
         print(f"peft-slim plan: {error}")
         return 2

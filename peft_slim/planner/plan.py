@@ -8,6 +8,9 @@ settings that fit are then ranked by the equal-budget benchmark's measurements (
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import sys
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -15,6 +18,7 @@ from tqdm.auto import tqdm
 
 from ..configuration import check_bool, check_choice, check_float, check_int, check_names
 from ..recipe import DEFAULT_LORA_R, MAX_LORA_R, SLIMFIT_DEFAULTS, Recipe
+from ..slimfit import SlimFitConfig
 from .estimate import MemoryEstimate, estimate_memory
 from .measured import Measurement, measurement_for
 from .setup import TASK_TYPES, load_config, resolve_workload
@@ -94,12 +98,16 @@ def plan(
     checkpointing: bool = True,
     progress: bool = False,
     rank: str = "measured",
+    processes: int = 1,
 ) -> list[Candidate]:
     """The settings whose estimated peak fits ``budget`` bytes (None: every setting), best first.
 
     ``model`` and the rest as for ``estimate_memory``; ``lora_r`` and ``target_modules`` make every setting's LoRA.
     ``checkpointing``: try checkpointed variants too. ``rank``: "measured" or "ladder" order (see the module
-    docstring; each candidate's ``evidence`` says which). ``progress``: a progress bar. An empty list: nothing fits.
+    docstring; each candidate's ``evidence`` says which). ``progress``: a progress bar. ``processes``: estimate
+    the settings in this many processes forked from this one (Linux, a model given as a config; else one). Fork
+    only where no operator has run threads yet (OpenMP's pool does not survive a fork): ``peft-slim plan`` uses 2.
+    An empty list: nothing fits.
     """
     budget = check_int("budget (bytes)", budget, 1, MAX_BUDGET, optional=True)
     lora_r = check_int("lora_r", lora_r, 1, MAX_LORA_R)
@@ -107,19 +115,18 @@ def plan(
     rank = check_choice("rank", rank, RANKS)
     target_modules = check_names("target_modules", target_modules)
     checkpointing = check_bool("checkpointing", checkpointing)
+    processes = check_int("processes", processes, 1, 64)
     source = model if isinstance(model, torch.nn.Module) else load_config(model)  # read once, not per setting
     task = resolve_workload(source, None, batch_size, seq_len, optimizer, dtype, task).task
     task_type = TASK_TYPES.get(task)
     steps = ladder(lora_r, min_token_ratio)
     if checkpointing:
         steps += [replace(c, gradient_checkpointing=True) for c in steps]
-    if progress:
-        steps = tqdm(steps, desc="estimating", unit="setting")
     workload = {"batch_size": batch_size, "seq_len": seq_len, "optimizer": optimizer, "dtype": dtype, "task": task}
+    jobs = [(source, c.peft_config(task_type, target_modules), c.gradient_checkpointing, workload) for c in steps]
+    estimates = _estimate_all(jobs, processes if not isinstance(source, torch.nn.Module) else 1, progress)
     results, plain = [], {}
-    for candidate in steps:  # the same workload; only the setting's config and checkpointing change
-        config = candidate.peft_config(task_type, target_modules)
-        estimate = estimate_memory(source, config, **workload, gradient_checkpointing=candidate.gradient_checkpointing)
+    for candidate, estimate in zip(steps, estimates):  # the same workload; only the setting's config and ckpt change
         if not candidate.gradient_checkpointing:
             plain[candidate] = estimate.peak  # candidates compare (and hash) by their setting
         elif estimate.peak >= plain[replace(candidate, gradient_checkpointing=False)]:
@@ -131,3 +138,40 @@ def plan(
     if rank == "measured":  # a stable sort: the unmeasured keep the ladder's order
         results.sort(key=lambda c: (1,) if c.measurement is None else (0, c.measurement.sort_key()))
     return results
+
+
+def _estimate(job: tuple) -> MemoryEstimate:
+    source, config, gradient_checkpointing, workload = job
+    return estimate_memory(source, config, **workload, gradient_checkpointing=gradient_checkpointing)
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)  # two processes on two cores: one thread each
+
+
+def _estimate_all(jobs: list[tuple], processes: int, progress: bool) -> list[MemoryEstimate]:
+    """Every job's estimate, in order: in this process, or in ``processes`` forked ones (each setting's estimate is
+    the same function of its job in either: the processes only share the work)."""
+    processes = min(processes, len(jobs), os.cpu_count() or 1)
+    forked = processes > 1 and sys.platform == "linux" and "fork" in multiprocessing.get_all_start_methods()
+    bar = tqdm(total=len(jobs), desc="estimating", unit="setting") if progress else None
+    estimates: list[MemoryEstimate | None] = [None] * len(jobs)
+    try:
+        if not forked:
+            for index, job in enumerate(jobs):
+                estimates[index] = _estimate(job)
+                if bar is not None:
+                    bar.update()
+            return estimates
+        # The slowest first (SlimFit traces every block), so that neither process is left with it at the end.
+        order = sorted(range(len(jobs)), key=lambda i: not isinstance(jobs[i][1], SlimFitConfig))
+        with multiprocessing.get_context("fork").Pool(processes, initializer=_one_thread) as pool:
+            found = pool.imap(_estimate, [jobs[i] for i in order])
+            for index, estimate in zip(order, found):
+                estimates[index] = estimate
+                if bar is not None:
+                    bar.update()
+        return estimates
+    finally:
+        if bar is not None:
+            bar.close()
