@@ -403,8 +403,8 @@ class MethodTuner(LoraModel):
     def _convert_state_dict_for_initial_model(cls, model, peft_config, *args, **kwargs):
         raise ValueError(
             "save_pretrained: path_initial_model_for_weight_conversion converts PiSSA/CorDA/OLoRA LoRA adapters; it "
-            f"does not apply to a {peft_config.peft_type} adapter. Save it (a plain LoRA adapter where it has "
-            "`lora`), load that with peft.PeftModel.from_pretrained and convert it with PEFT."
+            f"does not apply to a {peft_config.peft_type} adapter. Save it (a plain LoRA adapter), load that with "
+            "peft.PeftModel.from_pretrained and convert it with PEFT."
         )
 
     def _check_loaded(self, peft_model: nn.Module, config: MethodConfig, adapter_name: str, loaded: dict) -> None:
