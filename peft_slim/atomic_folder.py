@@ -90,16 +90,16 @@ class FolderReplaced(RuntimeError):
 
 
 @contextlib.contextmanager
-def held_files(directory: str, names: Iterable[str], attempts: int = 20) -> Iterator[dict[str, BinaryIO]]:
+def held_files(directory: str, names: Iterable[str]) -> Iterator[dict[str, BinaryIO]]:
     """Open the files ``names`` of ``directory`` (those that exist) as one version of the folder and yield them.
 
-    A swap between two of the opens is retried (up to ``attempts`` times). On exit, if a swap came while the caller
+    A swap between two of the opens is retried (up to 20 times). On exit, if a swap came while the caller
     read them (by path, e.g. through a library), :class:`FolderReplaced` is raised: what the caller read may mix two
     versions. Files are told apart by inode, size and modification time: a save of this module writes the files
     it replaces anew, so a path that leads to the held file before and after led to it throughout.
     """
     paths = {name: os.path.join(directory, name) for name in names}
-    for attempt in range(attempts):
+    for attempt in range(20):
         with contextlib.ExitStack() as opened:
             held = {}
             for name, path in paths.items():

@@ -205,16 +205,14 @@ class Recipe:
         return self.method != "full" and self.lora_r != 0
 
     # ------------------------------------------------------------------------------------------------ configs
-    def lora_config(self, task_type: str | None = "CAUSAL_LM", **fields):
+    def lora_config(self, task_type: str | None = "CAUSAL_LM"):
         """The recipe's ``LoraConfig`` (rank ``DEFAULT_LORA_R`` where the recipe trains none: the plain LoRA a run
-        is compared with); ``fields``: other ``LoraConfig`` fields (``modules_to_save``, say)."""
+        is compared with)."""
         r = self.lora_r or DEFAULT_LORA_R
         targets = self.lora_target_modules
         targets = list(targets) if isinstance(targets, tuple) else targets
         alpha = self.lora_alpha if self.lora_alpha is not None else 2 * r
-        return LoraConfig(
-            r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, task_type=task_type, **fields
-        )
+        return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, task_type=task_type)
 
     def activation_compression(self):
         """The ``ActivationCompressionConfig`` of ``compression_bits``, or None (exact, or the method's default)."""
@@ -222,34 +220,30 @@ class Recipe:
             return None
         return ActivationCompressionConfig(bits=self.compression_bits)
 
-    def apply(
-        self, model: nn.Module, seed: int | None = None, task_type: str | None = "CAUSAL_LM"
-    ) -> tuple[nn.Module, MethodTransform | None]:
+    def apply(self, model: nn.Module, seed: int | None = None) -> tuple[nn.Module, MethodTransform | None]:
         """``model`` ready to train this recipe, and the method's transform handle where it has one: see
         :func:`trainable` (of ``to_peft_config``'s config). 'lora' and 'full' train compressed only inside
         ``compress_activations(recipe.activation_compression())``."""
-        return trainable(model, self.to_peft_config(seed=seed, task_type=task_type))
+        return trainable(model, self.to_peft_config(seed=seed))
 
-    def to_peft_config(self, seed: int | None = None, task_type: str | None = "CAUSAL_LM", **fields):
+    def to_peft_config(self, seed: int | None = None, task_type: str | None = "CAUSAL_LM"):
         """The config that trains this recipe: a ``LoraConfig``, ``TokenTuneConfig`` or ``SlimFitConfig`` (without
         ``lora`` where ``lora_r`` is 0: the method's full fine-tuning transform); None for 'full'.
-        ``seed``: of the token selection and SlimFit's order (None: the defaults); ``fields``: other config fields."""
+        ``seed``: of the token selection and SlimFit's order (None: the defaults)."""
         if self.method == "full":
-            if fields:
-                raise ValueError(f"Recipe(method='full') builds no config to set {sorted(fields)} on.")
             return None
         if self.method == "lora":
-            return self.lora_config(task_type, **fields)
+            return self.lora_config(task_type)
         seeded = {} if seed is None else {"seed": seed}
         common = {"task_type": task_type, "lora": self.lora_config(task_type) if self.uses_lora else None, **seeded}
         if self.method == "tokentune" or self.compression_bits is not None:  # None: SlimFit's own default
             common["activation_compression"] = self.activation_compression()
         selecting = {"token_ratio": self.token_ratio, "selection": self.selection}
         if self.method == "tokentune":
-            return TokenTuneConfig(**common, **selecting, **fields)
+            return TokenTuneConfig(**common, **selecting)
         selection = TokenSelectionConfig(**selecting, **seeded) if self.token_ratio is not None else None
         freezing = {"freeze_ratio": self.freeze_ratio, "catch_up": self.catch_up}
-        return SlimFitConfig(**common, **freezing, token_selection=selection, **fields)
+        return SlimFitConfig(**common, **freezing, token_selection=selection)
 
     # ------------------------------------------------------------------------------------------- command line
     @classmethod

@@ -156,8 +156,6 @@ def refuse_outer_saved_tensor_hooks() -> None:
     name = type(owner).__name__ if owner is not None else getattr(pack, "__qualname__", repr(pack))
     raise ValueError(
         f"activation_compression cannot run inside another saved-tensor hook ({name}; e.g. TRL's "
-        "SFTConfig(activation_offloading=True) or torch.autograd.graph.save_on_cpu): saved-tensor hooks nest and only "
-        "the innermost acts, so the compression would keep every saved tensor and the outer hook none. Use one of "
-        "them: set activation_compression=None in the method's config (SlimFit compresses by default), or turn the "
-        "offloading off. Gradient checkpointing (also transformers' offload=True) composes with compression."
+        "SFTConfig(activation_offloading=True) or torch.autograd.graph.save_on_cpu): only the innermost of nested "
+        "hooks acts. Use one of them: activation_compression=None in the method's config, or the offloading off."
     )

@@ -25,9 +25,8 @@ def checked(check, flag: str, convert=int):
     return parse
 
 
-def add_fields(parser: argparse.ArgumentParser, config: type, title: str | None = None) -> None:
-    """One flag per field of the dataclass ``config`` (``lora_r``: ``--lora-r``), in the argument group ``title``
-    (None: the parser's own options).
+def add_fields(parser: argparse.ArgumentParser, config: type) -> None:
+    """One flag per field of the dataclass ``config`` (``lora_r``: ``--lora-r``).
 
     Help and default: the metadata's ``"help"`` and the field's default (none: a required flag), or the metadata's
     ``"flag"`` dict where the command line differs. Values: a ``bool`` field is a switch (``--x`` / ``--no-x`` unless
@@ -35,7 +34,6 @@ def add_fields(parser: argparse.ArgumentParser, config: type, title: str | None 
     (``check(flag, value)`` of the number the text gives, an int or a float as the field's type: exit 2 out of
     range), else the text as given.
     """
-    group = parser if title is None else parser.add_argument_group(title)
     for spec in dataclasses.fields(config):
         flag = "--" + spec.name.replace("_", "-")
         override = spec.metadata.get("flag", {})
@@ -53,4 +51,4 @@ def add_fields(parser: argparse.ArgumentParser, config: type, title: str | None 
         elif "check" in spec.metadata:
             convert = float if "float" in str(spec.type) else int
             options["type"] = checked(spec.metadata["check"], flag, convert)
-        group.add_argument(flag, **options)
+        parser.add_argument(flag, **options)

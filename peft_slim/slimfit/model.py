@@ -242,9 +242,8 @@ class SlimFitSchedule:
             raise ValueError(
                 f"SlimFit: the scheduler state was saved for other units than this model's (only in the state: "
                 f"{only_saved[:5]}; only in this model: {only_here[:5]}). Wrap the model as the run that saved it "
-                "did: same model and the same fields that decide what is scheduled (`units`, `always_trainable`, "
-                "`always_train_norms`, `train_new_weights`: a run started before that field existed scheduled the "
-                "weights the checkpoint lacked, so resume it with train_new_weights=False)."
+                "did: same model, `units`, `always_trainable`, `always_train_norms` and `train_new_weights` "
+                "(train_new_weights=False for a run saved before that field existed)."
             )
         self.scheduler.load_state_dict(state)
         if self._state.applied:
@@ -313,9 +312,8 @@ def warn_new_weights(new: list[str], peft_modules: list[str]) -> None:
     head = f"; PEFT's modules_to_save ({', '.join(peft_modules)}) train at every step too" if peft_modules else ""
     warnings.warn(
         f"SlimFit: {len(new)} weight(s) of {len(modules)} module(s) were not in the checkpoint (transformers "
-        f"initialised them in from_pretrained): {shown}. They train at every step, outside the schedule and "
-        f"freeze_ratio's budget (train_new_weights=True){head}. Set SlimFitConfig(train_new_weights=False) to "
-        "schedule them like the pretrained weights.",
+        f"initialised them in from_pretrained): {shown}; they train at every step, outside the schedule "
+        f"(train_new_weights=True){head}. Set SlimFitConfig(train_new_weights=False) to schedule them.",
         stacklevel=5,
     )
 

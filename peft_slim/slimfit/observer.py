@@ -222,8 +222,8 @@ class StepObserver:
         """Close the training step (``slimfit_step``): the scores since the last call, by unit index."""
         if self._closed and self.active:
             raise RuntimeError(
-                "SlimFit: slimfit_step() was called twice without a training forward in between; each call closes "
-                f"one training step and advances the schedule. Call it once per step: {ORDER}."
+                "SlimFit: slimfit_step() was called twice without a training forward in between. Call it once per "
+                f"step: {ORDER}."
             )
         self._refuse_unattached()
         self._finish_step()
@@ -237,12 +237,6 @@ class StepObserver:
         self._closed = True
         self._warned_twice = False
         return scores
-
-    def weights_written(self) -> None:
-        """The units were written by SlimFit itself (``disable_adapter`` swapping the originals in or out): what an
-        optimizer changes from here on is what the next check looks at."""
-        if self._versions is not None:
-            self._versions = [(name, p, tensor_version(p)) for name, p, _ in self._versions]
 
     def _refuse_unattached(self) -> None:
         """Raise when a unit changed since the last training forward but no attached optimizer stepped over it: an
@@ -296,17 +290,15 @@ class StepObserver:
         args = args[1:] if args and args[0] is optimizer else args  # torch passes step's self among them
         if (args[0] if args else kwargs.get("closure")) is not None:
             raise ValueError(
-                "SlimFit: optimizer.step(closure) runs the model inside the optimizer step (LBFGS, PyTorch "
-                "Lightning's automatic optimization), where SlimFit cannot score the step's update: the schedule "
-                "would not follow training. Call the model, loss.backward() and optimizer.step() without a closure: "
-                f"{ORDER} (Lightning: automatic_optimization=False)."
+                "SlimFit: optimizer.step(closure) runs the model inside the optimizer step (LBFGS, Lightning's "
+                "automatic optimization), where SlimFit cannot score the update. Call optimizer.step() without a "
+                f"closure: {ORDER} (Lightning: automatic_optimization=False)."
             )
         if self._closed:
             raise RuntimeError(
                 "SlimFit: optimizer.step() was called after model.slimfit_step() with no training forward in "
-                "between. slimfit_step() closes a training step and re-freezes units, so calling it before the "
-                "optimizer step loses that step's scores and drops the gradients of the units it freezes. Call "
-                f"it after the optimizer step: {ORDER} (with several optimizers, after all of their steps)."
+                "between, which loses the step's scores and the gradients of the units it freezes. Call it after "
+                f"the optimizer step: {ORDER} (with several optimizers, after all of their steps)."
             )
         if mine & self._stepped and not self._warned_twice:
             self._warned_twice = True
@@ -373,8 +365,7 @@ class StepObserver:
             warnings.warn(
                 f"SlimFit: {len(missing)} scheduled unit(s) trained in this step but are in no optimizer that stepped "
                 f"(e.g. {missing[:3]}); they will never change. Build the optimizer(s) before the first training "
-                "forward, from every parameter that requires grad at that point (SlimFit freezes units only once "
-                "training starts; after a Trainer run or slimfit_pause() every unit requires grad again).",
+                "forward, from every parameter that requires grad at that point.",
                 stacklevel=stacklevel + 1,
             )
 
@@ -392,7 +383,7 @@ class StepObserver:
                 f"SlimFit: {len(missing)} parameter(s) that train at every step (biases, norms, `always_trainable`, "
                 f"`modules_to_save`, new weights) are in no optimizer that stepped (e.g. {missing[:3]}); they will "
                 "never change. Build the optimizer(s) after get_peft_model(), from every parameter that requires "
-                "grad (PEFT trains copies of the modules_to_save, which an optimizer built before does not hold).",
+                "grad.",
                 stacklevel=stacklevel + 1,
             )
 

@@ -73,8 +73,7 @@ def _cut(value: Any, selection: TokenSelection, dim: int, name: str, block_name:
 def _uncuttable(value: Any, name: str, block_name: str) -> ValueError:
     return ValueError(
         f"TokenTune cannot train {block_name} on a token subset: {NOT_SUPPORTED_FIX}. Its argument `{name}` is a "
-        f"{type(value).__name__} (e.g. one mask per layer type), which token selection cannot restrict to the "
-        "selected tokens: it supports tensors there."
+        f"{type(value).__name__} (e.g. one mask per layer type), where token selection supports tensors only."
     )
 
 
@@ -208,10 +207,8 @@ class BlockRunner:
                 self.warned_random = True
                 warnings.warn(
                     f"TokenTune: {block_name} draws random numbers in training ({random_ops.found}: dropout, say), "
-                    "which a recomputation in backward would draw again differently, so its selected tokens run a "
-                    "second forward with grad (a slower step, and without gradient checkpointing more memory). Set "
-                    "the dropout probabilities to 0 (model config, LoRA's lora_dropout) for TokenTune's one-forward "
-                    "step.",
+                    "so its selected tokens run a second forward with grad (a slower step). Set the dropout "
+                    "probabilities to 0 (model config, LoRA's lora_dropout) for TokenTune's one-forward step.",
                     UserWarning,
                     stacklevel=1,
                 )

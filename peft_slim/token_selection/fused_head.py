@@ -31,10 +31,8 @@ FUSED_METRICS_NOTE = (
     "whose logits a TokenTune forward computes), not over every answer token; evaluation covers every position."
 )
 _ALTERNATIVES = (
-    "Token selection supports trl.SFTTrainer (loss_type='nll'). For DPO, GRPO and the other TRL trainers train a "
-    "LoRA adapter without token selection (a peft.LoraConfig, or SlimFit without `token_selection`); what a TokenTune "
-    "+ LoRA SFT run saved is a plain LoRA adapter and continues there (PeftModel.from_pretrained(..., "
-    "is_trainable=True))."
+    "Use trl.SFTTrainer (loss_type='nll'), or train a LoRA adapter without token selection (a TokenTune + LoRA SFT "
+    "run saved a plain LoRA adapter, which continues there with PeftModel.from_pretrained(..., is_trainable=True))."
 )
 
 
@@ -63,19 +61,16 @@ def check_fused_call(head_kind: str, kwargs: dict, trainer_args: Any) -> None:
     if trainer_args is None:
         raise ValueError(
             "TokenTune: pass `callbacks=[peft_slim.TokenTuneCallback()]` to trl.SFTTrainer (a training forward with "
-            f"`{TRL_FUSED_HEAD_ARGUMENT}=True`, TRL's fused LM head, needs the trainer's arguments, and no "
-            "TokenTuneCallback has given them). Outside SFTTrainer call the model in eval mode or under "
-            f"torch.no_grad() for every position's log-probabilities, or without `{TRL_FUSED_HEAD_ARGUMENT}` for the "
-            "selected-token loss; for DPO, GRPO and the other TRL trainers train a LoRA adapter without token "
-            "selection."
+            f"`{TRL_FUSED_HEAD_ARGUMENT}=True` needs the trainer's arguments). Outside SFTTrainer call the model in "
+            f"eval mode, under torch.no_grad() or without `{TRL_FUSED_HEAD_ARGUMENT}`; for DPO, GRPO and the other "
+            "TRL trainers train a LoRA adapter without token selection."
         )
     name = _trainer_name(trainer_args)
     if not _is_sft_config(trainer_args):
         raise ValueError(
-            f"TokenTune: {name} is not supported with token selection. It asks the model for the log-probability "
-            "of every completion token (TRL's fused LM head) and uses them per sequence or per token, while a "
-            "token-selection training forward computes only its selected positions', so its loss and gradient would "
-            f"not be the ones {name} defines. " + _ALTERNATIVES
+            f"TokenTune: {name} is not supported with token selection: it reads every completion token's "
+            "log-probability (TRL's fused LM head), which token selection computes for the selected positions "
+            "only. " + _ALTERNATIVES
         )
     loss_type = getattr(trainer_args, "loss_type", "nll")
     if loss_type != "nll":

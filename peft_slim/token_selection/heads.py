@@ -23,14 +23,6 @@ CLASSIFICATION_SUFFIXES = tuple(f"For{inputs}Classification" for inputs in ("Seq
 LAST_NON_PAD = "last_non_pad"
 FIRST_POSITION = "first_position"
 
-# What each read rule means (the README quotes these).
-READ_RULES = {
-    LAST_NON_PAD: "the last non-pad token, by transformers' rule: the rightmost position whose input id is not "
-    "`pad_token_id` (whatever the padding side, also when `pad_token_id == eos_token_id`); the last position when "
-    "the config has no `pad_token_id` or the input is `inputs_embeds`",
-    FIRST_POSITION: "position 0 (the [CLS] token), whatever the padding",
-}
-
 # Decoder classifiers that read the last non-pad token: transformers' shared implementation (every subclass of
 # `transformers.modeling_layers.GenericForSequenceClassification` that keeps its `forward`: Llama, Qwen2/3,
 # Mistral, Mixtral, Gemma, Phi-3, OLMo, ...), and the classes that implement the same rule in their own forward.

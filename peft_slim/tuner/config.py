@@ -197,8 +197,7 @@ def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> An
     except json.JSONDecodeError as error:
         raise ValueError(
             f"{method_file} is not valid JSON ({error}; {len(text)} characters): the file is cut short or was edited "
-            "by hand. Save the adapter again (peft_slim.save_pretrained replaces the folder whole), or restore the "
-            "file."
+            "by hand. Save the adapter again, or restore the file."
         ) from None
     config_cls = PEFT_TYPE_TO_CONFIG_MAPPING.get(values.get("peft_type")) if isinstance(values, dict) else None
     if config_cls is None or not issubclass(config_cls, MethodConfig):

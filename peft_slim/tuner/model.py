@@ -242,19 +242,15 @@ class MethodTuner(LoraModel):
         check_model_kind(model, self.method_name, selects_tokens=selection is not None)
         if selection is not None:
             TokenSelector.check(model)
-            if config.lora.alora_invocation_tokens is not None:
-                raise ValueError(
-                    f"{type(config).__name__}.lora.alora_invocation_tokens is not supported with token selection: "
-                    "aLoRA's offsets count positions of the whole sequence, which the selected tokens are not. Use it "
-                    "without token selection (SlimFit without `token_selection`)."
-                )
-            if config.lora.monteclora_config is not None:
-                raise ValueError(
-                    f"{type(config).__name__}.lora.monteclora_config is not supported with token selection: "
-                    "MonteCLoRA draws new weight samples at every forward, so the backward's recomputation of the "
-                    "selected tokens would use other weights. Use it without token selection (SlimFit without "
-                    "`token_selection`)."
-                )
+            for name, why in (
+                ("alora_invocation_tokens", "aLoRA's offsets count positions of the whole sequence"),
+                ("monteclora_config", "MonteCLoRA's weight samples differ between the forward and its recomputation"),
+            ):
+                if getattr(config.lora, name) is not None:
+                    raise ValueError(
+                        f"{type(config).__name__}.lora.{name} is not supported with token selection: {why}. Use it "
+                        "without token selection (SlimFit without `token_selection`)."
+                    )
         self._check_model(model, config)
         # LoRA's own injection, which reads the adapter's config from `peft_config`: there, while it runs, the
         # nested LoRA (BaseTuner's check that two adapters do not both train biases included).
@@ -407,8 +403,8 @@ class MethodTuner(LoraModel):
     def _convert_state_dict_for_initial_model(cls, model, peft_config, *args, **kwargs):
         raise ValueError(
             "save_pretrained: path_initial_model_for_weight_conversion converts PiSSA/CorDA/OLoRA LoRA adapters; it "
-            f"does not apply to a {peft_config.peft_type} adapter. Save it (a plain LoRA adapter where it has "
-            "`lora`), load that with peft.PeftModel.from_pretrained and convert it with PEFT."
+            f"does not apply to a {peft_config.peft_type} adapter. Save it (a plain LoRA adapter), load that with "
+            "peft.PeftModel.from_pretrained and convert it with PEFT."
         )
 
     def _check_loaded(self, peft_model: nn.Module, config: MethodConfig, adapter_name: str, loaded: dict) -> None:
@@ -425,9 +421,8 @@ class MethodTuner(LoraModel):
             )
             raise ValueError(
                 f"{self.method_name} adapter: {len(wrong)} tensor(s) of the adapter "
-                f"file do not fit this model ({listed}{', ...' if len(wrong) > 3 else ''}). It was saved from a model "
-                f"of other shapes ({config.base_model_name_or_path or 'name not recorded'}): load it onto that model. "
-                "Nothing was loaded."
+                f"file do not fit this model ({listed}{', ...' if len(wrong) > 3 else ''}), so nothing was loaded. "
+                f"Load it onto the model it was saved from ({config.base_model_name_or_path or 'name not recorded'})."
             )
         # PEFT's rule for LoRA (LoRA's prefix and the adapter name in the key), plus the biases `lora.bias` saves.
         expected = {key for key in state_dict if "lora_" in key and _names_adapter(key, adapter_name)}

@@ -23,15 +23,13 @@ def check_model_kind(model: nn.Module, method: str, selects_tokens: bool) -> Non
     if sharded or is_deepspeed_zero3_enabled():
         found = f"{len(sharded)} parameters partitioned, e.g. {sharded[0]!r}" if sharded else "ZeRO-3 is enabled"
         raise ValueError(
-            f"{method} does not support DeepSpeed ZeRO-3 ({found}): ZeRO-3 shards parameters to empty tensors "
-            "before the adapter is injected. Instead use FSDP2 (fully_shard; peft_slim's tested sharded path), DDP, "
-            "or DeepSpeed ZeRO-1/2, which keep whole parameters on each rank."
+            f"{method} does not support DeepSpeed ZeRO-3 ({found}): it shards parameters to empty tensors before "
+            "the adapter is injected. Use FSDP2 (fully_shard), DDP, or DeepSpeed ZeRO-1/2."
         )
     config = getattr(model, "config", None)
     if selects_tokens and not (isinstance(model, PreTrainedModel) and isinstance(config, PretrainedConfig)):
         raise ValueError(
-            f"{method}'s token selection needs a transformers model (a PreTrainedModel with a `config` and decoder "
-            f"or encoder blocks, e.g. AutoModelForCausalLM), got {type(model).__name__}"
-            f"{'' if hasattr(model, 'config') else ' (no `config` attribute)'}. For another nn.Module use SlimFit "
-            "without `token_selection`, or LoRA with `compress_activations`."
+            f"{method}'s token selection needs a transformers model (a PreTrainedModel with a `config`), got "
+            f"{type(model).__name__}{'' if hasattr(model, 'config') else ' (no `config` attribute)'}. For another "
+            "nn.Module use SlimFit without `token_selection`, or LoRA with `compress_activations`."
         )

@@ -37,7 +37,6 @@ from peft_slim.token_selection.heads import (
     LAST_NON_PAD,
     LAST_NON_PAD_HEADS,
     PER_POSITION_SUFFIXES,
-    READ_RULES,
     head_of,
 )
 
@@ -396,8 +395,12 @@ def test_readme_heads_table_lists_exactly_the_code_tables():
     assert _ticked(bare) == ["*Model"]
     assert {name for name in _ticked(last) if "For" in name} == set(LAST_NON_PAD_HEADS)
     assert GENERIC_SEQUENCE_CLASSIFIER in _ticked(last)
-    assert last_reads == READ_RULES[LAST_NON_PAD]
-    assert first_reads == READ_RULES[FIRST_POSITION]
+    assert last_reads == (
+        "the last non-pad token, by transformers' rule: the rightmost position whose input id is not `pad_token_id` "
+        "(whatever the padding side, also when `pad_token_id == eos_token_id`); the last position when the config "
+        "has no `pad_token_id` or the input is `inputs_embeds`"
+    )
+    assert first_reads == "position 0 (the [CLS] token), whatever the padding"
     listed = {name for name in _ticked(first) if "For" in name}
     assert listed == set(FIRST_POSITION_HEADS)
     conditions = {name: (field, value) for name, field, value in re.findall(r"`(\w+)` with `(\w+)=([^`]+)`", first)}
