@@ -47,13 +47,27 @@ HEADS = ("model", "trl", "labelled")
 @dataclasses.dataclass(frozen=True)
 class Method:
     """A recipe and the LM head its step runs ('model': the model's own; 'trl': TRL's fused head; 'labelled': the
-    head at labelled positions only). ``baseline``: a method a user has without this package."""
+    head at labelled positions only). ``baseline``: a method a user has without this package. ``min_chunk_rows``:
+    TokenTune's chunked loss run with this ``MIN_CHUNK_ROWS`` instead of the library's (the chunk-rule
+    comparison)."""
 
     name: str
     recipe: Recipe
     head: str = "model"
     baseline: bool = False
     learning_rate: float = 1e-3
+    min_chunk_rows: int | None = None
+
+    def step(self, model, optimizer, batch: dict) -> float:
+        """One ``train_step``, under this method's chunk rule."""
+        from peft_slim.token_selection import chunked_loss
+
+        library = chunked_loss.MIN_CHUNK_ROWS
+        chunked_loss.MIN_CHUNK_ROWS = self.min_chunk_rows or library
+        try:
+            return train_step(model, optimizer, batch)
+        finally:
+            chunked_loss.MIN_CHUNK_ROWS = library
 
     def __post_init__(self):
         if self.head not in HEADS:
@@ -72,6 +86,9 @@ METHODS = {
         Method("lora+ckpt+labelled-head", Recipe("lora", **LORA, gradient_checkpointing=True), "labelled", True),
         Method("tokentune", Recipe("tokentune", **LORA)),  # the library's defaults
         Method("tokentune-0.5", Recipe("tokentune", **LORA, token_ratio=0.5)),
+        # the chunk-rule comparison: TokenTune's defaults with other least rows per chunk ("-one": one chunk)
+        *(Method(f"tokentune-rows{r}", Recipe("tokentune", **LORA), min_chunk_rows=r) for r in (16, 64, 128, 256)),
+        Method("tokentune-one-chunk", Recipe("tokentune", **LORA), min_chunk_rows=2**62),
     )
 }
 
@@ -163,26 +180,51 @@ def answer_perplexity(model, held_out: list[dict], pad_id: int, batch_size: int 
     return math.exp(nll / count)
 
 
-def run_unit(task: Task, methods: list[Method], seed: int, steps: int, loaded) -> dict:
+def rss_peak_bytes(step: Callable[[], object]) -> int | None:
+    """The process's resident-set high-water mark during ``step()`` above its resident set before (Linux: the mark
+    reset through ``/proc/self/clear_refs``), an allocator-independent check of ``peak_memory_bytes``; None elsewhere.
+    It counts pages, so it reads low where the C allocator reuses memory freed earlier and high where it keeps
+    freed memory mapped."""
+
+    def status(field: str) -> int:
+        with open("/proc/self/status") as handle:
+            return next(int(line.split()[1]) * 1024 for line in handle if line.startswith(field))
+
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        before = status("VmRSS:")
+    except OSError:
+        return None
+    step()
+    return status("VmHWM:") - before
+
+
+def run_unit(task: Task, methods: list[Method], seed: int, steps: int, loaded, check_peaks: bool = False) -> dict:
     """Every method of ``methods`` on ``task`` with ``seed``, interleaved step by step: per method its losses, step
-    CPU seconds (the first step, a warm-up, excluded), step peak and held-out answer perplexity."""
-    from peft_slim.memory import peak_memory_bytes
+    CPU seconds (the first step, a warm-up, excluded), step peak and held-out answer perplexity; ``check_peaks``:
+    also the step's peak from the profiler's memory timeline and from the resident-set high-water mark."""
+    from peft_slim.memory import peak_memory_bytes, timeline_peak_bytes
 
     base, train, held_out, pad_id, description = loaded
     order = random.Random(seed).sample(range(len(train)), len(train))
     size = task.batch_size
     batches = [collate([train[order[(s * size + i) % len(train)]] for i in range(size)], pad_id) for s in range(steps)]
     built = {m.name: build(m, base, seed) for m in methods}
+    by_name = {m.name: m for m in methods}
     runs = {m.name: {"losses": [], "step_cpu_seconds": []} for m in methods}
     for index, batch in enumerate(batches):
         for name, (model, optimizer, extra) in built.items():
             start = time.process_time()
-            runs[name]["losses"].append(train_step(model, optimizer, batch | extra))
+            runs[name]["losses"].append(by_name[name].step(model, optimizer, batch | extra))
             if index:
                 runs[name]["step_cpu_seconds"].append(time.process_time() - start)
     for name, (model, optimizer, extra) in built.items():
-        step = functools.partial(train_step, model, optimizer, batches[0] | extra)
+        step = functools.partial(by_name[name].step, model, optimizer, batches[0] | extra)
         runs[name]["step_peak_bytes"] = peak_memory_bytes(step)
+        if check_peaks:
+            runs[name]["step_timeline_peak_bytes"] = timeline_peak_bytes(step)
+            runs[name]["step_rss_peak_bytes"] = rss_peak_bytes(step)
         runs[name]["answer_perplexity"] = answer_perplexity(model, held_out, pad_id) if held_out else None
     return {
         "task": task.name,
@@ -234,6 +276,7 @@ def run(
     steps: int,
     path: str,
     after_unit: Callable[[str], None] = lambda key: None,
+    check_peaks: bool = False,
 ) -> dict:
     """Every (task, seed) unit that ``path`` lacks, each written to ``path`` as soon as it is done (a killed run
     resumes where it stopped); a unit already there with other methods or steps is refused."""
@@ -247,7 +290,7 @@ def run(
         loaded = task.load() if todo else None
         for seed in todo:
             key = f"{task.name}/seed{seed}"
-            unit = run_unit(task, methods, seed, steps, loaded)
+            unit = run_unit(task, methods, seed, steps, loaded, check_peaks)
             results["units"][key] = unit
             atomic_write_text(path, dumps(results) + "\n")
             after_unit(key)
@@ -337,6 +380,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=4, help="steps per method and unit (the first untimed)")
     parser.add_argument("--out", default=os.path.join(RESULTS, "harness"))
     parser.add_argument("--held-out", type=int, help="held-out examples evaluated (0: none; default: the task's)")
+    parser.add_argument("--check-peaks", action="store_true", help="also the timeline and resident-set peaks")
     parser.add_argument("--report", action="store_true", help="no training: the report and plot of <out>")
     args = parser.parse_args(argv)
     path = os.path.join(args.out, "harness.json")
@@ -346,7 +390,14 @@ def main(argv=None) -> dict:
         unknown = sorted(set(args.tasks) - set(tasks))
         if unknown:
             raise SystemExit(f"--tasks {unknown}: not a task; the tasks are {sorted(tasks)}.")
-        run([tasks[t] for t in args.tasks], [METHODS[m] for m in args.methods], args.seeds, args.steps, path)
+        run(
+            [tasks[t] for t in args.tasks],
+            [METHODS[m] for m in args.methods],
+            args.seeds,
+            args.steps,
+            path,
+            check_peaks=args.check_peaks,
+        )
     results = load_results(path)
     atomic_write_text(os.path.join(args.out, "harness.md"), report(results))
     plot(results, os.path.join(args.out, "harness.png"))
