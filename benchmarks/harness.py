@@ -200,38 +200,83 @@ def rss_peak_bytes(step: Callable[[], object]) -> int | None:
     return status("VmHWM:") - before
 
 
-def run_unit(task: Task, methods: list[Method], seed: int, steps: int, loaded, check_peaks: bool = False) -> dict:
+def run_unit(
+    task: Task,
+    methods: list[Method],
+    seed: int,
+    steps: int,
+    loaded,
+    check_peaks: bool = False,
+    equal_time: bool = False,
+) -> dict:
     """Every method of ``methods`` on ``task`` with ``seed``, interleaved step by step: per method its losses, step
-    CPU seconds (the first step, a warm-up, excluded), step peak and held-out answer perplexity; ``check_peaks``:
-    also the step's peak from the profiler's memory timeline and from the resident-set high-water mark."""
+    CPU seconds (the first step, a warm-up, excluded), held-out answer perplexity and step peak; ``check_peaks``:
+    also the step's peak from the profiler's memory timeline and from the resident-set high-water mark.
+
+    ``equal_time``: then each method that is not a baseline trains on (the next batches, still interleaved) until
+    its step CPU seconds reach the fastest baseline's, and its held-out answer perplexity is taken again
+    (``equal_time_steps``, ``equal_time_perplexity``; a baseline's are its own at ``steps``)."""
     from peft_slim.memory import peak_memory_bytes, timeline_peak_bytes
 
     base, train, held_out, pad_id, description = loaded
     order = random.Random(seed).sample(range(len(train)), len(train))
     size = task.batch_size
-    batches = [collate([train[order[(s * size + i) % len(train)]] for i in range(size)], pad_id) for s in range(steps)]
+
+    def batch(s: int) -> dict:
+        return collate([train[order[(s * size + i) % len(train)]] for i in range(size)], pad_id)
+
     built = {m.name: build(m, base, seed) for m in methods}
     by_name = {m.name: m for m in methods}
     runs = {m.name: {"losses": [], "step_cpu_seconds": []} for m in methods}
-    for index, batch in enumerate(batches):
-        for name, (model, optimizer, extra) in built.items():
-            start = time.process_time()
-            runs[name]["losses"].append(by_name[name].step(model, optimizer, batch | extra))
-            if index:
-                runs[name]["step_cpu_seconds"].append(time.process_time() - start)
+
+    def step(name: str, s: int, data: dict) -> None:
+        model, optimizer, extra = built[name]
+        start = time.process_time()
+        runs[name]["losses"].append(by_name[name].step(model, optimizer, data | extra))
+        if s:
+            runs[name]["step_cpu_seconds"].append(time.process_time() - start)
+
+    first = batch(0)
+    for s in range(steps):
+        data = first if s == 0 else batch(s)
+        for name in built:
+            step(name, s, data)
+
+    def perplexity(name: str) -> float | None:
+        return answer_perplexity(built[name][0], held_out, pad_id) if held_out else None
+
+    for name in built:
+        runs[name]["answer_perplexity"] = perplexity(name)
+    if equal_time:
+        baselines = [m.name for m in methods if m.baseline]
+        if not baselines:
+            raise ValueError("equal_time needs a baseline among the methods (Method.baseline=True).")
+        budget = min(sum(runs[n]["step_cpu_seconds"]) for n in baselines)
+        s = steps
+        while todo := [n for n in built if n not in baselines and sum(runs[n]["step_cpu_seconds"]) < budget]:
+            data = batch(s)
+            for name in todo:
+                step(name, s, data)
+            s += 1
+        for name in built:
+            runs[name]["equal_time_steps"] = len(runs[name]["losses"])
+            runs[name]["equal_time_perplexity"] = (
+                runs[name]["answer_perplexity"] if name in baselines else perplexity(name)
+            )
     for name, (model, optimizer, extra) in built.items():
-        step = functools.partial(by_name[name].step, model, optimizer, batches[0] | extra)
-        runs[name]["step_peak_bytes"] = peak_memory_bytes(step)
+        once = functools.partial(by_name[name].step, model, optimizer, first | extra)
+        runs[name]["step_peak_bytes"] = peak_memory_bytes(once)
         if check_peaks:
-            runs[name]["step_timeline_peak_bytes"] = timeline_peak_bytes(step)
-            runs[name]["step_rss_peak_bytes"] = rss_peak_bytes(step)
-        runs[name]["answer_perplexity"] = answer_perplexity(model, held_out, pad_id) if held_out else None
+            runs[name]["step_timeline_peak_bytes"] = timeline_peak_bytes(once)
+            runs[name]["step_rss_peak_bytes"] = rss_peak_bytes(once)
     return {
         "task": task.name,
         "description": description,
         "environment": environment(),
         "seed": seed,
-        "batch": list(batches[0]["input_ids"].shape),
+        "batch": list(first["input_ids"].shape),
+        "steps": steps,
+        "equal_time": equal_time,
         "methods": {m.name: dataclasses.asdict(m.recipe) | {"head": m.head, "baseline": m.baseline} for m in methods},
         "runs": runs,
     }
@@ -277,29 +322,46 @@ def run(
     path: str,
     after_unit: Callable[[str], None] = lambda key: None,
     check_peaks: bool = False,
+    equal_time: bool = False,
 ) -> dict:
     """Every (task, seed) unit that ``path`` lacks, each written to ``path`` as soon as it is done (a killed run
     resumes where it stopped); a unit already there with other methods or steps is refused."""
     results = load_results(path)
     names = [m.name for m in methods]
     for key, unit in results["units"].items():
-        if list(unit["runs"]) != names or len(next(iter(unit["runs"].values()))["losses"]) != steps:
-            raise ValueError(f"{path} holds unit {key} of other methods or steps: give another --out.")
+        done = unit.get("steps", len(next(iter(unit["runs"].values()))["losses"]))
+        if list(unit["runs"]) != names or done != steps or unit.get("equal_time", False) != equal_time:
+            raise ValueError(f"{path} holds unit {key} of other methods, steps or mode: give another --out.")
     for task in tasks:
         todo = [seed for seed in seeds if f"{task.name}/seed{seed}" not in results["units"]]
         loaded = task.load() if todo else None
         for seed in todo:
             key = f"{task.name}/seed{seed}"
-            unit = run_unit(task, methods, seed, steps, loaded, check_peaks)
+            unit = run_unit(task, methods, seed, steps, loaded, check_peaks, equal_time)
             results["units"][key] = unit
             atomic_write_text(path, dumps(results) + "\n")
             after_unit(key)
     return results
 
 
+EXTRA_COLUMNS = {  # the measurements only some runs make: column title, format
+    "step_timeline_peak_bytes": ("step peak, memory timeline", lambda v: f"{v / 2**20:.1f} MiB"),
+    "step_rss_peak_bytes": ("step peak, resident set", lambda v: f"{v / 2**20:.1f} MiB"),
+    "equal_time_steps": ("steps at equal time", lambda v: f"{v:.1f}"),
+    "equal_time_perplexity": ("held-out ppl at equal time", lambda v: f"{v:.3f}"),
+}
+
+
+def mean_of(units: list[dict], name: str, key: str, fmt: Callable[[float], str]) -> str:
+    values = [u["runs"][name][key] for u in units if u["runs"][name].get(key) is not None]
+    return fmt(statistics.mean(values)) if values else "-"
+
+
 def report(results: dict) -> str:
     """Per task: each method's step peak and step time (medians over steps, means over seeds) as ratios to the
-    fastest baseline of the same units, its last loss and held-out answer perplexity."""
+    fastest baseline of the same units, its last loss and held-out answer perplexity; where measured, the step's
+    peak from the memory timeline and the resident set (``check_peaks``), and the steps and held-out perplexity at
+    the fastest baseline's time (``equal_time``)."""
     lines = []
     by_task: dict[str, list[dict]] = {}
     for unit in results["units"].values():
@@ -310,6 +372,7 @@ def report(results: dict) -> str:
         peak = {n: statistics.mean(u["runs"][n]["step_peak_bytes"] for u in units) for n in names}
         baselines = [n for n in names if units[0]["methods"][n]["baseline"]] or names
         fastest = min(baselines, key=time_.get)
+        extra = [(key, fmt) for key, (_, fmt) in EXTRA_COLUMNS.items() if key in units[0]["runs"][names[0]]]
         rows = []
         for n in names:
             ppl = [u["runs"][n]["answer_perplexity"] for u in units if u["runs"][n]["answer_perplexity"] is not None]
@@ -321,8 +384,10 @@ def report(results: dict) -> str:
                     f"{statistics.mean(u['runs'][n]['losses'][-1] for u in units):.3f}",
                     f"{statistics.mean(ppl):.3f}" if ppl else "-",
                 ]
+                + [mean_of(units, n, key, fmt) for key, fmt in extra]
             )
         header = ["method", f"step peak (/ {fastest})", f"step time (/ {fastest})", "last loss", "held-out ppl"]
+        header += [EXTRA_COLUMNS[key][0] for key, _ in extra]
         lines += [
             f"*{units[0]['description']}*, batch {units[0]['batch']}, seeds {[u['seed'] for u in units]}",
             "",
@@ -380,6 +445,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=4, help="steps per method and unit (the first untimed)")
     parser.add_argument("--out", default=os.path.join(RESULTS, "harness"))
     parser.add_argument("--held-out", type=int, help="held-out examples evaluated (0: none; default: the task's)")
+    parser.add_argument(
+        "--equal-time", action="store_true", help="then train the faster methods on to the fastest baseline's time"
+    )
     parser.add_argument("--check-peaks", action="store_true", help="also the timeline and resident-set peaks")
     parser.add_argument("--report", action="store_true", help="no training: the report and plot of <out>")
     args = parser.parse_args(argv)
@@ -397,6 +465,7 @@ def main(argv=None) -> dict:
             args.steps,
             path,
             check_peaks=args.check_peaks,
+            equal_time=args.equal_time,
         )
     results = load_results(path)
     atomic_write_text(os.path.join(args.out, "harness.md"), report(results))
