@@ -14,6 +14,17 @@ baseline of the same unit), ``plot`` draws the loss curves.
 
     python -m benchmarks.harness --tasks qa pydocs longqa --methods lora+ckpt lora+ckpt+labelled-head tokentune \
         --steps 4 --seeds 0 --out benchmarks/results/harness
+
+The chunk-rule comparison (``results/chunk_rule/<group>``: TokenTune's chunked loss at 16 to 256 least rows a chunk
+and one chunk; the groups ran apart, for time, with the rules that differ on the group's row counts):
+
+    python -m benchmarks.harness --tasks qa pydocs-full --held-out 0 --steps 6 \
+        --out benchmarks/results/chunk_rule/six_rules --methods lora+ckpt+labelled-head \
+        tokentune-rows16 tokentune-rows64 tokentune-rows128 tokentune-rows256 tokentune-one-chunk
+    python -m benchmarks.harness --tasks pydocs --held-out 0 --steps 6 --check-peaks \
+        --out benchmarks/results/chunk_rule/pydocs --methods lora+ckpt+labelled-head tokentune-rows16 tokentune-rows128
+    python -m benchmarks.harness --tasks longqa --held-out 0 --steps 6 --out benchmarks/results/chunk_rule/longqa \
+        --methods lora+ckpt+labelled-head tokentune-rows16 tokentune-rows128
 """
 
 from __future__ import annotations
