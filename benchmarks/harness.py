@@ -26,7 +26,8 @@ and one chunk; the groups ran apart, for time, with the rules that differ on the
     python -m benchmarks.harness --tasks longqa --held-out 0 --steps 6 --out benchmarks/results/chunk_rule/longqa \
         --methods lora+ckpt+labelled-head tokentune-rows16 tokentune-rows128
     MALLOC_MMAP_THRESHOLD_=131072 python -m benchmarks.harness --tasks qa --held-out 0 --steps 2 --check-peaks \
-        --out benchmarks/results/chunk_rule/peaks_qa --methods lora+ckpt+labelled-head tokentune-rows16 tokentune-rows128
+        --out benchmarks/results/chunk_rule/peaks_qa --methods lora+ckpt+labelled-head \
+        tokentune-rows16 tokentune-rows128
 """
 
 from __future__ import annotations
