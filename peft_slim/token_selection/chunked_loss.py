@@ -21,9 +21,9 @@ from .loss import IGNORE_INDEX
 # Each chunk reads the whole head weight (vocab x hidden) for rows x vocab x hidden multiply-adds: with few rows
 # the head runs at the speed of reading its weight, not of its arithmetic. Measured on a SmolLM2-135M step (1
 # thread; benchmarks/results/chunk_rule): with 16 rows the step took 10-12% longer on the docs tasks (about 100-300
-# rows reach the head); from 64 rows up to one chunk the step time is the same within noise. 128 keeps a margin for more compute per byte
-# read (more threads, GPUs) and costs at most 128 x vocab x ~12 bytes (fp32 logits, log-softmax, gradient), fewer
-# logits than a baseline that runs the head at every labelled position holds (TokenTune's rows are a subset).
+# rows reach the head); from 64 rows up to one chunk the step time is the same within noise. 128 keeps a margin for
+# more compute per byte read (more threads, GPUs) and costs at most 128 x vocab x ~12 bytes (fp32 logits,
+# log-softmax, gradient): fewer logits than a baseline running the head at every labelled position holds.
 MIN_CHUNK_ROWS = 128
 
 
