@@ -14,6 +14,20 @@ baseline of the same unit), ``plot`` draws the loss curves.
 
     python -m benchmarks.harness --tasks qa pydocs longqa --methods lora+ckpt lora+ckpt+labelled-head tokentune \
         --steps 4 --seeds 0 --out benchmarks/results/harness
+
+The chunk-rule comparison (``results/chunk_rule/<group>``: TokenTune's chunked loss at 16 to 256 least rows a chunk
+and one chunk; the groups ran apart, for time, with the rules that differ on the group's row counts):
+
+    python -m benchmarks.harness --tasks qa pydocs-full --held-out 0 --steps 6 \
+        --out benchmarks/results/chunk_rule/six_rules --methods lora+ckpt+labelled-head \
+        tokentune-rows16 tokentune-rows64 tokentune-rows128 tokentune-rows256 tokentune-one-chunk
+    python -m benchmarks.harness --tasks pydocs --held-out 0 --steps 6 --check-peaks \
+        --out benchmarks/results/chunk_rule/pydocs --methods lora+ckpt+labelled-head tokentune-rows16 tokentune-rows128
+    python -m benchmarks.harness --tasks longqa --held-out 0 --steps 6 --out benchmarks/results/chunk_rule/longqa \
+        --methods lora+ckpt+labelled-head tokentune-rows16 tokentune-rows128
+    MALLOC_MMAP_THRESHOLD_=131072 python -m benchmarks.harness --tasks qa --held-out 0 --steps 2 --check-peaks \
+        --out benchmarks/results/chunk_rule/peaks_qa --methods lora+ckpt+labelled-head \
+        tokentune-rows16 tokentune-rows128
 """
 
 from __future__ import annotations
@@ -47,13 +61,27 @@ HEADS = ("model", "trl", "labelled")
 @dataclasses.dataclass(frozen=True)
 class Method:
     """A recipe and the LM head its step runs ('model': the model's own; 'trl': TRL's fused head; 'labelled': the
-    head at labelled positions only). ``baseline``: a method a user has without this package."""
+    head at labelled positions only). ``baseline``: a method a user has without this package. ``min_chunk_rows``:
+    TokenTune's chunked loss run with this ``MIN_CHUNK_ROWS`` instead of the library's (the chunk-rule
+    comparison)."""
 
     name: str
     recipe: Recipe
     head: str = "model"
     baseline: bool = False
     learning_rate: float = 1e-3
+    min_chunk_rows: int | None = None
+
+    def step(self, model, optimizer, batch: dict) -> float:
+        """One ``train_step``, under this method's chunk rule."""
+        from peft_slim.token_selection import chunked_loss
+
+        library = chunked_loss.MIN_CHUNK_ROWS
+        chunked_loss.MIN_CHUNK_ROWS = self.min_chunk_rows or library
+        try:
+            return train_step(model, optimizer, batch)
+        finally:
+            chunked_loss.MIN_CHUNK_ROWS = library
 
     def __post_init__(self):
         if self.head not in HEADS:
@@ -72,6 +100,9 @@ METHODS = {
         Method("lora+ckpt+labelled-head", Recipe("lora", **LORA, gradient_checkpointing=True), "labelled", True),
         Method("tokentune", Recipe("tokentune", **LORA)),  # the library's defaults
         Method("tokentune-0.5", Recipe("tokentune", **LORA, token_ratio=0.5)),
+        # the chunk-rule comparison: TokenTune's defaults with other least rows per chunk ("-one": one chunk)
+        *(Method(f"tokentune-rows{r}", Recipe("tokentune", **LORA), min_chunk_rows=r) for r in (16, 64, 128, 256)),
+        Method("tokentune-one-chunk", Recipe("tokentune", **LORA), min_chunk_rows=2**62),
     )
 }
 
@@ -163,33 +194,103 @@ def answer_perplexity(model, held_out: list[dict], pad_id: int, batch_size: int 
     return math.exp(nll / count)
 
 
-def run_unit(task: Task, methods: list[Method], seed: int, steps: int, loaded) -> dict:
+def rss_peak_bytes(step: Callable[[], object]) -> int | None:
+    """The process's resident-set high-water mark during ``step()`` above its resident set before (Linux: the mark
+    reset through ``/proc/self/clear_refs``), an allocator-independent check of ``peak_memory_bytes``; None elsewhere.
+    It counts pages, so it reads low where the C allocator reuses memory freed earlier and high where it keeps
+    freed memory mapped."""
+
+    def status(field: str) -> int:
+        with open("/proc/self/status") as handle:
+            return next(int(line.split()[1]) * 1024 for line in handle if line.startswith(field))
+
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        before = status("VmRSS:")
+    except OSError:
+        return None
+    step()
+    return status("VmHWM:") - before
+
+
+def run_unit(
+    task: Task,
+    methods: list[Method],
+    seed: int,
+    steps: int,
+    loaded,
+    check_peaks: bool = False,
+    equal_time: bool = False,
+) -> dict:
     """Every method of ``methods`` on ``task`` with ``seed``, interleaved step by step: per method its losses, step
-    CPU seconds (the first step, a warm-up, excluded), step peak and held-out answer perplexity."""
-    from peft_slim.memory import peak_memory_bytes
+    CPU seconds (the first step, a warm-up, excluded), held-out answer perplexity and step peak; ``check_peaks``:
+    also the step's peak from the profiler's memory timeline and from the resident-set high-water mark.
+
+    ``equal_time``: then each method that is not a baseline trains on (the next batches, still interleaved) until
+    its step CPU seconds reach the fastest baseline's, and its held-out answer perplexity is taken again
+    (``equal_time_steps``, ``equal_time_perplexity``; a baseline's are its own at ``steps``)."""
+    from peft_slim.memory import peak_memory_bytes, timeline_peak_bytes
 
     base, train, held_out, pad_id, description = loaded
     order = random.Random(seed).sample(range(len(train)), len(train))
     size = task.batch_size
-    batches = [collate([train[order[(s * size + i) % len(train)]] for i in range(size)], pad_id) for s in range(steps)]
+
+    def batch(s: int) -> dict:
+        return collate([train[order[(s * size + i) % len(train)]] for i in range(size)], pad_id)
+
     built = {m.name: build(m, base, seed) for m in methods}
+    by_name = {m.name: m for m in methods}
     runs = {m.name: {"losses": [], "step_cpu_seconds": []} for m in methods}
-    for index, batch in enumerate(batches):
-        for name, (model, optimizer, extra) in built.items():
-            start = time.process_time()
-            runs[name]["losses"].append(train_step(model, optimizer, batch | extra))
-            if index:
-                runs[name]["step_cpu_seconds"].append(time.process_time() - start)
+
+    def step(name: str, s: int, data: dict) -> None:
+        model, optimizer, extra = built[name]
+        start = time.process_time()
+        runs[name]["losses"].append(by_name[name].step(model, optimizer, data | extra))
+        if s:
+            runs[name]["step_cpu_seconds"].append(time.process_time() - start)
+
+    first = batch(0)
+    for s in range(steps):
+        data = first if s == 0 else batch(s)
+        for name in built:
+            step(name, s, data)
+
+    def perplexity(name: str) -> float | None:
+        return answer_perplexity(built[name][0], held_out, pad_id) if held_out else None
+
+    for name in built:
+        runs[name]["answer_perplexity"] = perplexity(name)
+    if equal_time:
+        baselines = [m.name for m in methods if m.baseline]
+        if not baselines:
+            raise ValueError("equal_time needs a baseline among the methods (Method.baseline=True).")
+        budget = min(sum(runs[n]["step_cpu_seconds"]) for n in baselines)
+        s = steps
+        while todo := [n for n in built if n not in baselines and sum(runs[n]["step_cpu_seconds"]) < budget]:
+            data = batch(s)
+            for name in todo:
+                step(name, s, data)
+            s += 1
+        for name in built:
+            runs[name]["equal_time_steps"] = len(runs[name]["losses"])
+            runs[name]["equal_time_perplexity"] = (
+                runs[name]["answer_perplexity"] if name in baselines else perplexity(name)
+            )
     for name, (model, optimizer, extra) in built.items():
-        step = functools.partial(train_step, model, optimizer, batches[0] | extra)
-        runs[name]["step_peak_bytes"] = peak_memory_bytes(step)
-        runs[name]["answer_perplexity"] = answer_perplexity(model, held_out, pad_id) if held_out else None
+        once = functools.partial(by_name[name].step, model, optimizer, first | extra)
+        runs[name]["step_peak_bytes"] = peak_memory_bytes(once)
+        if check_peaks:
+            runs[name]["step_timeline_peak_bytes"] = timeline_peak_bytes(once)
+            runs[name]["step_rss_peak_bytes"] = rss_peak_bytes(once)
     return {
         "task": task.name,
         "description": description,
         "environment": environment(),
         "seed": seed,
-        "batch": list(batches[0]["input_ids"].shape),
+        "batch": list(first["input_ids"].shape),
+        "steps": steps,
+        "equal_time": equal_time,
         "methods": {m.name: dataclasses.asdict(m.recipe) | {"head": m.head, "baseline": m.baseline} for m in methods},
         "runs": runs,
     }
@@ -234,29 +335,47 @@ def run(
     steps: int,
     path: str,
     after_unit: Callable[[str], None] = lambda key: None,
+    check_peaks: bool = False,
+    equal_time: bool = False,
 ) -> dict:
     """Every (task, seed) unit that ``path`` lacks, each written to ``path`` as soon as it is done (a killed run
     resumes where it stopped); a unit already there with other methods or steps is refused."""
     results = load_results(path)
     names = [m.name for m in methods]
     for key, unit in results["units"].items():
-        if list(unit["runs"]) != names or len(next(iter(unit["runs"].values()))["losses"]) != steps:
-            raise ValueError(f"{path} holds unit {key} of other methods or steps: give another --out.")
+        done = unit.get("steps", len(next(iter(unit["runs"].values()))["losses"]))
+        if list(unit["runs"]) != names or done != steps or unit.get("equal_time", False) != equal_time:
+            raise ValueError(f"{path} holds unit {key} of other methods, steps or mode: give another --out.")
     for task in tasks:
         todo = [seed for seed in seeds if f"{task.name}/seed{seed}" not in results["units"]]
         loaded = task.load() if todo else None
         for seed in todo:
             key = f"{task.name}/seed{seed}"
-            unit = run_unit(task, methods, seed, steps, loaded)
+            unit = run_unit(task, methods, seed, steps, loaded, check_peaks, equal_time)
             results["units"][key] = unit
             atomic_write_text(path, dumps(results) + "\n")
             after_unit(key)
     return results
 
 
+EXTRA_COLUMNS = {  # the measurements only some runs make: column title, format
+    "step_timeline_peak_bytes": ("step peak, memory timeline", lambda v: f"{v / 2**20:.1f} MiB"),
+    "step_rss_peak_bytes": ("step peak, resident set", lambda v: f"{v / 2**20:.1f} MiB"),
+    "equal_time_steps": ("steps at equal time", lambda v: f"{v:.1f}"),
+    "equal_time_perplexity": ("held-out ppl at equal time", lambda v: f"{v:.3f}"),
+}
+
+
+def mean_of(units: list[dict], name: str, key: str, fmt: Callable[[float], str]) -> str:
+    values = [u["runs"][name][key] for u in units if u["runs"][name].get(key) is not None]
+    return fmt(statistics.mean(values)) if values else "-"
+
+
 def report(results: dict) -> str:
     """Per task: each method's step peak and step time (medians over steps, means over seeds) as ratios to the
-    fastest baseline of the same units, its last loss and held-out answer perplexity."""
+    fastest baseline of the same units, its last loss and held-out answer perplexity; where measured, the step's
+    peak from the memory timeline and the resident set (``check_peaks``), and the steps and held-out perplexity at
+    the fastest baseline's time (``equal_time``)."""
     lines = []
     by_task: dict[str, list[dict]] = {}
     for unit in results["units"].values():
@@ -267,6 +386,7 @@ def report(results: dict) -> str:
         peak = {n: statistics.mean(u["runs"][n]["step_peak_bytes"] for u in units) for n in names}
         baselines = [n for n in names if units[0]["methods"][n]["baseline"]] or names
         fastest = min(baselines, key=time_.get)
+        extra = [(key, fmt) for key, (_, fmt) in EXTRA_COLUMNS.items() if key in units[0]["runs"][names[0]]]
         rows = []
         for n in names:
             ppl = [u["runs"][n]["answer_perplexity"] for u in units if u["runs"][n]["answer_perplexity"] is not None]
@@ -278,8 +398,10 @@ def report(results: dict) -> str:
                     f"{statistics.mean(u['runs'][n]['losses'][-1] for u in units):.3f}",
                     f"{statistics.mean(ppl):.3f}" if ppl else "-",
                 ]
+                + [mean_of(units, n, key, fmt) for key, fmt in extra]
             )
         header = ["method", f"step peak (/ {fastest})", f"step time (/ {fastest})", "last loss", "held-out ppl"]
+        header += [EXTRA_COLUMNS[key][0] for key, _ in extra]
         lines += [
             f"*{units[0]['description']}*, batch {units[0]['batch']}, seeds {[u['seed'] for u in units]}",
             "",
@@ -337,6 +459,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=4, help="steps per method and unit (the first untimed)")
     parser.add_argument("--out", default=os.path.join(RESULTS, "harness"))
     parser.add_argument("--held-out", type=int, help="held-out examples evaluated (0: none; default: the task's)")
+    parser.add_argument(
+        "--equal-time", action="store_true", help="then train the faster methods on to the fastest baseline's time"
+    )
+    parser.add_argument("--check-peaks", action="store_true", help="also the timeline and resident-set peaks")
     parser.add_argument("--report", action="store_true", help="no training: the report and plot of <out>")
     args = parser.parse_args(argv)
     path = os.path.join(args.out, "harness.json")
@@ -346,7 +472,15 @@ def main(argv=None) -> dict:
         unknown = sorted(set(args.tasks) - set(tasks))
         if unknown:
             raise SystemExit(f"--tasks {unknown}: not a task; the tasks are {sorted(tasks)}.")
-        run([tasks[t] for t in args.tasks], [METHODS[m] for m in args.methods], args.seeds, args.steps, path)
+        run(
+            [tasks[t] for t in args.tasks],
+            [METHODS[m] for m in args.methods],
+            args.seeds,
+            args.steps,
+            path,
+            check_peaks=args.check_peaks,
+            equal_time=args.equal_time,
+        )
     results = load_results(path)
     atomic_write_text(os.path.join(args.out, "harness.md"), report(results))
     plot(results, os.path.join(args.out, "harness.png"))

@@ -5,7 +5,9 @@
   prompt names the topic and gives a paragraph's first sentence, the completion is the rest of the paragraph;
   every 5th topic is held out whole;
 * ``longqa``: the QA set with long prompts (``longqa_rows``): each question follows training pairs given as
-  examples until the prompt holds ``LONG_PROMPT_TOKENS`` tokens; the answer is at most a tenth of the row.
+  examples until the prompt holds ``LONG_PROMPT_TOKENS`` tokens; the answer is at most a tenth of the row;
+* ``pydocs-full``: continued pre-training on the same documentation, every position labelled: the paragraphs' text
+  (no chat template) in rows of ``max_length`` tokens, held out by topic as ``pydocs``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ TASK_DEFAULTS = {
     "qa": {"max_length": 64, "held_out": 48},
     "pydocs": {"max_length": 96, "held_out": 64},
     "longqa": {"max_length": 704, "held_out": 48},
+    "pydocs-full": {"max_length": 256, "held_out": 16},
 }
 
 
@@ -78,6 +81,16 @@ def pydocs_rows(held_out_every: int = 5) -> tuple[list[dict], list[dict]]:
             }
             (held_out if index % held_out_every == 0 else train).append(row)
     return train, held_out
+
+
+def text_blocks(rows: list[dict], tokenizer, length: int) -> list[dict]:
+    """The rows' text (prompt's sentence, then completion) run together and cut into ``length``-token examples, every
+    position labelled."""
+    text = "\n\n".join(r["prompt"].partition(": ")[2] + " " + r["completion"] for r in rows)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [
+        {"input_ids": ids[i : i + length], "labels": ids[i : i + length]} for i in range(0, len(ids) - length, length)
+    ]
 
 
 def longqa_rows(rows: list[dict], tokenizer) -> tuple[list[dict], list[dict]]:
@@ -161,6 +174,16 @@ def task_data(
             ),
         )
     train_rows, held_rows = pydocs_rows()
+    if task == "pydocs-full":
+        train = text_blocks(train_rows, tokenizer, max_length)[:train_examples]
+        held_out = text_blocks(held_rows, tokenizer, max_length)
+        held_out = spread_pick(held_out, held) if held else held_out
+        return (
+            train,
+            held_out,
+            f"Python reference docs as plain text, every position labelled ({len(train)} train / {len(held_out)} "
+            "held-out rows, held-out topics never trained on)",
+        )
     train_rows = spread_pick(train_rows, train_examples)
     held_rows = spread_pick(held_rows, held) if held else held_rows
     train = tokenize(train_rows, tokenizer, max_length)

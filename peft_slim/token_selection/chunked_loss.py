@@ -18,14 +18,19 @@ import torch.nn.functional as F
 
 from .loss import IGNORE_INDEX
 
-# Each chunk reads the whole head weight: fewer rows than this would spend more time reading it than computing.
-MIN_CHUNK_ROWS = 16
+# Each chunk reads the whole head weight (vocab x hidden) for rows x vocab x hidden multiply-adds: with few rows
+# the head runs at the speed of reading its weight, not of its arithmetic. Measured on a SmolLM2-135M step (1
+# thread; benchmarks/results/chunk_rule): with 16 rows the step took 10-12% longer on the docs tasks (about 100-300
+# rows reach the head); from 64 rows up to one chunk the step time is the same within noise. 128 keeps a margin for
+# more compute per byte read (more threads, GPUs) and costs at most 128 x vocab x ~12 bytes (fp32 logits,
+# log-softmax, gradient): fewer logits than a baseline running the head at every labelled position holds.
+MIN_CHUNK_ROWS = 128
 
 
 def chunk_rows(vocab: int, hidden_size: int, total_rows: int) -> int:
     """Rows per chunk: the rows split into about ``vocab / hidden_size`` chunks, so that one chunk's fp32 logits
     take about the bytes of all the rows' hidden states in fp32 (what the loss keeps anyway), and never fewer than
-    ``MIN_CHUNK_ROWS`` rows."""
+    ``MIN_CHUNK_ROWS`` rows (the head reads its weight once per chunk)."""
     chunks = max(1, math.ceil(vocab / hidden_size))
     return max(MIN_CHUNK_ROWS, math.ceil(total_rows / chunks))
 

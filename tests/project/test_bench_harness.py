@@ -74,7 +74,7 @@ def test_two_methods_interleaved_a_killed_run_resumes_and_the_report_reads_the_f
     assert "/ lora+ckpt+labelled-head)" in text  # the only baseline is the fastest
     harness.plot(results, str(tmp_path / "harness.png"))
     assert (tmp_path / "harness.png").read_bytes()[:4] == b"\x89PNG"
-    with pytest.raises(ValueError, match="other methods or steps"):
+    with pytest.raises(ValueError, match="other methods, steps or mode"):
         harness.run(tasks, METHODS[:1], [0], 3, path)
 
 
@@ -83,3 +83,29 @@ def test_a_head_other_than_the_models_is_a_lora_baselines():
         harness.Method("x", Recipe("tokentune"), head="labelled")
     with pytest.raises(ValueError, match="Method.head='fused'"):
         harness.Method("x", Recipe("lora"), head="fused")
+
+
+def test_equal_time_trains_the_faster_method_on_to_the_baselines_time(monkeypatch):
+    """A clock where the baseline's step takes 2 s and TokenTune's 1 s: after 3 steps each (2 timed), TokenTune
+    trains 2 steps more (4 s of the baseline's 4 s), interleaved; its perplexity is taken again after them."""
+    clock = [0.0]
+    baseline = []
+    step = harness.train_step
+
+    def timed_step(model, *a):
+        if not baseline:
+            baseline.append(id(model))  # the first method stepped is the baseline
+        clock[0] += 2.0 if id(model) == baseline[0] else 1.0
+        return step(model, *a)
+
+    monkeypatch.setattr(harness, "train_step", timed_step)
+    monkeypatch.setattr(harness.time, "process_time", lambda: clock[0])
+    unit = harness.run_unit(tiny_task("a"), METHODS, 0, 3, tiny_task("a").load(), equal_time=True)
+    base, tokentune = (unit["runs"][m.name] for m in METHODS)
+    assert base["equal_time_steps"] == 3 and base["equal_time_perplexity"] == base["answer_perplexity"]
+    assert tokentune["equal_time_steps"] == 5 and len(tokentune["losses"]) == 5
+    assert tokentune["step_cpu_seconds"] == [1.0] * 4 and base["step_cpu_seconds"] == [2.0] * 2
+    assert tokentune["equal_time_perplexity"] != tokentune["answer_perplexity"] > 1
+    assert "| held-out ppl at equal time |" in harness.report({"units": {"a/seed0": unit}}).replace("  ", " ")
+    with pytest.raises(ValueError, match="needs a baseline"):
+        harness.run_unit(tiny_task("a"), METHODS[1:], 0, 2, tiny_task("a").load(), equal_time=True)
