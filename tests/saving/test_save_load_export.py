@@ -130,10 +130,15 @@ _SLIM_CHILD = textwrap.dedent(
 
 _VANILLA_CHILD = textwrap.dedent(
     """
-    import json, sys, warnings
+    import importlib.util, json, sys, warnings
     import torch
     from peft import AutoPeftModelForCausalLM, PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    # Imported up front, as PEFT 0.21 does on its own import: later releases import it at the first LoRA load, and
+    # its import warns torch's deprecations, which are no fault of the adapter's.
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        import bitsandbytes
 
     jobs = json.load(open({jobs!r}))
     report = {{}}
