@@ -22,6 +22,7 @@ import pytest
 import torch
 from helpers.adapter_cases import METHODS, eval_inputs, eval_logits, method_config
 from helpers.tiny_models import build, make_batch
+from helpers.vanilla_child import IMPORT_BITSANDBYTES
 from peft import PeftModel, get_peft_model
 from tokenizers import Tokenizer, pre_tokenizers, trainers
 from tokenizers import models as tokenizer_models
@@ -52,7 +53,9 @@ def _trained(name: str, steps: int = 3):
 
 
 # A process that never imports peft_slim: PEFT's own loader on each folder, every warning recorded.
-_VANILLA = """
+_VANILLA = (
+    IMPORT_BITSANDBYTES
+    + """
 import json, sys, warnings, torch
 sys.path.insert(0, {tests!r})
 from peft import PeftConfig, PeftModel
@@ -71,6 +74,7 @@ for name, folder in json.loads({folders!r}).items():
 out["imported"] = any(m.startswith("peft_slim") for m in sys.modules)
 print("RESULT=" + json.dumps(out))
 """
+)
 
 
 def _child(script: str) -> dict:

@@ -18,6 +18,7 @@ import textwrap
 import pytest
 import torch
 from helpers.tiny_models import LORA_TARGETS, build, make_batch
+from helpers.vanilla_child import IMPORT_BITSANDBYTES
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils.other import AuxiliaryTrainingWrapper
@@ -128,17 +129,12 @@ _SLIM_CHILD = textwrap.dedent(
     """
 )
 
-_VANILLA_CHILD = textwrap.dedent(
+_VANILLA_CHILD = IMPORT_BITSANDBYTES + textwrap.dedent(
     """
-    import importlib.util, json, sys, warnings
+    import json, sys, warnings
     import torch
     from peft import AutoPeftModelForCausalLM, PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    # Imported up front, as PEFT 0.21 does on its own import: later releases import it at the first LoRA load, and
-    # its import warns torch's deprecations, which are no fault of the adapter's.
-    if importlib.util.find_spec("bitsandbytes") is not None:
-        import bitsandbytes
 
     jobs = json.load(open({jobs!r}))
     report = {{}}
