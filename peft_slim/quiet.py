@@ -7,6 +7,7 @@ exact message it drops and is active only around the call that prints it; everyt
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import re
@@ -66,8 +67,9 @@ def warning_silenced(category: type[Warning], message: str) -> Iterator[None]:
         yield
 
 
-# peft imports bitsandbytes (when installed) on its own import; everything in peft_slim imports peft, so this module
-# is imported first (peft_slim/__init__.py) and does it here with the probe's warning dropped.
+# peft imports bitsandbytes (when installed) on its own import (PEFT 0.21) or at its first LoRA injection (later
+# releases); everything in peft_slim imports peft, so this module is imported first (peft_slim/__init__.py) and
+# imports both here with the probe's warning dropped (bitsandbytes probes once, at its import).
 def _not_the_probe(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith(BNB_CPU_PROBE_MESSAGE)
 
@@ -75,5 +77,8 @@ def _not_the_probe(record: logging.LogRecord) -> bool:
 logging.getLogger(BNB_CPU_PROBE_LOGGER).addFilter(_not_the_probe)
 try:
     import peft  # noqa: F401, E402
+
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        import bitsandbytes  # noqa: F401
 finally:
     logging.getLogger(BNB_CPU_PROBE_LOGGER).removeFilter(_not_the_probe)

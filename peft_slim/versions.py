@@ -23,7 +23,7 @@ from packaging.version import Version
 MINIMUM = {"torch": "2.11", "transformers": "5.23", "peft": "0.21"}
 # The oldest and newest releases CI runs the suite on (torch: 2.13.0, the CPU build README installs, and the newest
 # release on PyPI, a CUDA build run on the CPU).
-TESTED = {"torch": ("2.13.0", "2.15.0"), "transformers": ("5.23.0", "5.25.0"), "peft": ("0.21.0", "0.21.2")}
+TESTED = {"torch": ("2.13.0", "2.15.0"), "transformers": ("5.23.0", "5.25.0"), "peft": ("0.21.0", "0.22.0")}
 
 
 def check_versions() -> None:

@@ -21,6 +21,7 @@ import pytest
 import torch
 from helpers.killed import killed_runs
 from helpers.tiny_chat import QA, save_tiny_chat_llama
+from helpers.vanilla_child import IMPORT_BITSANDBYTES
 from transformers import PreTrainedTokenizerFast
 
 from peft_slim import SlimFitConfig
@@ -322,7 +323,9 @@ def test_saved_adapters_load_in_a_fresh_process(trained, tiny_model):
         assert logits != pytest.approx(base_logits, rel=1e-5), name
 
 
-_VANILLA_CHILD = """
+_VANILLA_CHILD = (
+    IMPORT_BITSANDBYTES
+    + """
 import json, sys, warnings, torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
@@ -340,6 +343,7 @@ for name, folder in json.loads(sys.argv[1]).items():
 out["imported"] = any(m.startswith("peft_slim") for m in sys.modules)
 print(json.dumps(out))
 """
+)
 
 
 def test_lora_stacked_adapters_load_in_vanilla_peft_without_peft_slim_or_a_warning(trained, tiny_model):

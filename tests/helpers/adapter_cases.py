@@ -12,6 +12,7 @@ import torch
 from peft import LoraConfig
 
 from helpers.tiny_models import make_batch
+from helpers.vanilla_child import IMPORT_BITSANDBYTES
 from peft_slim import ActivationCompressionConfig, SlimFitConfig, TokenSelectionConfig, TokenTuneConfig
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
@@ -56,7 +57,9 @@ def eval_logits(model) -> torch.Tensor:
 
 
 # A process that never imports peft_slim: PEFT's own loader on each folder, every warning recorded.
-VANILLA = """
+VANILLA = (
+    IMPORT_BITSANDBYTES
+    + """
 import json, sys, warnings, torch
 sys.path.insert(0, {tests!r})
 from peft import PeftConfig, PeftModel
@@ -75,6 +78,7 @@ for name, folder in json.loads({folders!r}).items():
 out["imported"] = any(m.startswith("peft_slim") for m in sys.modules)
 print("RESULT=" + json.dumps(out))
 """
+)
 
 
 def without_peft_slim(script: str) -> dict:

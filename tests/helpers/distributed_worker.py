@@ -152,14 +152,6 @@ def run_errors(rank: int, out_dir: str, init_dir: str) -> dict:
         FullyShardedDataParallel(model, use_orig_params=True)
     except Exception as error:  # FSDP1 needs an accelerator; on CPU only FSDP2 runs
         messages["fsdp1_on_cpu"] = f"{type(error).__name__}: {error}"
-    for block in find_blocks(model)[1]:
-        fully_shard(block)
-    fully_shard(model)
-    if rank == 0:
-        try:  # rank 0 alone cannot write a sharded model: save_pretrained(..., distributed=True) gathers first
-            model.save_pretrained(os.path.join(out_dir, "errors", "direct"))
-        except Exception as error:
-            messages["direct_save_under_fsdp"] = f"{type(error).__name__}: {error}"
     # SlimFit under DDP without unused-parameter detection: refused at the first training forward, not a hang.
     slimfit = DistributedDataParallel(load_model(os.path.join(init_dir, SLIMFIT_TRAINER_INIT)))
     slimfit.train()

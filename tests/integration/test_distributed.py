@@ -226,15 +226,15 @@ def test_trainer_with_slimfit_callback_under_two_processes(runs):
 
 
 def test_what_refuses_to_work_under_two_processes(runs):
-    """FSDP1 needs an accelerator (so CPU tests use FSDP2); rank 0 cannot save a sharded model by itself;
-    SlimFit refuses DDP without unused-parameter detection at the first training forward (instead of a hang), and
-    its debug check (PEFT_SLIM_CHECK_RANKS=1) catches freeze decisions that differ by rank."""
+    """FSDP1 needs an accelerator (so CPU tests use FSDP2); SlimFit refuses DDP without unused-parameter detection
+    at the first training forward (instead of a hang), and its debug check (PEFT_SLIM_CHECK_RANKS=1) catches freeze
+    decisions that differ by rank. (A sharded model's plain save_pretrained on rank 0 alone is not run here: PEFT
+    0.21 raises on the shards, later releases gather them, a collective the other rank never joins.)"""
     ranks = runs.result("errors")
     for r in ranks:
         assert "FSDP needs a non-CPU accelerator device" in r["fsdp1_on_cpu"]
         assert "find_unused_parameters=True" in r["slimfit_ddp_without_find_unused"]
         assert "processes disagree on which units train" in r["slimfit_ranks_disagree"]
-    assert "direct_save_under_fsdp" in ranks[0]  # hence save_pretrained(..., distributed=True)
 
 
 # ---------------------------------------------------------------------------------------------- no launch

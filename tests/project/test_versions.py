@@ -15,6 +15,10 @@ from peft_slim import versions
 ROOT = Path(versions.__file__).resolve().parent.parent
 TOML = (ROOT / "pyproject.toml").read_text()
 OLDEST = (ROOT / ".ci" / "oldest.txt").read_text()
+# A later patch release of the newest tested PEFT minor (tested), and the next minor release (untested).
+PEFT_OLDEST, PEFT_NEWEST = versions.TESTED["peft"]
+_MAJOR, _MINOR = PEFT_NEWEST.split(".")[:2]
+PEFT_LATER_PATCH, PEFT_NEXT_MINOR = f"{_MAJOR}.{_MINOR}.9", f"{_MAJOR}.{int(_MINOR) + 1}.0"
 
 
 def _with(monkeypatch, **found):
@@ -46,13 +50,17 @@ def test_the_tested_span_is_silent(monkeypatch):
     newest = {package: span[1] for package, span in versions.TESTED.items()}
     assert _check(monkeypatch, **newest) == []
     # A later patch release of the newest tested minor, and a local build tag, are the tested release.
-    assert _check(monkeypatch, peft="0.21.9", torch="2.13.0+cpu", transformers="5.24.3") == []
+    assert _check(monkeypatch, peft=PEFT_LATER_PATCH, torch="2.13.0+cpu", transformers="5.24.3") == []
 
 
 def test_outside_the_tested_span_warns_once_naming_every_package(monkeypatch):
-    messages = _check(monkeypatch, peft="0.22.0", transformers="5.26.0", torch="2.12.1")
+    messages = _check(monkeypatch, peft=PEFT_NEXT_MINOR, transformers="5.26.0", torch="2.12.1")
     assert len(messages) == 1
-    for text in ("peft 0.22.0 (tested: 0.21.0 to 0.21.2)", "transformers 5.26.0", "torch 2.12.1"):
+    for text in (
+        f"peft {PEFT_NEXT_MINOR} (tested: {PEFT_OLDEST} to {PEFT_NEWEST})",
+        "transformers 5.26.0",
+        "torch 2.12.1",
+    ):
         assert text in messages[0]
 
 
@@ -74,3 +82,5 @@ def test_the_declared_ranges_match_the_check_and_ci():
         assert re.search(rf'"{package}>={re.escape(minimum)}[,"]', TOML), package
     for package in ("transformers", "peft"):
         assert f"{package}=={versions.TESTED[package][0]}" in OLDEST.split()
+    # PEFT's cap: below the minor release after the newest tested one (PEFT's minor releases change its private APIs).
+    assert f'"peft>={versions.MINIMUM["peft"]},<{_MAJOR}.{int(_MINOR) + 1}"' in TOML
