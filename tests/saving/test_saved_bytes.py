@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 from helpers.adapter_cases import bert_dora_config, method_config
-from helpers.recorded import VERSIONS_KEY, skip_unless_recorded_with, versions
+from helpers.recorded import VERSIONS_KEY, load_recorded, record_path, versions
 from helpers.tiny_models import build
 from peft import LoraConfig, get_peft_model
 
@@ -99,9 +99,7 @@ def saved_digests(name: str, folder: str, how: str) -> dict[str, str]:
 @pytest.mark.parametrize("how", ["peft", "peft_slim"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_saved_files_are_those_recorded(name, how, tmp_path):
-    with open(RECORD) as handle:
-        record = json.load(handle)
-    skip_unless_recorded_with(record.get(VERSIONS_KEY))
+    record = load_recorded(RECORD)
     recorded = record[name]
     assert saved_digests(name, str(tmp_path), how) == recorded
 
@@ -114,6 +112,6 @@ if __name__ == "__main__":
         with tempfile.TemporaryDirectory() as folder:
             record[case] = saved_digests(case, folder, "peft")
     record[VERSIONS_KEY] = versions()
-    with open(RECORD, "w") as handle:
+    with open(record_path(RECORD), "w") as handle:
         json.dump(record, handle, indent=1, sort_keys=True)
         handle.write("\n")

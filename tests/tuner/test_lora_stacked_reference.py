@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 from helpers.adapter_cases import bert_dora_config, method_config
-from helpers.recorded import VERSIONS_KEY, skip_unless_recorded_with, versions
+from helpers.recorded import VERSIONS_KEY, load_recorded, record_path, versions
 from helpers.tiny_models import build, make_batch
 from peft import LoraConfig, get_peft_model
 
@@ -70,9 +70,7 @@ def one_thread():
 
 @pytest.mark.parametrize("name", sorted(_configs()))
 def test_bit_identical_to_the_recorded_steps(name, one_thread):
-    with open(RECORD) as handle:
-        record = json.load(handle)
-    skip_unless_recorded_with(record.get(VERSIONS_KEY))
+    record = load_recorded(RECORD)
     recorded = {key: value for key, value in record.items() if key.startswith(f"{name}/")}
     got = run(name)
     assert got.keys() == recorded.keys()
@@ -84,6 +82,6 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     record = {key: value for name in sorted(_configs()) for key, value in run(name).items()}
     record[VERSIONS_KEY] = versions()
-    with open(RECORD, "w") as handle:
+    with open(record_path(RECORD), "w") as handle:
         json.dump(record, handle, indent=0, sort_keys=True)
         handle.write("\n")
