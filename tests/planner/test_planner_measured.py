@@ -11,7 +11,7 @@ import sys
 import warnings
 
 import pytest
-from helpers.planner_cases import checked_train_args, llama_config
+from helpers.planner_cases import checked_train_args, estimates_remembered, llama_config
 
 from peft_slim.cli import main as cli_main
 from peft_slim.cli.plan import train_command
@@ -29,6 +29,13 @@ OPTIONS = dict(lora_r=4, min_token_ratio=0.2)
 def quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def remembered():
+    """Every plan here (the command's included) estimates the same tiny model and workload: once, not per plan."""
+    with estimates_remembered():
         yield
 
 
