@@ -13,7 +13,7 @@ import sys
 import warnings
 
 import pytest
-from helpers.planner_cases import checked_train_args, llama_config
+from helpers.planner_cases import checked_train_args, estimates_remembered, llama_config
 from helpers.tiny_chat import QA, save_tiny_chat_llama
 
 from peft_slim.cli import main as cli_main
@@ -21,6 +21,13 @@ from peft_slim.cli.plan import MODEL_PLACEHOLDER
 from peft_slim.planner.plan import NOT_MEASURED
 
 FEW_SETTINGS = ["--batch-size", "2", "--seq-len", "32", "--no-checkpointing", "--min-token-ratio", "0.5"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def remembered():
+    """A plan repeated here (the same model and flags, another output) estimates each setting once."""
+    with estimates_remembered():
+        yield
 
 
 @pytest.fixture(scope="module")
