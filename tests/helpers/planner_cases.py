@@ -232,7 +232,8 @@ if __name__ == "__main__":
 def estimates_remembered():
     """Within it, `plan` (and ``peft-slim plan``, which calls it) estimates each distinct setting and workload once:
     a repeated one gets the estimate `plan` gave it before. For tests of what `plan` and the command do with the
-    estimates (order, budget, evidence, output), not of the estimates themselves."""
+    estimates (order, budget, evidence, output), not of the estimates themselves. Yields the estimates remembered
+    (clear it to have the next plan estimate)."""
     module = importlib.import_module("peft_slim.planner.plan")
     real, found = module._estimate_all, {}
 
@@ -248,4 +249,4 @@ def estimates_remembered():
         return [found[key(job)] for job in jobs]
 
     with mock.patch.object(module, "_estimate_all", remembered):
-        yield
+        yield found
