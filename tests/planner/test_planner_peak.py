@@ -1,8 +1,8 @@
 """The planner's step peak against one measured without the package: within 10% of the resident high-water mark of
 the real step on every method and architecture it is checked on, and never under it by more than 5% (an estimate
 under the peak is the dangerous direction: the plan's first choice could run out of memory). One case of each
-method runs by default (LoRA, full fine-tuning, SlimFit, TokenTune with and without compression, TokenTune on an
-encoder); the others are marked slow. The cases selected are measured one after another in one fresh process (the
+method runs by default (LoRA, full fine-tuning, SlimFit, TokenTune with and without compression); the
+others are marked slow. The cases selected are measured one after another in one fresh process (the
 high-water mark restarts before each step), not one process each."""
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ DEFAULT = {
     "llama slimfit",
     "llama tokentune 0.2",
     "llama tokentune 0.3 8-bit bf16",
-    "bert tokentune 0.3",
 }
 CASES = [pytest.param(case, marks=() if case in DEFAULT else pytest.mark.slow) for case in MEASURED_CASES]
 TEST = "test_the_estimated_peak_is_within_10_percent_of_the_measured_one_and_never_5_percent_under"

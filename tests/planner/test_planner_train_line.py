@@ -27,6 +27,7 @@ PACKAGED = json.loads(
     (pathlib.Path(__file__).resolve().parents[2] / "peft_slim" / "planner" / "measured.json").read_text()
 )
 FEW_SETTINGS = ["--batch-size", "2", "--seq-len", "32", "--no-checkpointing", "--min-token-ratio", "0.5"]
+LORA_AND_SLIMFIT = [*FEW_SETTINGS[:-1], "1.0"]  # where the settings tried do not matter: the fewest
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,7 +48,7 @@ def plan_lines(capsys, *argv: str) -> tuple[int, list[str]]:
 
 
 def test_the_printed_train_line_runs_as_printed(tiny_model, tmp_path, capsys):
-    code, lines = plan_lines(capsys, "--model", str(tiny_model), "--budget", "1GB", *FEW_SETTINGS)
+    code, lines = plan_lines(capsys, "--model", str(tiny_model), "--budget", "1GB", *LORA_AND_SLIMFIT)
     assert code == 0 and lines[-1].startswith("peft-slim train --model ")
     argv = shlex.split(lines[-1])[2:]
     assert checked_train_args(argv).model == str(tiny_model)
@@ -61,7 +62,7 @@ def test_the_printed_train_line_runs_as_printed(tiny_model, tmp_path, capsys):
 
 
 def test_one_short_line_per_setting_and_no_warning(tmp_path, capsys, remembered):
-    llama_config().save_pretrained(tmp_path)
+    llama_config(num_hidden_layers=1).save_pretrained(tmp_path)
     remembered.clear()  # this plan estimates: a warning raised while estimating would be caught here
     argv = ["--model", str(tmp_path), "--batch-size", "2", "--seq-len", "32", *FEW_SETTINGS[4:]]
     with warnings.catch_warnings(record=True) as caught:
@@ -85,7 +86,7 @@ def test_one_short_line_per_setting_and_no_warning(tmp_path, capsys, remembered)
 
 @pytest.mark.parametrize("weights", [False, True])
 def test_a_model_without_weights_gets_a_placeholder_and_the_words_saying_what_to_pass(tmp_path, capsys, weights):
-    llama_config().save_pretrained(tmp_path)
+    llama_config(num_hidden_layers=1).save_pretrained(tmp_path)
     given = tmp_path if weights else tmp_path / "config.json"
     if weights:  # a folder with weights: its name goes in the line as given
         (tmp_path / "model.safetensors").write_bytes(b"")
@@ -100,8 +101,8 @@ def test_a_model_without_weights_gets_a_placeholder_and_the_words_saying_what_to
 
 def test_no_train_line_for_an_optimizer_train_does_not_use(tmp_path, capsys):
     """`peft-slim train` always uses AdamW: a setting that fits under SGD's (empty) state may not fit under AdamW's."""
-    llama_config().save_pretrained(tmp_path)
-    argv = ["--model", str(tmp_path), "--budget", "1GB", "--optimizer", "sgd", *FEW_SETTINGS]
+    llama_config(num_hidden_layers=1).save_pretrained(tmp_path)
+    argv = ["--model", str(tmp_path), "--budget", "1GB", "--optimizer", "sgd", *LORA_AND_SLIMFIT]
     code, lines = plan_lines(capsys, *argv)
     assert code == 0 and not any(line.startswith("peft-slim train") for line in lines)
     assert lines[-1].startswith("Plan with --optimizer adamw for a `peft-slim train` line")
@@ -122,7 +123,7 @@ def test_the_command_writes_nothing_but_its_progress_bar_to_stderr(tmp_path):
 
 
 def test_json_output_holds_the_table_in_bytes_and_the_train_line(tmp_path, capsys):
-    llama_config().save_pretrained(tmp_path)
+    llama_config(num_hidden_layers=1).save_pretrained(tmp_path)
     argv = ["--model", str(tmp_path), "--budget", "1GB", *FEW_SETTINGS]
     code, lines = plan_lines(capsys, *argv)
     json_code, json_lines = plan_lines(capsys, *argv, "--json")
