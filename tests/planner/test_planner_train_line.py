@@ -63,7 +63,7 @@ def test_the_printed_train_line_runs_as_printed(tiny_model, tmp_path, capsys):
 
 def test_one_short_line_per_setting_and_no_warning(tmp_path, capsys, remembered):
     llama_config(num_hidden_layers=1).save_pretrained(tmp_path)
-    remembered.clear()  # this plan estimates: a warning raised while estimating would be caught here
+    remembered.clear()  # this plan estimates afresh, as a user's does (warnings in its forked processes: see below)
     argv = ["--model", str(tmp_path), "--batch-size", "2", "--seq-len", "32", *FEW_SETTINGS[4:]]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
