@@ -5,10 +5,13 @@ process's resident high-water mark)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import transformers
 from peft import LoraConfig
@@ -223,3 +226,27 @@ if __name__ == "__main__":
     with open(path, "w") as handle:
         json.dump(recorded, handle, indent=1, sort_keys=True)
         handle.write("\n")
+
+
+@contextlib.contextmanager
+def estimates_remembered():
+    """Within it, `plan` (and ``peft-slim plan``, which calls it) estimates each distinct setting and workload once:
+    a repeated one gets the estimate `plan` gave it before. For tests of what `plan` and the command do with the
+    estimates (order, budget, evidence, output), not of the estimates themselves. Yields the estimates remembered
+    (clear it to have the next plan estimate)."""
+    module = importlib.import_module("peft_slim.planner.plan")
+    real, found = module._estimate_all, {}
+
+    def key(job):
+        source, peft_config, checkpointing, workload = job
+        config = source.to_json_string() if hasattr(source, "to_json_string") else repr(source)
+        peft = None if peft_config is None else json.dumps(peft_config.to_dict(), sort_keys=True, default=repr)
+        return config, peft, checkpointing, json.dumps(workload, sort_keys=True, default=repr)
+
+    def remembered(jobs, processes, progress):
+        new = [job for job in jobs if key(job) not in found]
+        found.update(zip(map(key, new), real(new, processes, progress) if new else []))
+        return [found[key(job)] for job in jobs]
+
+    with mock.patch.object(module, "_estimate_all", remembered):
+        yield found

@@ -164,9 +164,9 @@ def test_fewer_tokens_and_fewer_bits_need_less():
 
 def test_plan_fits_the_budget_in_ladder_order():
     config = llama_config()
-    options = dict(lora_r=4, target_modules=["q_proj", "v_proj"], min_token_ratio=0.3, rank="ladder")
+    options = dict(lora_r=4, target_modules=["q_proj", "v_proj"], min_token_ratio=0.5, rank="ladder")
     everything = plan(config, None, 2, 64, **options)
-    order = [c.name for c in ladder(4, 0.3)]
+    order = [c.name for c in ladder(4, 0.5)]
     plain = [c.name for c in everything if not c.gradient_checkpointing]
     assert plain == [name for name in order if name in plain] and plain[0] == "lora+lora-r4"
     budget = sorted(c.estimate.peak for c in everything)[len(everything) // 2]
@@ -210,7 +210,7 @@ def test_cli_prints_a_table_and_a_train_line(tmp_path, capsys):
             "--lora-r",
             "4",
             "--min-token-ratio",
-            "0.5",
+            "1.0",  # LoRA and SlimFit only: the fewest settings
             "--no-checkpointing",
         ]
     )
@@ -447,7 +447,7 @@ def test_cli_plans_a_gguf_model_as_train_reads_it(tmp_path, capsys):
 
     write_tiny_gguf(tmp_path / "tiny.gguf")
     argv = ["plan", "--model", str(tmp_path), "--gguf-file", "tiny.gguf", "--batch-size", "2", "--seq-len", "16"]
-    assert cli_main([*argv, "--budget", "1GB", "--no-checkpointing", "--min-token-ratio", "0.5"]) == 0
+    assert cli_main([*argv, "--budget", "1GB", "--no-checkpointing", "--min-token-ratio", "1.0"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[1].split(" | ")[0] == "lora+lora-r8"
     parsed = parse_train_line(shlex.split(lines[-1])[1:])

@@ -33,8 +33,9 @@ def full_depth(config, peft_config, gradient_checkpointing=False):
 
 SETTINGS = ladder(4, 0.3)
 SETTINGS = [*SETTINGS, *(replace(c, gradient_checkpointing=True) for c in SETTINGS)]
-QUICK = {"lora+lora-r4", "tokentune-0.3+lora-r4", "tokentune-0.5+lora-r4+8bit", "tokentune-0.3+lora-r4+4bit+ckpt"}
-# A few settings by default, every one of the ladder in the slow run (two traces of a deep model each).
+QUICK = {"lora+lora-r4", "tokentune-0.3+lora-r4", "tokentune-0.3+lora-r4+4bit+ckpt"}
+# A few settings by default (LoRA; TokenTune; TokenTune compressed and checkpointed), every one of the ladder in the
+# slow run (two traces of a deep model each).
 PARAMS = [pytest.param(c, id=c.name, marks=() if c.name in QUICK else pytest.mark.slow) for c in SETTINGS]
 
 

@@ -11,7 +11,7 @@ import sys
 import warnings
 
 import pytest
-from helpers.planner_cases import checked_train_args, llama_config
+from helpers.planner_cases import checked_train_args, estimates_remembered, llama_config
 
 from peft_slim.cli import main as cli_main
 from peft_slim.cli.plan import train_command
@@ -25,10 +25,22 @@ PACKAGED = json.loads((ROOT / "peft_slim" / "planner" / "measured.json").read_te
 OPTIONS = dict(lora_r=4, min_token_ratio=0.2)
 
 
+def tiny_config():
+    """The model planned here: one block (the ranking and evidence do not depend on depth; each estimate traces it)."""
+    return llama_config(num_hidden_layers=1)
+
+
 @pytest.fixture(autouse=True)
 def quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def remembered():
+    """Every plan here (the command's included) estimates the same tiny model and workload: once, not per plan."""
+    with estimates_remembered():
         yield
 
 
@@ -37,7 +49,7 @@ def everything():
     """Every setting of a tiny model, in ladder order and ranked (the estimates are the slow part: once)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = llama_config()
+        config = tiny_config()
         return plan(config, None, 2, 32, **OPTIONS, rank="ladder"), plan(config, None, 2, 32, **OPTIONS)
 
 
@@ -150,7 +162,7 @@ def test_plan_ranks_by_the_measurements_and_never_invents_one(everything):
         if candidate.measurement is None:
             assert candidate.evidence == NOT_MEASURED and not any(ch.isdigit() for ch in candidate.evidence)
     budget = sorted(c.estimate.peak for c in ranked)[len(ranked) // 2]
-    fitting = plan(llama_config(), budget, 2, 32, **OPTIONS)
+    fitting = plan(tiny_config(), budget, 2, 32, **OPTIONS)
     assert [c.name for c in fitting] == [c.name for c in ranked if c.estimate.peak <= budget]
 
 
@@ -193,7 +205,7 @@ def test_a_method_the_trl_head_run_measured_carries_those_ratios_too():
 
 
 def test_cli_prints_each_settings_evidence_and_trains_the_first(tmp_path, capsys, everything):
-    llama_config().save_pretrained(tmp_path)
+    tiny_config().save_pretrained(tmp_path)
     _, ranked = everything
     argv = ["plan", "--model", str(tmp_path), "--batch-size", "2", "--seq-len", "32", "--lora-r", "4", "--verbose"]
     assert cli_main([*argv, "--min-token-ratio", "0.2", "--budget", str(max(c.estimate.peak for c in ranked))]) == 0

@@ -28,7 +28,7 @@ def _recorded(name: str) -> dict:
 RECORDED = {"tiny": _recorded("planner_estimates.json"), "8b": _recorded("planner_estimates_8b.json")}
 QUICK = {  # case -> the settings checked by default
     "llama 2 blocks": ("tokentune-0.05+lora-r8+4bit+ckpt", "full"),
-    "llama 6 blocks bf16": ("lora+lora-r8", "tokentune-0.2+lora-r8+8bit+ckpt", "full+ckpt"),
+    "llama 6 blocks bf16": ("lora+lora-r8", "tokentune-0.2+lora-r8+8bit+ckpt"),  # "full" of 2 blocks: below
     "llama 5 blocks q,v sgd": ("tokentune-0.5+lora-r4+4bit",),
     "bert 4 blocks": ("tokentune-0.3+lora-r8+ckpt",),
     "vit 4 blocks": ("tokentune-0.5+lora-r8+8bit",),
