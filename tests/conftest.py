@@ -7,12 +7,25 @@ import os
 
 import huggingface_hub
 import pytest
+import torch
 from huggingface_hub import HfApi
 from huggingface_hub.errors import EntryNotFoundError
 
 # The HTTP client huggingface_hub sends through: httpx2 from huggingface_hub 2, httpx before (older transformers 5
 # releases require huggingface_hub 1.x).
 http_client = importlib.import_module("httpx2" if int(huggingface_hub.__version__.split(".")[0]) >= 2 else "httpx")
+
+
+def pytest_configure(config):
+    """Each of pytest-xdist's workers gets its share of the cores, and so do the processes its tests start: torch's
+    default (a thread per core in every worker) oversubscribes the machine, which made the suite several times
+    slower on 2 cores. A thread count set by the caller is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = str(max(1, (os.cpu_count() or 1) // workers))
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(name, threads)
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture
