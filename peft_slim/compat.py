@@ -123,9 +123,16 @@ def storage_key(tensor: torch.Tensor) -> int:
 
 
 def is_fake_tensor(tensor: Any) -> bool:
-    """Whether ``tensor`` is a fake tensor (shapes, no data): the training code runs on them inside a memory
-    estimate (``peft_slim.planner``). Private API: ``torch._subclasses.fake_tensor.FakeTensor``."""
-    return isinstance(tensor, FakeTensor)
+    """Whether ``tensor`` has shapes and no data: a fake tensor or one on the meta device; the training code runs on
+    them inside a memory estimate (``peft_slim.planner``). Private API: ``torch._subclasses.fake_tensor.FakeTensor``."""
+    return isinstance(tensor, FakeTensor) or (isinstance(tensor, torch.Tensor) and tensor.device.type == "meta")
+
+
+def autocast_device_type(tensor: torch.Tensor) -> str:
+    """The device type whose autocast state applies to ``tensor``: a meta tensor (a memory estimate) stands for a CPU
+    one, and autocast knows no meta device."""
+    kind = tensor.device.type
+    return "cpu" if kind == "meta" else kind
 
 
 def outside_fake_mode() -> Any:

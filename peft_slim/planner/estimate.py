@@ -16,7 +16,7 @@ from peft import PeftConfig
 
 from ..quiet import warning_silenced
 from ..slimfit import SlimFitConfig
-from .fake import fake_tensor_mode, one_sequence_per_row
+from .fake import attention_as_on_cpu, fake_tensor_mode, one_sequence_per_row
 from .setup import (
     gradient_bytes,
     make_optimizer,
@@ -124,13 +124,16 @@ def traced(model, step: tuple) -> MemoryEstimate:
     workload, trained, inputs = training_step(
         model, peft_config, batch_size, seq_len, optimizer, dtype, task, gradient_checkpointing, "meta"
     )
-    with fake_tensor_mode():
-        _make_fake(trained)
+    import os, contextlib
+    meta = os.environ.get("PS_TRACE") == "meta"
+    with contextlib.nullcontext() if meta else fake_tensor_mode():
+        if not meta:
+            _make_fake(trained)
         optimizer = make_optimizer(trained, workload.optimizer)
         held = weight_bytes(trained)
         _create_optimizer_state(trained, optimizer)
-        live = LiveBytes()
-        with live, one_sequence_per_row(), warning_silenced(Warning, "SlimFit: an optimizer stepped twice"):
+        live = LiveBytes(meta)
+        with live, one_sequence_per_row(), attention_as_on_cpu(), warning_silenced(Warning, "SlimFit: an optimizer stepped twice"):
             loss = trained(**inputs).loss
             activations = live.total
             loss.backward()

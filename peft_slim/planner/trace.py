@@ -15,14 +15,18 @@ import weakref
 import torch
 
 from ..compat import storage_key
-from .fake import PRIM_DEVICE, TorchDispatchMode, device_of_fake, tree_leaves
+from .fake import PRIM_DEVICE, TorchDispatchMode, device_of_fake, tree_leaves, tree_map_only
+
+
+TO_COPY = torch.ops.aten._to_copy.default
 
 
 class LiveBytes(TorchDispatchMode):
     """``total``: bytes of the storages created inside the mode and still alive; ``peak``: the highest ``total``."""
 
-    def __init__(self):
+    def __init__(self, on_meta: bool = False):
         super().__init__()
+        self.on_meta = on_meta
         self._live: dict[int, list[int]] = {}  # storage key -> [bytes, tensors using it]
         self.total = 0
         self.peak = 0
@@ -31,6 +35,10 @@ class LiveBytes(TorchDispatchMode):
         if func is PRIM_DEVICE:  # a tensor's device, asked more often than any operator: nothing allocated
             device = device_of_fake(args[0])
             return func(*args) if device is None else device
+        if self.on_meta:
+            if func is TO_COPY and args[0].device.type != "meta" and kwargs.get("dtype", args[0].dtype) == args[0].dtype:
+                return self._moved(args[0], func(*args, **kwargs))
+            args, kwargs = on_one_device(args, kwargs)
         out = func(*args, **(kwargs or {}))
         inputs = None
         for tensor in tree_leaves(out):
@@ -53,6 +61,14 @@ class LiveBytes(TorchDispatchMode):
             self.peak = max(self.peak, self.total + promotion_bytes(func, args, kwargs))
         return out
 
+    def _moved(self, real: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+        """A real tensor's copy on the meta device stands for it, as a fake tensor mode's moving a CPU tensor to its
+        CPU is no copy: it keeps the real one's storage alive (if created inside the trace), allocating nothing."""
+        key = storage_key(real)
+        if key in self._live:
+            self._track(moved, key)
+        return moved
+
     def _track(self, tensor: torch.Tensor, key: int) -> None:
         entry = self._live.get(key)
         if entry is None:
@@ -68,6 +84,15 @@ class LiveBytes(TorchDispatchMode):
         if entry[1] == 0:
             del self._live[key]
             self.total -= entry[0]
+
+
+def on_one_device(args: tuple, kwargs: dict | None) -> tuple:
+    """An operator's arguments with its real tensors on the meta device where it mixes them with meta ones."""
+    leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    meta = [t.device.type == "meta" for t in leaves]
+    if all(meta) or not any(meta):
+        return args, kwargs
+    return tree_map_only(torch.Tensor, lambda t: t if t.device.type == "meta" else t.to("meta"), (args, kwargs))
 
 
 def promotion_bytes(func, args: tuple, kwargs: dict | None) -> int:
