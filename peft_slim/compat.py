@@ -117,9 +117,10 @@ def tensor_version(tensor: torch.Tensor) -> int:
 
 def storage_key(tensor: torch.Tensor) -> int:
     """An identity of ``tensor``'s storage, the same for every view: its data pointer, or without data (meta, fake
-    tensors: every pointer is 0) the storage's address. Private API: ``UntypedStorage._cdata``."""
+    tensors: every pointer is 0) the storage's address, negated: never a data pointer (both are heap addresses). Private
+    API: ``UntypedStorage._cdata``."""
     storage = tensor.untyped_storage()
-    return storage._cdata if storage.device.type == "meta" else storage.data_ptr()
+    return -storage._cdata if storage.device.type == "meta" else storage.data_ptr()
 
 
 def is_fake_tensor(tensor: Any) -> bool:
@@ -128,9 +129,9 @@ def is_fake_tensor(tensor: Any) -> bool:
     return isinstance(tensor, FakeTensor) or (isinstance(tensor, torch.Tensor) and tensor.device.type == "meta")
 
 
-def autocast_device_type(tensor: torch.Tensor) -> str:
-    """The device type whose autocast state applies to ``tensor``: a meta tensor (a memory estimate) stands for a CPU
-    one, and autocast knows no meta device."""
+def run_device_type(tensor: torch.Tensor) -> str:
+    """The device type ``tensor`` runs on for the code's choices (autocast's state, which kernel): a meta tensor (a
+    memory estimate, ``peft_slim.planner``) stands for a CPU one."""
     kind = tensor.device.type
     return "cpu" if kind == "meta" else kind
 

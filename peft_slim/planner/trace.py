@@ -27,7 +27,8 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self, on_meta: bool = False):
         super().__init__()
         self.on_meta = on_meta
-        self._live: dict[int, list[int]] = {}  # storage key -> [bytes, tensors using it]
+        # storage key -> [bytes, tensors using it, meta copies holding it, the entry it holds (a meta copy's)]
+        self._live: dict[int, list] = {}
         self.total = 0
         self.peak = 0
 
@@ -64,15 +65,18 @@ class LiveBytes(TorchDispatchMode):
     def _moved(self, real: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
         """A real tensor's copy on the meta device stands for it, as a fake tensor mode's moving a CPU tensor to its
         CPU is no copy: it keeps the real one's storage alive (if created inside the trace), allocating nothing."""
-        key = storage_key(real)
-        if key in self._live:
+        held = self._live.get(storage_key(real))
+        if held is not None:  # the copy and its views hold the real one's bytes
+            held[2] += 1
+            key = storage_key(moved)
+            self._live[key] = [0, 0, 0, held]
             self._track(moved, key)
         return moved
 
     def _track(self, tensor: torch.Tensor, key: int) -> None:
         entry = self._live.get(key)
         if entry is None:
-            entry = self._live[key] = [tensor.untyped_storage().nbytes(), 0]
+            entry = self._live[key] = [tensor.untyped_storage().nbytes(), 0, 0, None]
             self.total += entry[0]
             self.peak = max(self.peak, self.total)
         entry[1] += 1
@@ -82,8 +86,15 @@ class LiveBytes(TorchDispatchMode):
         entry = self._live[key]
         entry[1] -= 1
         if entry[1] == 0:
-            del self._live[key]
+            del self._live[key]  # the storage is gone (its bytes may still be held)
+            self._drop(entry)
+
+    def _drop(self, entry: list) -> None:
+        if entry[1] == 0 and entry[2] == 0:
             self.total -= entry[0]
+            if entry[3] is not None:  # a meta copy of a real tensor: its hold on the real one's bytes
+                entry[3][2] -= 1
+                self._drop(entry[3])
 
 
 def on_one_device(args: tuple, kwargs: dict | None) -> tuple:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..compat import autocast_device_type
+from ..compat import run_device_type
 from .loss import IGNORE_INDEX
 
 # Each chunk reads the whole head weight (vocab x hidden) for rows x vocab x hidden multiply-adds: with few rows
@@ -63,7 +63,7 @@ def _chunk_loss(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, head, rows, hidden, targets, *parameters):
-        device = autocast_device_type(hidden)
+        device = run_device_type(hidden)
         ctx.head, ctx.rows, ctx.device = head, rows, hidden.device
         # the recomputation runs in backward, outside the forward's autocast: it enters the same one
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..compat import autocast_device_type
+from ..compat import run_device_type
 
 # Functions that draw random numbers, and how to tell that a call draws (for dropout: in training, p > 0).
 _ALWAYS_RANDOM = {
@@ -116,7 +116,7 @@ def selected_pass(
     skeleton = _strip(arguments, inputs)
     autocast = [
         (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
-        for kind in dict.fromkeys([autocast_device_type(output), "cpu"])
+        for kind in dict.fromkeys([run_device_type(output), "cpu"])
     ]
 
     def recompute(*tensors: torch.Tensor) -> torch.Tensor:
