@@ -117,15 +117,16 @@ def tensor_version(tensor: torch.Tensor) -> int:
 
 def storage_key(tensor: torch.Tensor) -> int:
     """An identity of ``tensor``'s storage, the same for every view: its data pointer, or without data (meta, fake
-    tensors: every pointer is 0) the storage's address, negated: never a data pointer (both are heap addresses). Private
-    API: ``UntypedStorage._cdata``."""
+    tensors: every pointer is 0) the storage's address negated, never a data pointer (both are heap addresses).
+    Private API: ``UntypedStorage._cdata``."""
     storage = tensor.untyped_storage()
     return -storage._cdata if storage.device.type == "meta" else storage.data_ptr()
 
 
 def is_fake_tensor(tensor: Any) -> bool:
     """Whether ``tensor`` has shapes and no data: a fake tensor or one on the meta device; the training code runs on
-    them inside a memory estimate (``peft_slim.planner``). Private API: ``torch._subclasses.fake_tensor.FakeTensor``."""
+    them inside a memory estimate (``peft_slim.planner``). Private API: ``torch._subclasses.fake_tensor.FakeTensor``.
+    """
     return isinstance(tensor, FakeTensor) or (isinstance(tensor, torch.Tensor) and tensor.device.type == "meta")
 
 

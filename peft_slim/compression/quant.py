@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from ..compat import is_fake_tensor, run_device_type, outside_fake_mode, rowwise_byte_kernels
+from ..compat import is_fake_tensor, outside_fake_mode, rowwise_byte_kernels, run_device_type
 from . import triton_kernels
 from .format import Quantized, row_stats
 from .packing import pack_bits, unpack_bits

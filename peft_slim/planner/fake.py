@@ -90,10 +90,10 @@ def attention_as_on_cpu() -> Iterator[None]:
     def as_on_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         # (a boolean mask is converted to a float one first: left to the unfused path, which does so on meta too)
-        if query.device.type == "meta" and (attn_mask is None or attn_mask.dtype != torch.bool):
-            if cpu_choice(query, key, value, attn_mask, **options) == _CPU_FLASH:
-                flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-                return flash(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        on_meta = query.device.type == "meta" and (attn_mask is None or attn_mask.dtype != torch.bool)
+        if on_meta and cpu_choice(query, key, value, attn_mask, **options) == _CPU_FLASH:
+            flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+            return flash(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
         return sdpa(query, key, value, attn_mask, **options)
 
     module.scaled_dot_product_attention = as_on_cpu

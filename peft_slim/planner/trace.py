@@ -17,7 +17,6 @@ import torch
 from ..compat import storage_key
 from .fake import PRIM_DEVICE, TorchDispatchMode, device_of_fake, tree_leaves, tree_map_only
 
-
 TO_COPY = torch.ops.aten._to_copy.default
 
 
@@ -37,7 +36,8 @@ class LiveBytes(TorchDispatchMode):
             device = device_of_fake(args[0])
             return func(*args) if device is None else device
         if self.on_meta:
-            if func is TO_COPY and args[0].device.type != "meta" and kwargs.get("dtype", args[0].dtype) == args[0].dtype:
+            kwargs = kwargs or {}
+            if func is TO_COPY and args[0].device.type != "meta" and kwargs.get("dtype") in (None, args[0].dtype):
                 return self._moved(args[0], func(*args, **kwargs))
             args, kwargs = on_one_device(args, kwargs)
         out = func(*args, **(kwargs or {}))
