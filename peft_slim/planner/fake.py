@@ -23,6 +23,8 @@ from ..compat import is_fake_tensor
 
 # The operator a tensor's ``.device`` dispatches to inside a mode (``torch.ops``: the operator registry).
 PRIM_DEVICE = torch.ops.prim.device.default
+# ``Tensor.to``'s operator: a real tensor moved to the meta device stands for itself (``LiveBytes``).
+TO_COPY = torch.ops.aten._to_copy.default
 
 
 def device_of_fake(tensor) -> Any:

@@ -15,9 +15,7 @@ import weakref
 import torch
 
 from ..compat import storage_key
-from .fake import PRIM_DEVICE, TorchDispatchMode, device_of_fake, tree_leaves, tree_map_only
-
-TO_COPY = torch.ops.aten._to_copy.default
+from .fake import PRIM_DEVICE, TO_COPY, TorchDispatchMode, device_of_fake, tree_leaves, tree_map_only
 
 
 class LiveBytes(TorchDispatchMode):
