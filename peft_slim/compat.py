@@ -117,15 +117,24 @@ def tensor_version(tensor: torch.Tensor) -> int:
 
 def storage_key(tensor: torch.Tensor) -> int:
     """An identity of ``tensor``'s storage, the same for every view: its data pointer, or without data (meta, fake
-    tensors: every pointer is 0) the storage's address. Private API: ``UntypedStorage._cdata``."""
+    tensors: every pointer is 0) the storage's address negated, never a data pointer (both are heap addresses).
+    Private API: ``UntypedStorage._cdata``."""
     storage = tensor.untyped_storage()
-    return storage._cdata if storage.device.type == "meta" else storage.data_ptr()
+    return -storage._cdata if storage.device.type == "meta" else storage.data_ptr()
 
 
 def is_fake_tensor(tensor: Any) -> bool:
-    """Whether ``tensor`` is a fake tensor (shapes, no data): the training code runs on them inside a memory
-    estimate (``peft_slim.planner``). Private API: ``torch._subclasses.fake_tensor.FakeTensor``."""
-    return isinstance(tensor, FakeTensor)
+    """Whether ``tensor`` has shapes and no data: a fake tensor or one on the meta device; the training code runs on
+    them inside a memory estimate (``peft_slim.planner``). Private API: ``torch._subclasses.fake_tensor.FakeTensor``.
+    """
+    return isinstance(tensor, FakeTensor) or (isinstance(tensor, torch.Tensor) and tensor.device.type == "meta")
+
+
+def run_device_type(tensor: torch.Tensor) -> str:
+    """The device type ``tensor`` runs on for the code's choices (autocast's state, which kernel): a meta tensor (a
+    memory estimate, ``peft_slim.planner``) stands for a CPU one."""
+    kind = tensor.device.type
+    return "cpu" if kind == "meta" else kind
 
 
 def outside_fake_mode() -> Any:

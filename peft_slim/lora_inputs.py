@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from peft.tuners.lora import Linear as LoraLinear
 from torch import nn
 
-from .compat import set_lora_input_cast
+from .compat import run_device_type, set_lora_input_cast
 
 
 def keep_lora_inputs_narrow(model: nn.Module) -> int:
@@ -50,7 +50,7 @@ def _cast_input(layer: LoraLinear, x, dtype: torch.dtype):
     if x is None or not getattr(layer, "cast_input_dtype_enabled", True) or x.dtype == dtype:
         return x
     narrower = x.is_floating_point() and x.dtype.itemsize < dtype.itemsize and dtype.is_floating_point
-    if narrower and _plain(layer) and not torch.is_autocast_enabled(x.device.type):
+    if narrower and _plain(layer) and not torch.is_autocast_enabled(run_device_type(x)):
         return x
     return x.to(dtype=dtype)
 

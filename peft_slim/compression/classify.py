@@ -142,7 +142,6 @@ def is_compressible(tensor: torch.Tensor, min_numel: int) -> bool:
         (type(tensor) is torch.Tensor or is_fake_tensor(tensor))
         and tensor.layout == torch.strided
         and tensor.dtype in _FLOATS
-        and tensor.device.type != "meta"
         and tensor.numel() >= max(1, min_numel)
         # per-row statistics (keepdim reductions, e.g. a norm's inverse RMS): tiny, yet each scales a whole row
         and tensor.dim() > 0

@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from ..compat import is_fake_tensor, outside_fake_mode, rowwise_byte_kernels
+from ..compat import is_fake_tensor, outside_fake_mode, rowwise_byte_kernels, run_device_type
 from . import triton_kernels
 from .format import Quantized, row_stats
 from .packing import pack_bits, unpack_bits
@@ -123,7 +123,7 @@ _ROWWISE_MIN_RANGE = 1e-4
 
 def _rowwise_applies(values: torch.Tensor, group_size: int) -> bool:
     return (
-        values.device.type == "cpu"
+        run_device_type(values) == "cpu"
         and values.dtype in (torch.float32, torch.float16, torch.bfloat16)
         and group_size % 4 == 0  # keeps each row's fp32 statistics aligned
         and values.numel() >= group_size

@@ -15,12 +15,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 # Private modules: ``TorchDispatchMode``, a hook on every operator call (the planner follows the bytes of every tensor
 # created), and ``tree_leaves``, the tensors among an operator's nested outputs and arguments.
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves as tree_leaves
+from torch.utils._pytree import tree_map_only as tree_map_only
 
 from ..compat import is_fake_tensor
 
 # The operator a tensor's ``.device`` dispatches to inside a mode (``torch.ops``: the operator registry).
 PRIM_DEVICE = torch.ops.prim.device.default
+# ``Tensor.to``'s operator: a real tensor moved to the meta device stands for itself (``LiveBytes``).
+TO_COPY = torch.ops.aten._to_copy.default
 
 
 def device_of_fake(tensor) -> Any:
@@ -59,3 +63,43 @@ def one_sequence_per_row() -> Iterator[None]:
         yield
     finally:
         module.find_packed_sequence_indices = find
+
+
+# ``torch._fused_sdp_choice``'s answer for the CPU's fused kernel (``SDPBackend.flash_attention``).
+_CPU_FLASH = 1
+
+
+@contextlib.contextmanager
+def attention_as_on_cpu() -> Iterator[None]:
+    """Inside it, ``F.scaled_dot_product_attention`` on meta tensors runs the kernel it runs on CPU tensors of the
+    same shapes (on the meta device it always takes its unfused path, which saves the attention weights).
+
+    Private API: the operators ``aten._fused_sdp_choice`` (which kernel SDPA takes, asked of empty CPU tensors of
+    the same shapes and strides, made with no mode active) and ``aten._scaled_dot_product_flash_attention_for_cpu``.
+    """
+    module = torch.nn.functional
+    sdpa = module.scaled_dot_product_attention
+    choices: dict[tuple, int] = {}
+
+    def cpu_choice(*tensors, **options) -> int:
+        key = (*((t.shape, t.stride(), t.dtype) if t is not None else None for t in tensors), *options.items())
+        if key not in choices:
+            with _disable_current_modes():
+                empty = [t if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for t in tensors]
+                choices[key] = torch.ops.aten._fused_sdp_choice(*empty, **options)
+        return choices[key]
+
+    def as_on_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        # (a boolean mask is converted to a float one first: left to the unfused path, which does so on meta too)
+        on_meta = query.device.type == "meta" and (attn_mask is None or attn_mask.dtype != torch.bool)
+        if on_meta and cpu_choice(query, key, value, attn_mask, **options) == _CPU_FLASH:
+            flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+            return flash(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        return sdpa(query, key, value, attn_mask, **options)
+
+    module.scaled_dot_product_attention = as_on_cpu
+    try:
+        yield
+    finally:
+        module.scaled_dot_product_attention = sdpa

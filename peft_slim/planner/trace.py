@@ -15,15 +15,17 @@ import weakref
 import torch
 
 from ..compat import storage_key
-from .fake import PRIM_DEVICE, TorchDispatchMode, device_of_fake, tree_leaves
+from .fake import PRIM_DEVICE, TO_COPY, TorchDispatchMode, device_of_fake, tree_leaves, tree_map_only
 
 
 class LiveBytes(TorchDispatchMode):
     """``total``: bytes of the storages created inside the mode and still alive; ``peak``: the highest ``total``."""
 
-    def __init__(self):
+    def __init__(self, on_meta: bool = False):
         super().__init__()
-        self._live: dict[int, list[int]] = {}  # storage key -> [bytes, tensors using it]
+        self.on_meta = on_meta
+        # storage key -> [bytes, tensors using it, meta copies holding it, the entry it holds (a meta copy's)]
+        self._live: dict[int, list] = {}
         self.total = 0
         self.peak = 0
 
@@ -31,6 +33,11 @@ class LiveBytes(TorchDispatchMode):
         if func is PRIM_DEVICE:  # a tensor's device, asked more often than any operator: nothing allocated
             device = device_of_fake(args[0])
             return func(*args) if device is None else device
+        if self.on_meta:
+            kwargs = kwargs or {}
+            if func is TO_COPY and args[0].device.type != "meta" and kwargs.get("dtype") in (None, args[0].dtype):
+                return self._moved(args[0], func(*args, **kwargs))
+            args, kwargs = on_one_device(args, kwargs)
         out = func(*args, **(kwargs or {}))
         inputs = None
         for tensor in tree_leaves(out):
@@ -53,10 +60,21 @@ class LiveBytes(TorchDispatchMode):
             self.peak = max(self.peak, self.total + promotion_bytes(func, args, kwargs))
         return out
 
+    def _moved(self, real: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+        """A real tensor's copy on the meta device stands for it, as a fake tensor mode's moving a CPU tensor to its
+        CPU is no copy: it keeps the real one's storage alive (if created inside the trace), allocating nothing."""
+        held = self._live.get(storage_key(real))
+        if held is not None:  # the copy and its views hold the real one's bytes
+            held[2] += 1
+            key = storage_key(moved)
+            self._live[key] = [0, 0, 0, held]
+            self._track(moved, key)
+        return moved
+
     def _track(self, tensor: torch.Tensor, key: int) -> None:
         entry = self._live.get(key)
         if entry is None:
-            entry = self._live[key] = [tensor.untyped_storage().nbytes(), 0]
+            entry = self._live[key] = [tensor.untyped_storage().nbytes(), 0, 0, None]
             self.total += entry[0]
             self.peak = max(self.peak, self.total)
         entry[1] += 1
@@ -66,8 +84,24 @@ class LiveBytes(TorchDispatchMode):
         entry = self._live[key]
         entry[1] -= 1
         if entry[1] == 0:
-            del self._live[key]
+            del self._live[key]  # the storage is gone (its bytes may still be held)
+            self._drop(entry)
+
+    def _drop(self, entry: list) -> None:
+        if entry[1] == 0 and entry[2] == 0:
             self.total -= entry[0]
+            if entry[3] is not None:  # a meta copy of a real tensor: its hold on the real one's bytes
+                entry[3][2] -= 1
+                self._drop(entry[3])
+
+
+def on_one_device(args: tuple, kwargs: dict | None) -> tuple:
+    """An operator's arguments with its real tensors on the meta device where it mixes them with meta ones."""
+    leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    meta = [t.device.type == "meta" for t in leaves]
+    if all(meta) or not any(meta):
+        return args, kwargs
+    return tree_map_only(torch.Tensor, lambda t: t if t.device.type == "meta" else t.to("meta"), (args, kwargs))
 
 
 def promotion_bytes(func, args: tuple, kwargs: dict | None) -> int:

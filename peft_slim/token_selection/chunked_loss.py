@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..compat import run_device_type
 from .loss import IGNORE_INDEX
 
 # Each chunk reads the whole head weight (vocab x hidden) for rows x vocab x hidden multiply-adds: with few rows
@@ -62,10 +63,10 @@ def _chunk_loss(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, head, rows, hidden, targets, *parameters):
-        device = hidden.device.type
+        device = run_device_type(hidden)
         ctx.head, ctx.rows, ctx.device = head, rows, hidden.device
         # the recomputation runs in backward, outside the forward's autocast: it enters the same one
-        ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.rng = torch.get_rng_state(), torch.cuda.get_rng_state(hidden.device) if device == "cuda" else None
         ctx.save_for_backward(hidden, targets, *parameters)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -80,7 +81,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if wants_hidden else None
         trained = [i for i, p in enumerate(parameters) if ctx.needs_input_grad[4 + i]]
         sums = {i: torch.zeros(parameters[i].shape, dtype=torch.float32, device=parameters[i].device) for i in trained}
-        enabled, dtype = ctx.autocast
+        kind, enabled, dtype = ctx.autocast
         cuda = ctx.device.type == "cuda"
         with torch.random.fork_rng(devices=[ctx.device] if cuda else []), torch.enable_grad():
             torch.set_rng_state(ctx.rng[0])
@@ -88,7 +89,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 torch.cuda.set_rng_state(ctx.rng[1], ctx.device)
             for start in range(0, hidden.shape[0], ctx.rows):
                 chunk = hidden[start : start + ctx.rows].detach().requires_grad_(wants_hidden)
-                with torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled):
+                with torch.autocast(kind, dtype=dtype, enabled=enabled):
                     loss = _chunk_loss(ctx.head, chunk, targets[start : start + ctx.rows])
                 inputs = ([chunk] if wants_hidden else []) + [parameters[i] for i in trained]
                 grads = torch.autograd.grad(loss, inputs, grad_total, allow_unused=True)

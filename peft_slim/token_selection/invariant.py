@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..compat import run_device_type
 from .selection import TokenSelection
 
 # Largest difference allowed between the selected pass and the full pass, relative to the largest output value: a
@@ -50,7 +51,7 @@ def _layout_of(value: Any) -> Any:
 def compute_dtype(output: torch.Tensor) -> torch.dtype:
     """The least precise of the output's dtype and an enabled autocast's: the rounding both passes are subject to."""
     dtype = output.dtype
-    kind = output.device.type
+    kind = run_device_type(output)
     if torch.is_autocast_enabled(kind):
         autocast = torch.get_autocast_dtype(kind)
         if torch.finfo(autocast).eps > torch.finfo(dtype).eps:

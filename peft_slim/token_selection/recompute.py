@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..compat import run_device_type
+
 # Functions that draw random numbers, and how to tell that a call draws (for dropout: in training, p > 0).
 _ALWAYS_RANDOM = {
     *(getattr(torch, name) for name in ("bernoulli", "multinomial", "normal", "poisson", "rand", "rand_like")),
@@ -114,7 +116,7 @@ def selected_pass(
     skeleton = _strip(arguments, inputs)
     autocast = [
         (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
-        for kind in dict.fromkeys([output.device.type, "cpu"])
+        for kind in dict.fromkeys([run_device_type(output), "cpu"])
     ]
 
     def recompute(*tensors: torch.Tensor) -> torch.Tensor:

@@ -314,7 +314,7 @@ class TokenSelector:
 
     def _select(self, state: _TrainingForward, hidden: torch.Tensor) -> torch.Tensor:
         batch, length = hidden.shape[:2]
-        device = hidden.device
+        device = hidden.device if hidden.device.type != "meta" else torch.device("cpu")  # (a memory estimate)
         real = torch.ones(batch, length, dtype=torch.bool, device=device)
         if isinstance(state.padding_mask, torch.Tensor) and tuple(state.padding_mask.shape) == (batch, length):
             real = state.padding_mask.to(device=device).bool()
