@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -154,24 +155,14 @@ def _estimate_all(jobs: list[tuple], processes: int, progress: bool) -> list[Mem
     the same function of its job in either: the processes only share the work)."""
     processes = min(processes, len(jobs), os.cpu_count() or 1)
     forked = processes > 1 and sys.platform == "linux" and "fork" in multiprocessing.get_all_start_methods()
-    bar = tqdm(total=len(jobs), desc="estimating", unit="setting") if progress else None
+    order = list(range(len(jobs)))
+    if forked:  # the slowest first (SlimFit traces every block), so that neither process is left with it at the end
+        order.sort(key=lambda i: not isinstance(jobs[i][1], SlimFitConfig))
+    pool = multiprocessing.get_context("fork").Pool(processes, initializer=_one_thread) if forked else None
     estimates: list[MemoryEstimate | None] = [None] * len(jobs)
-    try:
-        if not forked:
-            for index, job in enumerate(jobs):
-                estimates[index] = _estimate(job)
-                if bar is not None:
-                    bar.update()
-            return estimates
-        # The slowest first (SlimFit traces every block), so that neither process is left with it at the end.
-        order = sorted(range(len(jobs)), key=lambda i: not isinstance(jobs[i][1], SlimFitConfig))
-        with multiprocessing.get_context("fork").Pool(processes, initializer=_one_thread) as pool:
-            found = pool.imap(_estimate, [jobs[i] for i in order])
-            for index, estimate in zip(order, found):
-                estimates[index] = estimate
-                if bar is not None:
-                    bar.update()
-        return estimates
-    finally:
-        if bar is not None:
-            bar.close()
+    with tqdm(total=len(jobs), desc="estimating", unit="setting", disable=not progress) as bar, pool or nullcontext():
+        found = (pool.imap if forked else map)(_estimate, [jobs[i] for i in order])
+        for index, estimate in zip(order, found):
+            estimates[index] = estimate
+            bar.update()
+    return estimates

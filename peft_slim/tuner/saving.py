@@ -80,7 +80,7 @@ def save_pretrained(
     model (a full model saved over a LoRA adapter, or the reverse). ``plain_lora=True`` (a peft_slim adapter): the
     plain LoRA adapter alone, without ``peft_slim_config.json`` (the method's settings) or peft_slim's card section.
     ``distributed=True``: call it on every rank of a ``torch.distributed`` run with the wrapped or sharded model
-    (DDP, FSDP2 ``fully_shard``, FSDP1); full tensors are gathered on every rank and rank 0 writes.
+    (DDP, FSDP2 ``fully_shard``, FSDP1); every rank joins the gathering of full tensors, which rank 0 writes.
 
     The files are written into a new folder beside ``save_directory`` that holds everything else of the folder too
     (files as hard links, sub-folders, symbolic links), then swapped in whole: a process killed at any point leaves

@@ -26,26 +26,28 @@ def _recordings(path: str) -> list[str]:
     return [path] + sorted(glob.glob(f"{glob.escape(stem)}.*.json"))
 
 
+def _load(path: str) -> dict:
+    with open(path) as handle:
+        return json.load(handle)
+
+
 def load_recorded(path: str) -> dict:
     """The recording of ``path`` or of a sibling made under the installed versions; the test skips if none is."""
-    installed, seen = versions(), []
-    for candidate in _recordings(path):
-        with open(candidate) as handle:
-            record = json.load(handle)
+    installed, records = versions(), [_load(candidate) for candidate in _recordings(path)]
+    for record in records:
         if record.get(VERSIONS_KEY) == installed:
             return record
-        seen.append(record.get(VERSIONS_KEY))
+    seen = [record.get(VERSIONS_KEY) for record in records]
     pytest.skip(f"recorded with {seen}, installed {installed}: recorded bytes compare only under those")
 
 
 def record_path(path: str) -> str:
     """Where a new recording under the installed versions goes: the file recorded under them, else ``path`` if it
     does not exist yet, else a new sibling named by the versions."""
+    if not os.path.exists(path):
+        return path
     installed = versions()
-    for candidate in _recordings(path) if os.path.exists(path) else [path]:
-        if not os.path.exists(candidate):
+    for candidate in _recordings(path):
+        if _load(candidate).get(VERSIONS_KEY) == installed:
             return candidate
-        with open(candidate) as handle:
-            if json.load(handle).get(VERSIONS_KEY) == installed:
-                return candidate
     return f"{path.removesuffix('.json')}." + ".".join(f"{k}-{v}" for k, v in installed.items()) + ".json"
