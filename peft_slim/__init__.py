@@ -1,10 +1,6 @@
-"""peft_slim: memory-lean fine-tuning methods as first-class PEFT tuner types.
-
-Importing this package registers ``PeftType.TOKENTUNE`` and ``PeftType.SLIMFIT`` with PEFT, so ``get_peft_model``,
-``PeftConfig.from_pretrained``, ``PeftModel.from_pretrained`` and ``AutoPeftModel*`` know it; nothing of PEFT is
-replaced. A LoRA-stacked adapter saves as a plain LoRA adapter (with the method's settings beside it, read by
-``peft_slim.from_pretrained``). Full fine-tuning with a method is a transform of the plain model
-(``peft_slim.tokentune_`` / ``peft_slim.slimfit_``), which saves as the checkpoint it is.
+"""peft_slim: memory-lean fine-tuning methods as PEFT tuner types over LoRA (``PeftType.TOKENTUNE`` and ``SLIMFIT``,
+registered at import; nothing of PEFT replaced), and as transforms of a plain model for full fine-tuning
+(``peft_slim.tokentune_`` / ``slimfit_``).
 """
 
 from . import (

@@ -1,19 +1,9 @@
 """Replace a whole folder so that a process killed at any moment leaves the old folder or the new one.
 
-The new folder is written beside the target (``.<name>.peft_slim-tmp``), renamed ``.<name>.peft_slim-new`` once
-every file is on disk, then swapped in: on Linux with one ``renameat2(RENAME_EXCHANGE)`` (the target path always
-holds a complete folder), elsewhere, or where the file system refuses the exchange, with two renames (target aside
-to ``.<name>.peft_slim-old``, the new folder in). :func:`recover` puts a folder a crash left behind in order; every
-:func:`replaced_folder` calls it first, so leftovers never pile up. Recovery is deterministic:
-
-* ``-tmp`` was never complete: removed;
-* the target is missing and ``-new`` exists (killed between the two renames): ``-new`` becomes the target;
-* the target exists beside ``-new`` (killed before the swap): the old folder stays, ``-new`` is removed;
-* ``-old`` (killed before its removal): removed.
-
-Every path always leads to a file of one version, but a reader that opens two files by path at different moments
-can get one from each version. :func:`held_files` opens several files as one version and tells whether the folder
-was swapped while the caller read them.
+The new folder is written beside the target (``.<name>.peft_slim-tmp``), renamed ``-new`` once on disk, then swapped
+in: on Linux by one ``renameat2(RENAME_EXCHANGE)``, elsewhere by two renames (the target aside to ``-old``, the new
+one in). :func:`recover` (run first by every :func:`replaced_folder`) removes ``-tmp``, ``-old`` and a ``-new`` beside
+the target, and makes a ``-new`` without the target the target. :func:`held_files` opens several files as one version.
 """
 
 from __future__ import annotations
@@ -55,14 +45,8 @@ def recover(directory: str) -> None:
 
 @contextlib.contextmanager
 def replaced_folder(directory: str, rewritten: Callable[[str], bool] = lambda path: False) -> Iterator[str]:
-    """Yield a staging folder holding a copy of ``directory``; on success it replaces ``directory``.
-
-    Files and links of ``directory`` for which ``rewritten(relative path)`` is true are not copied (the caller writes
-    them anew, so a file the caller no longer writes does not survive). Everything else is kept: folders (empty ones
-    too), symbolic links as links, files as hard links (copies where links fail; ``README.md`` files are copied
-    because writers update them in place). On an exception ``directory`` is left as it was. Where ``directory`` (or
-    a folder above it) is a symbolic link, the folder it leads to is replaced and the link stays.
-    """
+    """Yield a staging folder holding a copy of ``directory`` but what ``rewritten(relative path)`` names; on success
+    it replaces ``directory`` (through a link, the folder it leads to), on an exception it stays as it was."""
     if os.path.isfile(directory):
         raise ValueError(f"save_pretrained: {directory!r} is a file; give a directory.")
     directory = os.path.realpath(directory)  # a link to a folder stays: the folder it leads to is replaced
@@ -91,13 +75,8 @@ class FolderReplaced(RuntimeError):
 
 @contextlib.contextmanager
 def held_files(directory: str, names: Iterable[str]) -> Iterator[dict[str, BinaryIO]]:
-    """Open the files ``names`` of ``directory`` (those that exist) as one version of the folder and yield them.
-
-    A swap between two of the opens is retried (up to 20 times). On exit, if a swap came while the caller
-    read them (by path, e.g. through a library), :class:`FolderReplaced` is raised: what the caller read may mix two
-    versions. Files are told apart by inode, size and modification time: a save of this module writes the files
-    it replaces anew, so a path that leads to the held file before and after led to it throughout.
-    """
+    """Open the files ``names`` of ``directory`` (those that exist) as one version and yield them; on exit
+    :class:`FolderReplaced` if a swap came while the caller read them (a save writes files anew: new inodes)."""
     paths = {name: os.path.join(directory, name) for name in names}
     for attempt in range(20):
         with contextlib.ExitStack() as opened:
@@ -180,8 +159,8 @@ def _exchange(first: str, second: str) -> bool:
 
 
 def _copy_tree(source: str, target: str, rewritten: Callable[[str], bool]) -> None:
-    """Everything of ``source`` into ``target``: folders (empty ones too), symbolic links as links (to files or
-    folders, dangling ones too), files as hard links; but not what ``rewritten`` names."""
+    """Everything of ``source`` into ``target`` but what ``rewritten`` names: folders (empty ones too), symbolic links
+    as links, files as hard links (copies where links fail; ``README.md`` copied: writers update it in place)."""
     for folder, folders, files in os.walk(source):  # lists a link to a folder with the folders, does not enter it
         for name in folders + files:
             path = os.path.join(folder, name)

@@ -1,10 +1,7 @@
-"""Every private (underscore or internal-module) API of torch, transformers, PEFT, TRL and Python that peft_slim uses.
-
-Each entry names the private API and why peft_slim needs it; ``tests/project/test_compat.py`` tests each on the
-installed versions, and CI runs them on the oldest and newest supported ones (``peft_slim.versions``), so no fallback
-is kept for other releases. Two checks guard against a silently wrong result instead: ``autocast_copy_source``'s and
-``add_enum_member``'s. The planner's own private torch APIs live in ``peft_slim.planner.fake``. Nothing else in
-peft_slim touches a private API; add new ones here (or in the planner's), with a test.
+"""Every private (underscore or internal-module) API of torch, transformers, PEFT, TRL and Python that peft_slim uses
+(the planner's own: ``peft_slim.planner.fake``), each with why and a test in ``tests/project/test_compat.py``, run on
+the oldest and newest supported versions, so no fallback is kept; ``autocast_copy_source`` and ``add_enum_member``
+also check at run time, where a change would be silently wrong.
 """
 
 from __future__ import annotations
@@ -18,17 +15,25 @@ from typing import Any
 
 import torch
 
-# Internal module: ``peft.utils.other``. The base class of the wrappers PEFT puts on ``modules_to_save`` (and trainable
-# token embeddings): parameters under such a wrapper are PEFT's; TokenTune and SlimFit leave them alone.
+# Internal module: ``peft.utils.other``. The base class of PEFT's ``modules_to_save`` / trainable-token wrappers,
+# whose parameters TokenTune and SlimFit leave to PEFT.
 from peft.utils.other import AuxiliaryTrainingWrapper as AuxiliaryTrainingWrapper
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.nn.parallel import DistributedDataParallel
-from transformers.integrations import is_fsdp_enabled
 
-# Internal module: ``transformers.trainer_callback.ExportableState``. The Trainer saves ``state()`` of such callbacks
-# in ``trainer_state.json``: SlimFit's and TokenTune's derive from it so that their state survives a resume.
+# Internal module: ``transformers.trainer_callback.ExportableState``: the Trainer saves such callbacks' ``state()`` in
+# checkpoints, so SlimFit's and TokenTune's survive a resume.
 from transformers.trainer_callback import ExportableState as ExportableState
+
+
+def stored_callback_attribute(state: Any, callback: object, attribute: str) -> Any:
+    """``attribute`` as ``callback``'s class saved it through ``ExportableState`` in ``state.stateful_callbacks`` (its
+    internal format: a dict per class, or a list of them for several instances, the first read), or None."""
+    stored = state.stateful_callbacks.get(type(callback).__name__)
+    if isinstance(stored, list):
+        stored = stored[0] if stored else None
+    return stored.get("attributes", {}).get(attribute) if isinstance(stored, dict) else None
 
 
 def _moved(library: str, version: str, what: str, consequence: str) -> str:
@@ -40,15 +45,6 @@ def _moved(library: str, version: str, what: str, consequence: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- torch
-
-
-def is_deepspeed_zero3_enabled() -> bool:
-    """Whether transformers' DeepSpeed integration has a ZeRO-3 config active (accelerate / Trainer set it)."""
-    try:
-        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled as enabled
-    except ImportError:  # moved: the parameters' own ds_* attributes are still checked (tuner/model_kinds.py)
-        return False
-    return bool(enabled())
 
 
 def active_saved_tensors_pack() -> Callable | None:
@@ -65,9 +61,8 @@ def active_ddp_module() -> nn.Module | None:
 
 
 def optimizer_running_step_hooks(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer whose ``step`` runs torch's step hooks, where SlimFit attaches its own: ``optimizer``, or for a
-    wrapper without them (accelerate's) the ``.optimizer`` it wraps, followed down. Private API:
-    ``Optimizer._optimizer_step_pre_hooks``."""
+    """``optimizer``, or for a wrapper without step hooks (accelerate's) the ``.optimizer`` it wraps, followed down:
+    where SlimFit attaches its own. Private API: ``Optimizer._optimizer_step_pre_hooks``."""
     while not hasattr(optimizer, "_optimizer_step_pre_hooks") and isinstance(
         getattr(optimizer, "optimizer", None), torch.optim.Optimizer
     ):
@@ -76,12 +71,9 @@ def optimizer_running_step_hooks(optimizer: torch.optim.Optimizer) -> torch.opti
 
 
 def rowwise_byte_kernels() -> tuple[Callable, Callable] | None:
-    """torch's fused row-wise 8-bit quantization ops ``(prepack, unpack)``, or None where this build lacks them.
-
-    Private API: ``torch.ops.quantized.embedding_bag_byte_prepack`` / ``_unpack``: ``[rows, n]`` to uint8
-    ``[rows, n + 8]`` (codes, fp32 scale and minimum) and back. Activation compression quantizes at 8 bits on the
-    CPU with them in one pass (``compression.quant`` checks they match its grid); without them, its own slower path.
-    """
+    """torch's fused row-wise 8-bit ops ``(prepack, unpack)``, or None where this build lacks them. Private API:
+    ``torch.ops.quantized.embedding_bag_byte_prepack`` / ``_unpack``: ``[rows, n]`` to uint8 ``[rows, n + 8]``
+    (codes, fp32 scale and minimum) and back; 8-bit compression on the CPU in one pass."""
     try:
         namespace = torch.ops.quantized
         return namespace.embedding_bag_byte_prepack, namespace.embedding_bag_byte_unpack
@@ -89,57 +81,47 @@ def rowwise_byte_kernels() -> tuple[Callable, Callable] | None:
         return None
 
 
-# Private API: ``torch.nn.modules.batchnorm._NormBase`` (base of BatchNorm*, SyncBatchNorm, InstanceNorm*).
-# Activation compression classifies a module as a "norm" by it.
+# Private APIs: ``torch.nn.modules.batchnorm._NormBase`` (BatchNorm*, InstanceNorm*) and
+# ``torch.nn.modules.conv._ConvNd`` (Conv*d): activation compression's kinds "norm" and "linear".
 NORM_BASE_CLASSES: tuple[type, ...] = (nn.modules.batchnorm._NormBase,)
-
-# Private API: ``torch.nn.modules.conv._ConvNd`` (base of Conv*d, ConvTranspose*d). Activation compression
-# classifies a module as "linear" by it.
 CONV_BASE_CLASSES: tuple[type, ...] = (nn.modules.conv._ConvNd,)
 
-# Internal module paths of torch's and transformers' activation classes. Activation compression gives a module the
-# kind "activation" when its class is defined in one of them; a class that moves is classified "other".
+# Internal module paths of torch's and transformers' activation classes: the kind "activation" (moved: "other").
 ACTIVATION_MODULES: tuple[str, ...] = ("torch.nn.modules.activation", "transformers.activations")
 
 
 def storage_base(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor that owns ``tensor``'s storage (private: ``Tensor._base``): a saved tensor is a weight when its
-    root is a Parameter (a frozen layer saves ``weight.t()``); a storage's stats live as long as its root."""
+    """The tensor that owns ``tensor``'s storage (private: ``Tensor._base``): a saved ``weight.t()`` is a weight."""
     return tensor if tensor._base is None else tensor._base
 
 
 def tensor_version(tensor: torch.Tensor) -> int:
-    """A value that changes whenever ``tensor`` (or a view of its storage) is modified in place (private:
-    ``Tensor._version``): compression reuses a compressed copy only while it is unchanged, and checks at backward
-    that no saved tensor was written in place (as autograd does)."""
+    """A value that changes whenever ``tensor`` (or a view of its storage) is written in place (private:
+    ``Tensor._version``), as autograd checks saved tensors."""
     return tensor._version
 
 
 def storage_key(tensor: torch.Tensor) -> int:
-    """An identity of ``tensor``'s storage, the same for every view: its data pointer, or without data (meta, fake
-    tensors: every pointer is 0) the storage's address negated, never a data pointer (both are heap addresses).
-    Private API: ``UntypedStorage._cdata``."""
+    """An identity of ``tensor``'s storage, the same for every view: its data pointer, or on the meta device (every
+    pointer 0) the storage's address negated (private: ``UntypedStorage._cdata``)."""
     storage = tensor.untyped_storage()
     return -storage._cdata if storage.device.type == "meta" else storage.data_ptr()
 
 
 def is_fake_tensor(tensor: Any) -> bool:
-    """Whether ``tensor`` has shapes and no data: a fake tensor or one on the meta device; the training code runs on
-    them inside a memory estimate (``peft_slim.planner``). Private API: ``torch._subclasses.fake_tensor.FakeTensor``.
-    """
+    """Whether ``tensor`` has shapes and no data (a memory estimate's): fake (private:
+    ``torch._subclasses.fake_tensor.FakeTensor``) or on the meta device."""
     return isinstance(tensor, FakeTensor) or (isinstance(tensor, torch.Tensor) and tensor.device.type == "meta")
 
 
 def run_device_type(tensor: torch.Tensor) -> str:
-    """The device type ``tensor`` runs on for the code's choices (autocast's state, which kernel): a meta tensor (a
-    memory estimate, ``peft_slim.planner``) stands for a CPU one."""
+    """``tensor``'s device type for autocast and kernel choices; a meta tensor (a memory estimate) stands for CPU."""
     kind = tensor.device.type
     return "cpu" if kind == "meta" else kind
 
 
 def outside_fake_mode() -> Any:
-    """A context in which operators run for real again inside a memory estimate's fake-tensor mode (no-op outside
-    one), for the token selection's mask and the one-time self-checks. Private API:
+    """Operators run for real inside a memory estimate's fake-tensor mode (no-op outside one). Private API:
     ``torch._subclasses.fake_tensor.unset_fake_temporarily``."""
     return unset_fake_temporarily()
 
@@ -150,8 +132,7 @@ _LEAF_ATTR = "variable"  # AccumulateGrad's attribute holding its leaf tensor
 
 @functools.cache
 def _copy_graph_problem() -> str | None:
-    """Why ``autocast_copy_source`` cannot work on this torch (checked once), or None when it can. Checked on real
-    tensors even when first asked inside a memory estimate's fake-tensor mode."""
+    """Why ``autocast_copy_source`` cannot work on this torch (checked once, on real tensors), or None."""
     with outside_fake_mode(), torch.inference_mode(False), torch.enable_grad():
         leaf = nn.Parameter(torch.ones(2))
         node = leaf.to(torch.float16).grad_fn
@@ -167,12 +148,9 @@ def _copy_graph_problem() -> str | None:
 
 
 def autocast_copy_source(grad_fn: Any) -> torch.Tensor | None:
-    """The leaf tensor that ``grad_fn`` casts to another dtype, when it is a dtype copy of a leaf; else None.
-
-    Private API: the node class name ``ToCopyBackward0`` and ``AccumulateGrad.variable``. Under autocast a trainable
-    weight is saved as its lower-precision copy, so activation compression keeps it rather than compress it. No
-    fallback (compressing weight copies would silently change gradients): a RuntimeError, checked once.
-    """
+    """The leaf tensor that ``grad_fn`` casts to another dtype (autocast's weight copy, which compression keeps),
+    else None. Private API: the node name ``ToCopyBackward0`` and ``AccumulateGrad.variable``; checked once, a
+    RuntimeError where they changed (compressing weight copies would silently change gradients)."""
     problem = _copy_graph_problem()
     if problem is not None:
         consequence = "activation compression cannot recognise autocast weight copies."
@@ -186,18 +164,14 @@ def autocast_copy_source(grad_fn: Any) -> torch.Tensor | None:
 
 
 def get_attn_implementation(config: Any) -> str | None:
-    """The attention implementation a transformers model dispatches to at each forward (e.g. "sdpa"), or None (not
-    a transformers config). Private API: ``PretrainedConfig._attn_implementation``, read by attention layers and
-    mask builders at each forward."""
+    """The attention implementation a transformers model dispatches to (e.g. "sdpa"), or None (not a transformers
+    config). Private API: ``PretrainedConfig._attn_implementation``."""
     return getattr(config, "_attn_implementation", None)
 
 
 def set_attn_implementation(config: Any, name: str) -> None:
-    """Make the model of ``config`` dispatch attention (and masks) to the implementation registered as ``name``.
-
-    Private API: the ``PretrainedConfig._attn_implementation`` setter (sub-configs too). TokenTune switches it
-    around each training forward; the public ``set_attn_implementation`` reloads kernels, too heavy for that.
-    """
+    """Make ``config``'s model dispatch attention (and masks) to ``name``. Private API: the
+    ``PretrainedConfig._attn_implementation`` setter (the public ``set_attn_implementation`` reloads kernels)."""
     config._attn_implementation = name
 
 
@@ -205,28 +179,19 @@ _LOADED_MARK = "_is_hf_initialized"
 
 
 def newly_initialized_parameters(model: nn.Module) -> list[str] | None:
-    """Names of the parameters of ``model`` that ``from_pretrained`` initialised instead of loading (missing from
-    the checkpoint, or another shape there); None without a record of a load (built from a config, or replaced).
-    Private API: the ``_is_hf_initialized`` mark transformers' loader sets on every tensor it loads, the only record
-    a plain ``from_pretrained`` leaves (renamed: ``tests/project/test_compat.py`` catches it)."""
+    """Names of the parameters of ``model`` that ``from_pretrained`` initialised instead of loading; None without a
+    record of a load. Private API: the ``_is_hf_initialized`` mark transformers' loader sets on each loaded tensor."""
     named = list(model.named_parameters())
     marked = [getattr(param, _LOADED_MARK, False) is True for _, param in named]
     return [name for (name, _), loaded in zip(named, marked) if not loaded] if any(marked) else None
 
 
 def copy_loading_marks(source: nn.Module, copy: nn.Module) -> None:
-    """Give the parameters of ``copy`` (a ``copy.deepcopy`` of ``source``, or one on the meta device) the loading
-    marks of ``source``'s (see ``newly_initialized_parameters``): a deep copy of a parameter drops them."""
+    """Give ``copy``'s parameters (a deep or meta copy of ``source``, which drops them) ``source``'s loading marks."""
     copies = dict(copy.named_parameters())
     for name, param in source.named_parameters():
         if getattr(param, _LOADED_MARK, False) is True and name in copies:
             setattr(copies[name], _LOADED_MARK, True)
-
-
-def loading_marks_differ_across_processes() -> bool:
-    """Whether transformers' loading marks differ between processes: under FSDP (``is_fsdp_enabled()``) processes
-    other than the first receive the weights by broadcast, every tensor marked as loaded."""
-    return bool(is_fsdp_enabled())
 
 
 def checkpointing_function(block: nn.Module) -> Callable | None:
@@ -243,7 +208,7 @@ def set_checkpointing_function(block: nn.Module, function: Callable) -> None:
 @contextlib.contextmanager
 def checkpointing_paused(block: nn.Module) -> Iterator[None]:
     """Run ``block``'s forward without transformers' checkpointing (private: its ``gradient_checkpointing`` flag):
-    TokenTune's backward recomputation already is a checkpoint; checkpointing it would compute it twice."""
+    TokenTune's recomputation already is a checkpoint."""
     enabled = getattr(block, "gradient_checkpointing", None)
     if not enabled:
         yield
@@ -256,8 +221,8 @@ def checkpointing_paused(block: nn.Module) -> Iterator[None]:
 
 
 def eager_attention_function(module: nn.Module) -> Callable | None:
-    """The module-level ``eager_attention_forward`` of the modeling file of ``module``'s class (an internal
-    convention of transformers, not in its registry), which TokenTune's "eager" entry calls; None for remote code."""
+    """The ``eager_attention_forward`` of ``module``'s modeling file (a transformers convention outside its registry),
+    which TokenTune's "eager" entry calls; None for remote code."""
     return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
 
 
@@ -265,8 +230,7 @@ def eager_attention_function(module: nn.Module) -> Callable | None:
 
 
 def set_lora_input_cast(layer: nn.Module, cast: Callable) -> None:
-    """Replace how PEFT's LoRA ``layer`` casts its input to the adapter's dtype (its private ``_cast_input_dtype``,
-    set on the instance)."""
+    """Replace how PEFT's LoRA ``layer`` casts its input (its private ``_cast_input_dtype``, set on the instance)."""
     layer._cast_input_dtype = cast
 
 
@@ -277,9 +241,8 @@ _ENUM_INTERNALS = ("_member_map_", "_value2member_map_", "_member_names_")
 
 
 def add_enum_member(enum_cls: type[enum.Enum], name: str) -> enum.Enum:
-    """``enum_cls[name]`` (value ``name``) of a ``(str, Enum)`` class, adding the member first if it is missing
-    (idempotent): PEFT's ``register_peft_method`` accepts only members of its closed ``PeftType``. Private API: the
-    ``Enum`` internals (``_member_map_``, ...); none missing, else a RuntimeError before anything is changed."""
+    """``enum_cls[name]`` of a ``(str, Enum)`` class, added first if missing (PEFT's ``register_peft_method`` takes
+    only members of its closed ``PeftType``). Private API: the ``Enum`` internals, checked before anything changes."""
     if name in enum_cls.__members__:
         return enum_cls[name]
     if not (isinstance(enum_cls, enum.EnumMeta) and issubclass(enum_cls, str)):
@@ -311,8 +274,7 @@ TRL_FUSED_HEAD_ARGUMENT = "fused_lm_head"
 
 
 def trl_fused_output_cls() -> type:
-    """The output class of TRL's fused LM head, ``trl.trainer.utils.FusedCausalLMOutput`` (TRL >= 1.15; internal
-    module: not exported). Only asked for when TRL's fused head calls the model, so TRL is installed."""
+    """``trl.trainer.utils.FusedCausalLMOutput`` (internal module), asked for only when TRL's fused head calls."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     return FusedCausalLMOutput

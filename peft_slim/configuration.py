@@ -1,15 +1,11 @@
-"""Small checks the config dataclasses call in their ``__post_init__``, reading a saved config's fields, and writing
-JSON atomically.
-
-A check takes the field's name as the user sees it (``where``, e.g. "SlimFitConfig.freeze_ratio") and the value, and
-returns the value (numpy numbers as Python's) or raises ``ValueError`` naming the field, the value and what works.
-"""
+"""Small checks the config dataclasses call in their ``__post_init__`` (each takes the field's name as the user sees
+it and the value, returns the value, numpy numbers as Python's, or raises ``ValueError`` naming field, value and what
+works); reading a saved config's fields; writing JSON atomically."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import math
 import numbers
 import os
@@ -147,8 +143,7 @@ def _compiled(where: str, pattern: str) -> str:
 
 
 def nested(where: str, value: Any, cls: type) -> Any:
-    """A nested config: an instance of ``cls``, its dict (how it reads from JSON; an unknown key is refused naming
-    the nearest field), or None."""
+    """A nested config: an instance of ``cls``, its dict (from JSON; an unknown key refused), or None."""
     if value is None or isinstance(value, cls):
         return value
     if not isinstance(value, dict):
@@ -167,8 +162,8 @@ def nested(where: str, value: Any, cls: type) -> Any:
 
 
 def saved_fields(cls: type, values: dict[str, Any], version: Any, nested_types: dict[str, type]) -> dict[str, Any]:
-    """The entries of a saved config's ``values`` that are fields of ``cls``; an unknown key (in a nested config's
-    dict too) is dropped with a warning naming ``version``, the peft_slim that saved it (newer: upgrade to use it)."""
+    """The entries of a saved config's ``values`` that are fields of ``cls``; an unknown key (nested too) is dropped
+    with a warning naming ``version``, the peft_slim that saved it."""
     valid = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(key for key in values if key not in valid)
     if unknown:
@@ -220,8 +215,3 @@ def atomic_write_text(path: str, text: str) -> None:
         if os.path.exists(temporary):
             os.remove(temporary)
         raise
-
-
-def dump_json(data: Any) -> str:
-    """``data`` as the JSON PEFT writes (indented, sorted keys); raises before anything touches the disk."""
-    return json.dumps(data, indent=2, sort_keys=True)

@@ -1,18 +1,10 @@
 """LoRA keeps its input at the base model's width: no fp32 copy of a bf16/fp16 activation saved for backward.
 
-PEFT keeps adapter weights in fp32 under a bf16 or fp16 base model (``autocast_adapter_dtype``) and casts each
-LoRA layer's input to fp32 before ``lora_A``, whose matmul then saves that fp32 copy for the weight gradient:
-twice the bytes of the input, once per adapted layer (q, k and v each save their own copy of the same hidden
-states), beside whatever keeps the narrow original. Here ``lora_A`` takes the narrow input itself, saves it, and
-upcasts it in its forward and again in backward: the same values (an upcast is exact), the same products, half
-the saved bytes.
-
-Only where nothing else sees the cast input: plain ``lora.Linear`` layers whose adapters all have no dropout
-(dropout of the cast input rounds differently) and no variant (DoRA and others use the input elsewhere), outside
-autocast (which runs the matmul in its own dtype); everything else keeps PEFT's behaviour.
-
-Both overrides are ``functools.partial`` objects of module-level functions set on the instance: unlike bound
-methods of functions the layer does not have, they deep-copy (onto the copy) and pickle.
+PEFT casts each LoRA layer's input to the fp32 adapter's dtype before ``lora_A``, whose matmul saves that copy (twice
+the input's bytes, once per adapted layer). Here ``lora_A`` saves the narrow input and upcasts it in forward and
+backward: the same values, half the saved bytes. Only for plain ``lora.Linear`` layers (no dropout, which would round
+differently; no variant, which uses the input elsewhere) outside autocast. The overrides are ``functools.partial``
+objects set on the instance, so they deep-copy and pickle.
 """
 
 from __future__ import annotations

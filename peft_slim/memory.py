@@ -1,8 +1,5 @@
-"""Measuring training memory: bytes autograd saves for backward, and peak allocator use.
-
-Used by tests and benchmarks. Nothing here is estimated from shapes: both numbers come from the
-tensors and allocations that actually happen.
-"""
+"""Measuring training memory, from the tensors and allocations that actually happen: bytes autograd saves for
+backward, and peak allocator use."""
 
 from __future__ import annotations
 
@@ -21,13 +18,9 @@ from .quiet import native_stderr_without
 
 
 class SavedActivationBytes(saved_tensors_hooks):
-    """Count the bytes of distinct storages autograd saves for backward, parameters excluded.
-
-    Use around a forward pass: ``with SavedActivationBytes(model.parameters()) as saved: loss = ...``,
-    then read ``saved.bytes``. A storage saved several times (or by several views) counts once.
-    Saved-tensor hooks nest and only the innermost pair is active, so do not combine this with
-    another saved-tensor hook (e.g. activation compression); measure that with ``peak_memory_bytes``.
-    """
+    """Count the bytes of distinct storages autograd saves for backward, parameters excluded:
+    ``with SavedActivationBytes(model.parameters()) as saved: loss = ...``, then ``saved.bytes`` (not inside other
+    saved-tensor hooks, e.g. compression: only the innermost act)."""
 
     def __init__(self, parameters: Iterable[torch.Tensor] = ()):
         self._parameter_storages = {storage_key(p) for p in parameters}
@@ -50,27 +43,20 @@ class SavedActivationBytes(saved_tensors_hooks):
 
 
 def peak_memory_bytes(step: Callable[[], object]) -> int:
-    """Peak bytes held by PyTorch's allocator during ``step()``, above what was held before it.
-
-    On CUDA this is ``torch.cuda.max_memory_allocated``; on CPU the profiler's allocation and free events
-    are replayed in order and the highest running total is taken (an operator's temporary buffers that it
-    frees before returning are not seen).
-    """
+    """Peak bytes held by PyTorch's allocator during ``step()``, above what was held before it: CUDA's
+    ``max_memory_allocated``, or on CPU the profiler's allocations and frees replayed in order (an operator's
+    temporaries freed before it returns are not seen)."""
     return _measure(step, peak=True)[0]
 
 
 def held_memory_bytes(step: Callable[[], object]) -> tuple[int, object]:
-    """Bytes allocated by ``step()`` and still held when it returns (CPU: the profiler's events replayed, as in
-    ``peak_memory_bytes``; CUDA: the allocator's count), and what ``step()`` returned (kept alive)."""
+    """Bytes allocated by ``step()`` and held when it returns (measured as ``peak_memory_bytes``), and its result."""
     return _measure(step, peak=False)
 
 
 def _measure(step: Callable[[], object], peak: bool) -> tuple[int, object]:
-    """``step()``'s peak (``peak``) or held bytes above what was held before it, and what it returned.
-
-    On CPU, each allocation is reported by the operator that made it (its *self* usage, children excluded) and each
-    free outside an operator as a "[memory]" event; they are replayed in time order.
-    """
+    """``step()``'s peak or held bytes, and what it returned. On CPU each allocation is an operator's *self* usage,
+    each free outside one a "[memory]" event, replayed in time order."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         if peak:
@@ -91,13 +77,9 @@ def _measure(step: Callable[[], object], peak: bool) -> tuple[int, object]:
 
 
 def timeline_peak_bytes(step: Callable[[], object]) -> int:
-    """Peak bytes of tensors during ``step()`` above those held when it starts, from the profiler's memory timeline
-    (``torch.profiler.profile.export_memory_timeline``: every allocation and free at its own time).
-
-    On CPU this sees the moments ``peak_memory_bytes`` misses: that one books an operator's net allocation at the
-    operator's start, so when autograd frees a node's saved tensors and input gradient before the node's kernel
-    allocates its output, the free is counted first and the backward peak reads low.
-    """
+    """Peak bytes of tensors during ``step()`` above those held at its start, from the profiler's memory timeline
+    (every allocation and free at its own time). On CPU it sees what ``peak_memory_bytes`` misses: that one books an
+    operator's net allocation at its start, so a backward node's frees before its output count first."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     device = "cpu"
     if torch.cuda.is_available():

@@ -22,7 +22,6 @@ REFUSED_LORA_INITS = {
 
 
 def check_lora_fields(lora: LoraConfig, where: str) -> None:
-    """Refuse the LoraConfig settings a stacked peft_slim adapter cannot honour (ValueError naming the field)."""
     for name, why in REFUSED_LORA_FIELDS.items():
         value = getattr(lora, name, None)
         if value is not None:
@@ -38,8 +37,7 @@ def check_lora_fields(lora: LoraConfig, where: str) -> None:
 
 
 def merged_modules_to_save(modules_to_save: list[str] | None, lora: LoraConfig, where: str) -> list[str] | None:
-    """The owner's ``modules_to_save`` followed by those only the nested LoRA names: both are trained and saved,
-    as LoRA would train and save its own (a single string is one name, as for the owner's field)."""
+    """The owner's ``modules_to_save`` followed by those only the nested LoRA names (both train and save)."""
     names = list(modules_to_save or [])
     nested = check_names(f"{where}.modules_to_save", lora.modules_to_save, regex=False) or []
     names += [name for name in nested if name not in names]
@@ -67,10 +65,8 @@ def check_target_names(model: nn.Module, target_modules: object) -> None:
 
 
 def injected_lora(model: nn.Module, owner: PeftConfig) -> LoraConfig:
-    """The LoraConfig that LoRA's own injection (``LoraModel.inject_adapter``) is given for ``owner``'s nested
-    ``lora``: a copy, since the injection resolves ``target_modules`` in it and the saved config keeps what the user
-    wrote, with the owner's ``modules_to_save`` (which keeps LoRA off the heads PEFT wraps); a misspelt
-    ``target_modules`` name is refused first."""
+    """What LoRA's injection is given for ``owner``'s nested ``lora``: a copy (the injection resolves
+    ``target_modules`` in it; the saved config keeps what the user wrote) with the owner's ``modules_to_save``."""
     lora = copy.deepcopy(owner.lora)
     check_target_names(model, lora.target_modules)
     lora.modules_to_save = owner.modules_to_save

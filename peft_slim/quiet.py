@@ -1,8 +1,4 @@
-"""Third-party messages that are not faults, silenced one message at a time around the code that prints them.
-
-A newcomer's first ``peft-slim train`` should show the progress bar and the results. Each silencer here names the
-exact message it drops and is active only around the call that prints it; everything else still reaches the user.
-"""
+"""Third-party messages that are not faults, each silenced by its exact text only around the call that prints it."""
 
 from __future__ import annotations
 
@@ -21,10 +17,9 @@ from collections.abc import Iterator
 BNB_CPU_PROBE_LOGGER = "bitsandbytes.backends.cpu.ops"
 BNB_CPU_PROBE_MESSAGE = "Failed to load CPU gemm_4bit_forward from kernels-community"
 
-# What torch's profiler writes straight to the process's stderr (C++, not Python) when it starts and stops, and
-# its allocator's note that a block allocated before profiling was freed during it: the measurement is still
-# right (``memory.timeline_peak_bytes`` counts from the first sample); and, on a CUDA build of torch on a machine
-# without a GPU (PyPI's Linux wheels), its probe for GPUs failing (code 35: no driver): the profiler records the CPU.
+# What torch's profiler writes to the process's stderr (C++) when it starts and stops; its allocator's note on a block
+# allocated before profiling (the measurement counts from the first sample); a CUDA build's failed GPU probe (code 35:
+# no driver; it records the CPU).
 PROFILER_LINES = (
     re.compile(r"^USDT:.*SyncActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)\s*$"),
     re.compile(r"^\[W\S* \S+ CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before the profiling"),
@@ -34,8 +29,8 @@ PROFILER_LINES = (
 
 @contextlib.contextmanager
 def native_stderr_without(patterns: tuple[re.Pattern, ...] = PROFILER_LINES) -> Iterator[None]:
-    """Run the block with file descriptor 2 sent to a temporary file, then write back every line that matches none
-    of ``patterns`` (C++ code writes to the descriptor, not to ``sys.stderr``, so only this can catch it)."""
+    """Run the block with file descriptor 2 (where C++ writes) sent to a temporary file, then write back every line
+    that matches none of ``patterns``."""
     try:
         sys.stderr.flush()
         saved = os.dup(2)
@@ -67,9 +62,8 @@ def warning_silenced(category: type[Warning], message: str) -> Iterator[None]:
         yield
 
 
-# peft imports bitsandbytes (when installed) on its own import (PEFT 0.21) or at its first LoRA injection (later
-# releases); everything in peft_slim imports peft, so this module is imported first (peft_slim/__init__.py) and
-# imports both here with the probe's warning dropped (bitsandbytes probes once, at its import).
+# peft imports bitsandbytes at its import (0.21) or first LoRA injection; this module, imported first, imports both
+# with the probe's warning dropped (bitsandbytes probes once, at its import).
 def _not_the_probe(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith(BNB_CPU_PROBE_MESSAGE)
 

@@ -1,11 +1,5 @@
-"""``Recipe``: one training setting (the method, its LoRA, token selection, freezing, compression, checkpointing),
-defined once for ``peft-slim train``, the planner, its measured table and the benchmarks.
-
-A recipe fills in the method's defaults, so that two recipes that train the same way are equal. It builds the model
-that trains (``apply``: a PeftModel, or for full fine-tuning the model itself with the method's transform) from its
-config (``to_peft_config``), and gives the ``peft-slim train`` flags (``to_flags``, read back by ``from_train_args``)
-and the key of the planner's measured table (``key``).
-"""
+"""``Recipe``: one training setting, defined once for ``peft-slim train``, the planner, its measured table and the
+benchmarks; the method's defaults are filled in, so two recipes that train the same way are equal."""
 
 from __future__ import annotations
 
@@ -39,8 +33,7 @@ SELECTING = ("tokentune", "slimfit")  # the methods that can train on a token su
 
 @dataclass(frozen=True)
 class Recipe:
-    """How one run trains: the fields ``peft-slim train``'s method flags set, with the method's defaults filled in.
-    Fields that do not apply to the method are refused (a ``ValueError`` naming the field), never ignored."""
+    """How one run trains (``peft-slim train``'s method flags); a field the method does not use is refused."""
 
     method: str = field(
         default="tokentune",
@@ -197,7 +190,6 @@ class Recipe:
 
     @property
     def selects(self) -> bool:
-        """Trains on a subset of each sequence's tokens."""
         return self.method == "tokentune" or (self.method == "slimfit" and self.token_ratio is not None)
 
     @property
@@ -206,8 +198,7 @@ class Recipe:
 
     # ------------------------------------------------------------------------------------------------ configs
     def lora_config(self, task_type: str | None = "CAUSAL_LM"):
-        """The recipe's ``LoraConfig`` (rank ``DEFAULT_LORA_R`` where the recipe trains none: the plain LoRA a run
-        is compared with)."""
+        """The recipe's ``LoraConfig`` (rank ``DEFAULT_LORA_R`` where it trains none: the LoRA compared with)."""
         r = self.lora_r or DEFAULT_LORA_R
         targets = self.lora_target_modules
         targets = list(targets) if isinstance(targets, tuple) else targets
@@ -221,15 +212,13 @@ class Recipe:
         return ActivationCompressionConfig(bits=self.compression_bits)
 
     def apply(self, model: nn.Module, seed: int | None = None) -> tuple[nn.Module, MethodTransform | None]:
-        """``model`` ready to train this recipe, and the method's transform handle where it has one: see
-        :func:`trainable` (of ``to_peft_config``'s config). 'lora' and 'full' train compressed only inside
-        ``compress_activations(recipe.activation_compression())``."""
+        """:func:`trainable` of ``to_peft_config``'s config ('lora' and 'full' train compressed only inside
+        ``compress_activations(recipe.activation_compression())``)."""
         return trainable(model, self.to_peft_config(seed=seed))
 
     def to_peft_config(self, seed: int | None = None, task_type: str | None = "CAUSAL_LM"):
-        """The config that trains this recipe: a ``LoraConfig``, ``TokenTuneConfig`` or ``SlimFitConfig`` (without
-        ``lora`` where ``lora_r`` is 0: the method's full fine-tuning transform); None for 'full'.
-        ``seed``: of the token selection and SlimFit's order (None: the defaults)."""
+        """The config that trains this recipe (without ``lora`` where ``lora_r`` is 0; None for 'full'); ``seed``: of
+        the token selection and SlimFit's order (None: the defaults)."""
         if self.method == "full":
             return None
         if self.method == "lora":
@@ -293,10 +282,8 @@ class Recipe:
 
 
 def trainable(model: nn.Module, config: PeftConfig | None) -> tuple[nn.Module, MethodTransform | None]:
-    """``model`` ready to train with ``config``, and the transform handle where there is one: the PeftModel of
-    ``get_peft_model(model, config)``; for a peft_slim method's config without ``lora`` (full fine-tuning) ``model``
-    itself with the method's transform (``tokentune_`` / ``slimfit_``); for None ``model`` with every weight
-    trainable."""
+    """``model`` ready to train with ``config`` and the transform handle if any: ``get_peft_model``'s PeftModel; for a
+    method's config without ``lora``, ``model`` with the method's transform; for None, ``model`` all trainable."""
     if config is None:
         return model.requires_grad_(True), None
     if isinstance(config, MethodConfig) and config.lora is None:

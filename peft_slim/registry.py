@@ -1,9 +1,5 @@
-"""Make peft_slim's methods first-class PEFT types.
-
-PEFT's ``PeftType`` is a closed ``(str, Enum)`` and ``register_peft_method`` only accepts names that are
-already members, so a new member is added through the enum's internal maps before registering. Both
-steps are idempotent: importing ``peft_slim`` twice, or after PEFT has loaded configs, changes nothing.
-"""
+"""Make peft_slim's methods PEFT types: a ``PeftType`` member added (``compat.add_enum_member``), then registered;
+both idempotent."""
 
 from __future__ import annotations
 
@@ -25,7 +21,6 @@ def register_method(name: str, config_cls: type, model_cls: type) -> PeftType:
     peft_type = add_peft_type(name.upper())
     if peft_type in PEFT_TYPE_TO_CONFIG_MAPPING or peft_type in PEFT_TYPE_TO_TUNER_MAPPING:
         return peft_type
-    # The tuner's parameter prefix: LoRA's ("lora_") for a tuner on LoRA's model class, so that PEFT's missing-key
-    # reports and weight conversions see its parameters.
+    # LoRA's prefix ("lora_"), so that PEFT's missing-key reports and weight conversions see the parameters.
     register_peft_method(name=name, config_cls=config_cls, model_cls=model_cls, prefix=model_cls.prefix)
     return peft_type

@@ -11,9 +11,8 @@ from .compat import AuxiliaryTrainingWrapper
 
 
 def peft_wrapped_names(model: nn.Module, modules_to_save: list[str] | None = None) -> list[str]:
-    """Names of the modules of ``model`` that PEFT wraps (``modules_to_save``, trainable tokens), in module order.
-    With ``modules_to_save`` (a config's), also the modules it names that PEFT has not wrapped yet (it wraps them
-    after the tuner is built)."""
+    """Names of the modules of ``model`` that PEFT wraps (``modules_to_save``, trainable tokens), and those a config's
+    ``modules_to_save`` names that it has not wrapped yet."""
     return [
         name
         for name, module in model.named_modules()
@@ -27,12 +26,8 @@ def is_under(name: str, modules: list[str]) -> bool:
 
 
 def trainable_parameter_names(model: nn.Module, targets: list[str] | str | None, field: str) -> list[str]:
-    """Names of the parameters under modules matching ``targets`` (all parameters when None).
-
-    ``targets`` is a list of module names (exact or dotted-suffix match, like LoRA's target_modules) or
-    one regex matched against the full module name. Parameters under PEFT's own wrappers
-    (``modules_to_save``) are left to PEFT. ``field`` names the config field in errors.
-    """
+    """Names of the parameters under modules matching ``targets`` (names, suffix match as LoRA's; or one regex, full
+    match; None: all), PEFT's wrappers left to PEFT; ``field`` names the config field in errors."""
     wrapped = peft_wrapped_names(model)
     selected = set()
     for module_name, module in model.named_modules():
@@ -43,8 +38,7 @@ def trainable_parameter_names(model: nn.Module, targets: list[str] | str | None,
                 selected.add(id(param))
     if targets is not None and not selected:
         raise ValueError(f"{field}={targets!r} matched no module of the model.")
-    # A tied tensor (e.g. GPT-2's lm_head and wte) is one parameter: name it once, by its canonical name, so
-    # that it is marked trainable and saved once whichever of its modules was named.
+    # A tied tensor (GPT-2's lm_head and wte) named once, by its canonical name, whichever module was named.
     return [name for name, param in model.named_parameters() if id(param) in selected]
 
 

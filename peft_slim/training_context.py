@@ -1,14 +1,10 @@
-"""One training forward's context: what it turns on, entered and left in one place, however the forward ends.
+"""One training forward's context: activation compression, then token selection, then SlimFit's freezing, turned on
+by the model's pre-hook (however the model is called) and off in the reverse order however the forward ends.
 
-A training forward (train mode, grad enabled) of a model under a peft_slim method turns on, in this order, activation
-compression (saved-tensor hooks and module hooks: thread and process state), token selection (the selector's
-per-forward state) and SlimFit's freezing, and turns them off in the reverse order when the forward ends. Torch runs
-``always_call`` forward hooks after an ``Exception`` only, so a KeyboardInterrupt (a notebook's stop button) or a
-SystemExit would leave them on: :meth:`TrainingContext.guard` leaves them on any ``BaseException``. The model's
-forward runs inside it (a wrapper on the instance, as accelerate's device hooks set one), and so does the tuner's
-forward, which also covers other hooks of the model. Any call of the model enters the context through its own
-pre-hook (PEFT's forward, TRL's fused-head call, a call of the model below the tuner, a transformed plain model); an
-entry left behind by an interrupt in another hook of the model is left before the next one starts.
+Torch runs ``always_call`` forward hooks after an ``Exception`` only, so a KeyboardInterrupt or SystemExit would leave
+them on: the model's forward (a wrapper on the instance, as accelerate's device hooks set one) and the tuner's run
+inside :meth:`TrainingContext.guard`, which leaves them on any ``BaseException``; an entry an interrupt left behind
+elsewhere is left before the next one starts.
 """
 
 from __future__ import annotations
@@ -28,9 +24,8 @@ from .memory import SavedActivationBytes
 
 
 class TrainingContext:
-    """What each training forward of ``model`` turns on: ``compression`` (an ``ActivationCompressionConfig``), then
-    ``selector`` (a ``TokenSelector``: its ``_before_forward`` / ``_after_forward`` / ``_abort``), then ``freezing``
-    (called with the model before every forward with grad enabled, train mode or not). Each may be None."""
+    """What each training forward of ``model`` turns on: ``compression``, then ``selector`` (a ``TokenSelector``), then
+    ``freezing`` (called before every forward with grad enabled, train mode or not); each may be None."""
 
     def __init__(
         self,
@@ -49,7 +44,7 @@ class TrainingContext:
         self.reattach()
 
     def reattach(self) -> None:
-        """Register the model's hooks (again, after ``detach()``: another adapter of the model was active)."""
+        """Register the model's hooks (again, after ``detach()``)."""
         if not self._handles:
             self._handles = [
                 self.model.register_forward_pre_hook(self._enter, prepend=True, with_kwargs=True),
@@ -123,8 +118,8 @@ class TrainingContext:
 
 
 class _GuardedForward:
-    """The model's ``forward`` run inside its context's ``guard()``: the instance's own (``inner``: accelerate's
-    device hooks set one) or the class's. An object, so a deep copy refers to the copy's model and context."""
+    """The model's ``forward`` (the instance's own, ``inner``, or the class's) run inside its context's ``guard()``; an
+    object, so a deep copy refers to the copy's model and context."""
 
     def __init__(self, model: nn.Module, context: TrainingContext):
         self.model = model
@@ -145,10 +140,9 @@ class _GuardedForward:
 
 
 def refuse_outer_saved_tensor_hooks() -> None:
-    """Raise when another saved-tensor hook (TRL's ``activation_offloading=True``, ``save_on_cpu``, ...) is active
-    around a training forward with ``activation_compression``: hooks nest and only the innermost acts, so the
-    compression would take every tensor and the outer hook would silently keep none. peft_slim's own counter
-    (``memory.SavedActivationBytes``, documented to see nothing inside) is allowed."""
+    """Raise when another saved-tensor hook (TRL's ``activation_offloading``, ``save_on_cpu``, ...) is active around a
+    compressed training forward: only the innermost acts, so the outer one would silently keep nothing. peft_slim's
+    own ``SavedActivationBytes`` (documented to see nothing inside) is allowed."""
     pack = active_saved_tensors_pack()
     owner = getattr(pack, "__self__", None)
     if pack is None or isinstance(owner, SavedActivationBytes):

@@ -1,9 +1,5 @@
-"""The versions of torch, transformers and PEFT that peft_slim supports, checked once at import.
-
-peft_slim relies on private APIs of all three (``peft_slim.compat``), so a version outside what CI tests may
-change behaviour without an error. Below ``MINIMUM`` an API peft_slim needs does not exist: the import is refused.
-Between ``MINIMUM`` and the newest tested release (``TESTED``, what CI's oldest and newest runs install) nothing is
-said; outside the tested span but allowed by pyproject.toml (a newer minor release, an older torch), one warning.
+"""The torch, transformers and PEFT versions peft_slim supports, checked once at import: refused below ``MINIMUM``
+(an API it needs is missing), one warning outside ``TESTED`` (its private APIs, ``compat.py``, may have changed).
 Keep these numbers, pyproject.toml and ``.ci/oldest.txt`` in step.
 """
 
@@ -14,12 +10,10 @@ from importlib import metadata
 
 from packaging.version import Version
 
-# Refused below: PEFT 0.21 added the tuner hooks through which a stacked LoRA saves and loads
-# (``BaseTuner._get_adapter_state_dict`` / ``_remap_adapter_state_dict_for_load``). transformers 5.23 checkpoints a
-# layer's ``forward`` instead of its ``__call__``, so TokenTune's block hooks stay outside the checkpoint (before it,
-# a gradient-checkpointing replay saves other tensors than the forward and torch refuses it); older releases also
-# pass ``cache_position`` to decoder layers (before 5.4), which TokenTune refuses. torch 2.11 is the oldest run (the
-# GPU reference setup); the registry has no CPU build of it for CI, which tests 2.13.
+# Refused below: PEFT 0.21 added the tuner hooks a stacked LoRA saves and loads through (``_get_adapter_state_dict``,
+# ``_remap_adapter_state_dict_for_load``); transformers 5.23 checkpoints a layer's ``forward``, not its ``__call__``,
+# so TokenTune's block hooks stay outside the checkpoint; torch 2.11 is the oldest run (the GPU reference setup; CI's
+# registry has no CPU build of it).
 MINIMUM = {"torch": "2.11", "transformers": "5.23", "peft": "0.21"}
 # The oldest and newest releases CI runs the suite on (torch: 2.13.0, the CPU build README installs, and the newest
 # release on PyPI, a CUDA build run on the CPU).

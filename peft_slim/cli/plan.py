@@ -36,8 +36,7 @@ def parse_bytes(text: str) -> int:
 
 
 def _field(default, help: str, **flag):
-    """A flag's field: its default, help and how ``flags.add_fields`` reads its value (``check``, ``choices``,
-    ``parse``)."""
+    """A flag's field; ``flag``: how ``flags.add_fields`` reads its value (``check``, ``choices``, ``parse``)."""
     return field(default=default, metadata={"help": help, **flag})
 
 
@@ -92,7 +91,6 @@ class PlanArguments:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags: ``PlanArguments``' fields."""
     add_fields(parser, PlanArguments)
 
 
@@ -114,8 +112,7 @@ MODEL_PLACEHOLDER = "MODEL"
 
 
 def holds_weights(model: str | None) -> bool:
-    """Whether `peft-slim train --model MODEL` can load ``model``: train's default (None), a hub id (not a local
-    path), or a local folder with weight files; not a config file, nor a folder with a config only."""
+    """Whether `peft-slim train` can load ``model``: None (the default), a hub id, or a folder with weight files."""
     if model is None or not os.path.exists(model):
         return True
     return os.path.isdir(model) and any(any(pathlib.Path(model).glob(pattern)) for pattern in WEIGHT_FILES)

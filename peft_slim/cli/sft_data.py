@@ -1,12 +1,6 @@
-"""Supervised fine-tuning data for ``peft-slim train``: read a dataset, find its format, check its rows for TRL.
-
-Three formats, recognised by their columns: plain text (``text``: every token is a target), prompt/completion
-(``prompt`` + ``completion``) and chat (``messages``: a list of ``{"role", "content"}``). With completion-only
-loss (the default) the prompt, and in a chat everything but the assistant turns, is labelled -100, so the loss
-and TokenTune's label-first selection see only the answers.
-
-TRL's ``SFTTrainer`` tokenises, labels and truncates the rows (``to_dataset`` hands them over in its formats); this
-module reads and checks them first, naming file, line and column (TRL checks no row), and labels chat rows.
+"""Supervised fine-tuning data for ``peft-slim train``: read a dataset, find its format (``text``, ``prompt`` +
+``completion``, or chat ``messages``), check every row naming file, line and column (TRL checks none), and hand
+the rows to ``SFTTrainer`` in its formats (chat rows labelled here, at the assistant turns).
 """
 
 from __future__ import annotations
@@ -78,24 +72,20 @@ def _check_utf8(path: Path) -> bytes:
 def _bad_text(value) -> str | None:
     """The first string (key or value) in ``value`` that has no UTF-8 form (a lone surrogate escape such as
     ``"\\ud800"``, which JSON parses but Arrow cannot store), or None."""
-    texts = [value] if isinstance(value, str) else []
-    if isinstance(value, dict):
-        texts = [item for pair in value.items() for item in pair]
-    elif isinstance(value, list):
-        texts = value
-    for text in texts:
-        if isinstance(text, str):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                return text
-        elif isinstance(text, (dict, list)) and (bad := _bad_text(text)) is not None:
-            return bad
-    return None
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value
+        return None
+    items = [item for pair in value.items() for item in pair] if isinstance(value, dict) else value
+    if not isinstance(items, list):
+        return None
+    return next((bad for item in items if (bad := _bad_text(item)) is not None), None)
 
 
 def _paths(value, prefix: str = ""):
-    """(nested field such as ``messages[].content``, JSON type) of every non-null value in ``value``."""
+    """(field such as ``messages[].content``, JSON type) of every non-null value in ``value``."""
     if isinstance(value, dict):
         for key, item in value.items():
             yield from _paths(item, f"{prefix}.{key}" if prefix else key)
@@ -125,9 +115,8 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
 
 
 def _json_values(text: str):
-    """(line, value) of each row of a JSON text: the items of a JSON array, else each top-level value (JSON lines, or
-    one object). ``line`` is the 1-based line the row starts on. A key repeated in an object raises
-    ``_DuplicateKey`` with the row's line, invalid JSON ``json.JSONDecodeError``."""
+    """(1-based line it starts on, value) of each row of a JSON text: a JSON array's items, else each top-level value
+    (JSON lines). Raises ``_DuplicateKey`` (with the line) or ``json.JSONDecodeError``."""
     decoder, space = json.JSONDecoder(object_pairs_hook=_unique_keys), re.compile(r"\s*")
     position, line, counted = space.match(text).end(), 1, 0
     array = text.startswith("[", position)
@@ -146,11 +135,9 @@ def _json_values(text: str):
 
 
 def _scan_json(dataset: str, text: str) -> tuple[list[int] | None, str | None]:
-    """The line each row of a JSON or JSON lines file starts on (None where the file is not valid JSON), and where
-    the ``json`` builder, should it fail, goes wrong: the first row that is not valid JSON or not a JSON object, or
-    whose field has another type than the same field on an earlier row (a column holds one type). A key repeated in
-    one object is refused here, naming the line and the key: the builder would fail without saying where (JSON
-    lines) or keep one of the values (a JSON array)."""
+    """The line each row of a JSON (lines) file starts on (None: not valid JSON), and where the ``json`` builder,
+    should it fail, goes wrong (the first row not an object, or with a field of another type than on an earlier row).
+    A key repeated in one object is refused here: the builder would not say where, or keep one of the values."""
     lines, seen, problem = [], {}, None
     try:
         for number, row in _json_values(text):
@@ -185,11 +172,9 @@ def _scan_json(dataset: str, text: str) -> tuple[list[int] | None, str | None]:
 
 
 def _csv_options(dataset: str, text: str) -> tuple[dict, str | None]:
-    """The ``csv`` builder's options that read every cell as the text it is: each column a string column, no NA
-    guessing (pandas would make ``42`` an int, ``True`` a bool, ``NA`` and an empty cell nothing); and a note when
-    the first column, unnamed, is ignored (the row index pandas' ``to_csv()`` writes). A header naming a column
-    twice, or another column without a name, is refused: pandas would rename it (``completion.1``, ``Unnamed: 2``)
-    and the run train on the first."""
+    """The ``csv`` builder's options reading every cell as text (no type or NA guessing), and a note when an unnamed
+    first column (pandas' row index) is ignored. A repeated or unnamed column is refused: pandas would rename it
+    (``completion.1``, ``Unnamed: 2``) and the run train on the first."""
     import datasets
 
     header = next(csv.reader(io.StringIO(text)), [])
@@ -214,8 +199,7 @@ def _csv_options(dataset: str, text: str) -> tuple[dict, str | None]:
 
 
 def read_rows(dataset: str | None, split: str, config: str | None = None) -> Rows:
-    """The rows of the embedded default (``dataset=None``), of a local file or folder, or of a hub dataset (``config``:
-    its configuration name)."""
+    """The rows of the embedded default (``dataset=None``), of a local file or folder, or of a hub dataset."""
     if dataset is None:
         path = default_dataset_path()
         numbered = list(_json_values(path.read_text(encoding="utf-8")))
@@ -309,10 +293,8 @@ def _found(value) -> str:
 
 
 def check_rows(rows: list[dict], columns: Columns) -> None:
-    """Every row holds what its format needs, or the first that does not is refused, naming the file, the row (the
-    line of a jsonl file), the column, what was found and what was expected. No row is skipped or coerced: a
-    missing or null value, a number where text belongs, an empty completion or text are mistakes in the data."""
-    # TRL checks no row: SFTTrainer trains on what it is given or fails later without naming the row.
+    """Every row holds what its format needs, or the first that does not is refused naming file, row, column, what
+    was found and what was expected; no row is skipped or coerced."""
 
     def refuse(index: int, column: str, found: str, expected: str):
         raise DataError(f"{_where(rows, index)}: column {column!r}: found {found}, expected {expected}.")
@@ -351,13 +333,9 @@ def _check_messages(messages, refuse) -> None:
 
 
 def _chat_pieces(tokenizer, messages: list[dict], completion_only: bool = True) -> list[tuple[str, bool]]:
-    """The chat template's text cut into (piece, is_assistant_turn) pieces, in order (``messages`` checked).
-
-    Each assistant turn is what the template adds between the conversation before it rendered with the
-    generation prompt and the conversation up to it; templates that do not render prefixes this way are refused
-    (without ``completion_only``, where every token is a target, the whole text is one piece instead).
-    """
-    # Not SFTTrainer's assistant_only_loss: it needs a template marking its assistant turns with {% generation %}.
+    """The chat template's text cut into (piece, is_assistant_turn) pieces, in order. Each assistant turn is what
+    the template adds between the conversation before it (with the generation prompt) and up to it; a template not
+    rendering prefixes this way is refused (without ``completion_only``: one piece)."""
     # Not trl.apply_chat_template's prompt/completion split per turn: it continues a turn after an assistant turn,
     # refuses one after a system turn, and cuts silently at the common prefix where this refuses the template.
 
@@ -388,8 +366,7 @@ def _chat_pieces(tokenizer, messages: list[dict], completion_only: bool = True) 
 
 
 def _chat_example(messages: list[dict], tokenizer, completion_only: bool) -> dict:
-    """``input_ids`` and ``completion_mask`` (1 on the assistant turns) of a conversation, each piece tokenised apart,
-    no special token added (what the template renders is all there is)."""
+    """``input_ids`` and ``completion_mask`` (1 on assistant turns) of a conversation, no special token added."""
     input_ids, mask = [], []
     for text, assistant in _chat_pieces(tokenizer, messages, completion_only):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -399,12 +376,9 @@ def _chat_example(messages: list[dict], tokenizer, completion_only: bool) -> dic
 
 
 def to_dataset(rows: list[dict], columns: Columns, tokenizer, completion_only: bool = True, chat_template=None):
-    """The checked ``rows`` as a ``datasets.Dataset`` in one of TRL's formats, for ``SFTTrainer`` to tokenise, label
-    and truncate: ``text``; ``prompt`` + ``completion`` (as chat turns where ``chat_template``, None: when the
-    tokenizer has one); chat rows tokenised here (``input_ids`` + ``completion_mask``, all ones without
-    ``completion_only``)."""
-    # TRL's assistant_only_loss needs a chat template marking its assistant turns with {% generation %}: chat rows are
-    # labelled here by where the template puts each assistant turn (``_chat_pieces``).
+    """The checked ``rows`` as a ``datasets.Dataset`` in TRL's formats: ``text``; ``prompt`` + ``completion`` (chat
+    turns where ``chat_template``, None: when the tokenizer has one); chat rows tokenised here (``input_ids`` +
+    ``completion_mask``), since TRL's assistant_only_loss needs templates marking ``{% generation %}``."""
     import datasets
 
     has_template = getattr(tokenizer, "chat_template", None) is not None

@@ -1,10 +1,6 @@
-"""``peft-slim train``: TRL's SFT (``SFTTrainer``, its arguments, formats and loss) with a peft-slim method.
-
-The method's ``Recipe`` gives the ``peft_config`` (none for full fine-tuning) and the callback; before the model
-loads, every flag is checked and the data's rows too (TRL checks no row), and one that does not apply to the method
-is refused, never ignored. The peak memory of a step of the method and of LoRA + gradient checkpointing comes from
-the planner's ``measure_memory``. The last line printed is the saved adapter's path.
-"""
+"""``peft-slim train``: TRL's SFT (``SFTTrainer``, its arguments, formats and loss) with a peft-slim method, built by
+the flags' ``Recipe``; every flag and data row is checked before the model loads. The last line printed is the saved
+folder."""
 
 from __future__ import annotations
 
@@ -58,9 +54,8 @@ def describe(recipe: Recipe) -> str:
 
 # ------------------------------------------------------------------------------------------------ model and method
 def check_output(output: str, model: str | None = None) -> None:
-    """--output is a folder, or a path where one can be made: neither it nor a folder above it is a file, nor the
-    local folder of ``model`` (the save would replace the model's own files), and the folder that holds it (where
-    the save is staged and swapped in) is writable."""
+    """--output is a folder, or a path where one can be made (no file on the way), not ``model``'s own folder, and
+    the folder holding it (where the save is staged) is writable."""
     path = Path(output).absolute()
     if model is not None and Path(model).is_dir() and Path(model).resolve() == path.resolve():
         raise UsageError(
@@ -90,13 +85,12 @@ def check_model_fits(config, max_length: int, recipe: Recipe) -> None:
 
 
 def check_lora_targets(config, recipe: Recipe) -> None:
-    """Each name in --lora-target-modules matches a module LoRA can adapt: PEFT's own matching and injection, one
-    name at a time, on the model built from its config on the meta device (no weights read, no memory). PEFT alone
-    refuses only after the model has loaded, naming no flag, and skips a name silently when another one matches."""
+    """Each name in --lora-target-modules matches a module LoRA can adapt (PEFT's own check, a name at a time, on the
+    meta device): PEFT would refuse after loading and skip a name silently when another one matches."""
     if not recipe.uses_lora or recipe.lora_target_modules == "all-linear":
         return
 
-    def meta_model():  # the architecture without weights: nothing read, no memory
+    def meta_model():
         try:
             with torch.device("meta"):
                 return AutoModelForCausalLM.from_config(config)
@@ -123,9 +117,8 @@ def check_lora_targets(config, recipe: Recipe) -> None:
 
 
 def loss_kept(model, batch: dict) -> str | None:
-    """What the token selection of ``batch`` (drawn in the latest training forward) kept of its loss: the loss covers
-    the selected positions only. Under answer-first selection also the lowest ratio at which every row's budget
-    holds all its labelled positions besides the first and last token (always selected). None without selection."""
+    """What the latest training forward's token selection of ``batch`` kept of its loss (and, answer first, the lowest
+    ratio keeping every labelled position); None without selection."""
     selector = find_token_selector(model)  # the PEFT tuner's, or the transform's (--lora-r 0)
     if selector is None or selector.last_token_mask is None:
         return None
@@ -144,19 +137,16 @@ def loss_kept(model, batch: dict) -> str | None:
 
 
 def save(model, tokenizer, output: Path) -> None:
-    """Save the adapter (or the full model) and the tokenizer into ``output`` in one atomic swap, replacing every
-    model file an earlier save left there, whatever method wrote it (else a full model saved over an adapter would
-    load with the old adapter applied); other files and folders stay."""
-    # PEFT warns that a base model folder without config.json (the GGUF default) cannot tell whether the vocabulary
-    # changed; the command never resizes embeddings, so the answer ("not modified") is right.
+    """Save the model and tokenizer into ``output`` in one atomic swap, replacing every model file an earlier run left
+    (else a full model saved over an adapter would load with the old adapter applied); other files stay."""
+    # PEFT warns that a base folder without config.json (GGUF) hides vocabulary changes: the command makes none.
     with warning_silenced(UserWarning, "Could not find a config file in"):
         save_pretrained(model, str(output), tokenizer=tokenizer, replace_model_files=True)
 
 
 # ------------------------------------------------------------------------------------------------------- training
 def peak_lines(config, recipe: Recipe, training, dtype: str, seq_len: int) -> list[str]:
-    """The step peak of the method and of LoRA + gradient checkpointing, by the planner's ``measure_memory``: three
-    steps of the model built from ``config`` (random weights) on --batch-size x ``seq_len`` random tokens."""
+    """The step peak of the method and of LoRA + gradient checkpointing (the planner's ``measure_memory``)."""
     if training.bf16 or (recipe.activation_compression() is not None and recipe.method in ("lora", "full")):
         return [
             "peak memory of one training step: not measured (the planner's measure_memory has no bf16 autocast and "
@@ -168,28 +158,20 @@ def peak_lines(config, recipe: Recipe, training, dtype: str, seq_len: int) -> li
     with warning_silenced(FutureWarning, "`is_gradient_checkpointing` is deprecated"):  # PEFT's call, not ours
         config = copy.copy(config)
         config.use_cache = False  # training fills no cache (and checkpointing would warn of it)
-        ours = measure_memory(
-            config,
-            recipe.to_peft_config(seed=training.seed),
-            batch,
-            seq_len,
-            **common,
-            gradient_checkpointing=recipe.gradient_checkpointing,
-        ).peak
+        method, checkpointing = recipe.to_peft_config(seed=training.seed), recipe.gradient_checkpointing
+        ours = measure_memory(config, method, batch, seq_len, **common, gradient_checkpointing=checkpointing).peak
         baseline = measure_memory(config, lora, batch, seq_len, **common, gradient_checkpointing=True).peak
     return [
         f"peak memory of one training step (the planner's measure_memory: weights, optimizer state and the step's "
         f"peak, on {batch} x {seq_len} random tokens, every one labelled; {seq_len}: the longest of the first {batch} "
-        f"examples): "
-        f"{ours / MIB:.1f} MiB",
+        f"examples): {ours / MIB:.1f} MiB",
         f"the same step of LoRA r={lora.r} + gradient checkpointing (TRL's SFT default): {baseline / MIB:.1f} MiB "
         f"(ratio {ours / baseline:.2f})",
     ]
 
 
 def make_trainer(model, tokenizer, dataset, recipe: Recipe, training):
-    """TRL's ``SFTTrainer`` training ``recipe`` on ``model``: the one place the trainable model is built (the
-    method's PEFT config, or every base weight for 'full'), with the method's callback and compression."""
+    """TRL's ``SFTTrainer`` training ``recipe`` on ``model``, with the method's callback and compression."""
     from trl import SFTTrainer  # its own import is heavy: loaded when training starts
 
     compression = recipe.activation_compression() if recipe.method in ("lora", "full") else None
@@ -218,7 +200,6 @@ def make_trainer(model, tokenizer, dataset, recipe: Recipe, training):
     callbacks = {"tokentune": [TokenTuneCallback()], "slimfit": [SlimFitCallback()]}.get(recipe.method, [])
     if recipe.method == "slimfit" and recipe.selects:
         callbacks.append(TokenTuneCallback())
-    # PEFT's call to transformers' deprecated `is_gradient_checkpointing` warns: PEFT's code, not the user's.
     with warning_silenced(FutureWarning, "`is_gradient_checkpointing` is deprecated"):
         return MethodTrainer(
             model=model,
@@ -231,8 +212,7 @@ def make_trainer(model, tokenizer, dataset, recipe: Recipe, training):
 
 
 def drop_unscored(trainer, given: int) -> int:
-    """Drop the prepared rows no loss scores; how many of the ``given`` rows went. A small adapter: TRL drops the rows
-    truncation leaves without a label silently, and keeps those labelled only at the first position (unscored)."""
+    """Drop the prepared rows no loss scores (TRL keeps those labelled at the first position only); how many went."""
     if not trainer.args.packing:
         trainer.train_dataset = trainer.train_dataset.filter(
             lambda row: any(label != IGNORE_INDEX for label in row["labels"][1:])
@@ -252,8 +232,8 @@ def parse(argv: list[str]) -> tuple:
 
 
 def parse_flags(argv: list[str]) -> argparse.Namespace:
-    """``argv`` parsed and checked as ``peft-slim train`` parses it, in one namespace: every field by its name, the
-    method's fields resolved (``Recipe.from_train_args`` reads them back) and the earlier names of TRL's fields."""
+    """``argv`` parsed and checked as ``peft-slim train`` does, in one namespace (every field, the method's resolved,
+    and the earlier flag names)."""
     recipe, *arguments = parse(argv)
     values = {spec.name: getattr(part, spec.name) for part in arguments for spec in dataclasses.fields(part)}
     data, training, model, _ = arguments
@@ -302,12 +282,8 @@ def train(recipe: Recipe, data, training, model_args, method) -> int:
     set_seed(training.seed)
     trainer = make_trainer(model, tokenizer, dataset, recipe, training)
     dropped = drop_unscored(trainer, len(dataset))
-    first = trainer.data_collator(
-        [
-            trainer.train_dataset[i]
-            for i in range(min(len(trainer.train_dataset), training.per_device_train_batch_size))
-        ]
-    )
+    count = min(len(trainer.train_dataset), training.per_device_train_batch_size)
+    first = trainer.data_collator([trainer.train_dataset[i] for i in range(count)])
     peaks = peak_lines(config, recipe, training, model_args.dtype, first["input_ids"].shape[-1])
     set_seed(training.seed)
     source = data.dataset_name or f"embedded {sft_data.DEFAULT_DATASET}"

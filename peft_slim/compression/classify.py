@@ -1,16 +1,9 @@
-"""What a saved tensor is: a weight (never compressed) or an activation, and then of which kind.
+"""What a saved tensor is: a weight (never compressed) or an activation of a kind, that of the innermost module
+running when it is saved (or the one ``save_as`` marks, e.g. TokenTune's keys/values saved by the block).
 
-A pack hook sees only the tensor, not the operation saving it, but the module running then is known: global
-forward hooks keep a stack of the modules entered, and a saved tensor takes the kind of the innermost one (see
-``ActivationCompressionConfig.kinds``), for any model built from ``nn.Module``s. A tensor saved outside the module
-that computed it is marked with its kind by the code saving it (``save_as``: TokenTune's keys/values, saved by the
-block, are the attention's).
-
-The hooks are global, registered only while a context is active, because a model runs modules that are not its
-submodules (recent transformers' kernelized functions, e.g. Llama's ``apply_rotary_pos_emb``, are module-level
-``nn.Module``s). They run for every model in every thread, so each stack only follows the thread and the
-``contextvars`` context that started it: another thread's model (even in a copy of this context, as
-``asyncio.to_thread`` makes) or an asyncio task created outside never lands on it.
+The module stack comes from process-wide forward hooks, registered only while a context is active, because a model
+runs modules it does not hold (transformers' kernelized functions); each stack follows only the thread and
+``contextvars`` context that started it.
 """
 
 from __future__ import annotations

@@ -12,13 +12,9 @@ from ..compat import storage_key
 
 @dataclass(eq=False)
 class Quantized:
-    """A flat tensor of ``numel`` values as 8/4/2-bit codes plus one scale and one minimum per group.
-
-    Two layouts: packed codes (``8 // bits`` per byte) beside separate ``scale`` and ``low`` tensors, or
-    (``rowwise``: 8 bits on the CPU) one ``[groups, group_size + 8]`` byte tensor whose rows hold a group's
-    codes, then its fp32 scale and minimum, as torch's fused row-wise kernels lay them out; ``scale`` and
-    ``low`` are then views into it.
-    """
+    """A flat tensor of ``numel`` values as 8/4/2-bit codes plus one scale and minimum per group: packed codes beside
+    ``scale`` and ``low``, or (``rowwise``) torch's fused row-wise layout, ``[groups, group_size + 8]`` bytes, each
+    row a group's codes then its fp32 scale and minimum (``scale`` and ``low`` views into it)."""
 
     codes: torch.Tensor  # uint8
     scale: torch.Tensor  # [groups]

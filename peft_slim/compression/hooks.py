@@ -1,16 +1,12 @@
 """``compress_activations``: keep what autograd saves for backward in fewer bytes, through saved-tensor hooks.
 
-Only the innermost saved-tensor hooks act: a non-reentrant ``torch.utils.checkpoint`` or ``save_on_cpu`` entered
-within this context handles its own tensors, and one entered around it sees none. The reentrant checkpoint saves
-only its inputs, compressed like any activation. Call ``backward`` after leaving the context, so that a checkpoint's
-recomputation is not compressed for nothing. A context acts only in the thread and the ``contextvars`` context that
-entered it (torch's hooks are per thread; the module stack and the pack hook check the rest).
+Only the innermost saved-tensor hooks act (a checkpoint or ``save_on_cpu`` inside handles its own tensors); call
+``backward`` after leaving the context, so a checkpoint's recomputation is not compressed for nothing. A context acts
+only in the thread and ``contextvars`` context that entered it.
 
-In-place writes: torch does not check the version of a tensor saved-tensor hooks hold, so the hooks raise
-autograd's error instead. A tensor kept as it is is checked exactly. A compressed one is a copy: its root tensor is
-checked when backward needs it if still alive, else at the last version seen (saved again, or the context's exit);
-missed only when written in place after its last save and dead before the context ends (the gradient is then that
-of the saved value, where autograd would have raised).
+In-place writes: torch does not check tensors saved-tensor hooks hold, so ``unpack`` raises autograd's error. A tensor
+kept as it is is checked exactly; a compressed copy through its root's version, when backward needs it or last seen
+(missed only if written after its last save and dead before the context ends).
 """
 
 from __future__ import annotations
@@ -30,12 +26,8 @@ from .tensor import CompressedTensor, compress
 
 @dataclass
 class CompressionStats:
-    """Bytes autograd would have kept for the activations saved in the context, and bytes kept instead.
-
-    Weights are not activations and are not counted. A storage saved several times counts once in
-    ``original_bytes`` (like ``peft_slim.memory.SavedActivationBytes``); ``stored_bytes`` adds the storages
-    kept as they are and the packed storages actually held by each distinct compressed tensor.
-    """
+    """Bytes autograd would have kept for the activations (not weights) saved in the context, each storage once, and
+    bytes kept instead (storages kept as they are, and each distinct compressed tensor's)."""
 
     original_bytes: int = 0
     stored_bytes: int = 0
@@ -190,12 +182,9 @@ class ActivationCompression(saved_tensors_hooks):
 
 
 def compress_activations(config: ActivationCompressionConfig | dict | None = None, **fields) -> ActivationCompression:
-    """A context manager that compresses the activations saved for backward by the code run inside it.
-
-    ``with compress_activations(ActivationCompressionConfig(bits=4)) as compression: loss = model(**batch).loss``
-    then ``loss.backward()``; ``compression.stats`` says how many bytes were saved. ``fields`` override
-    ``config`` (``compress_activations(bits=4)`` uses the defaults otherwise).
-    """
+    """A context manager compressing the activations saved for backward inside it: ``with compress_activations(bits=4)
+    as compression: loss = model(**batch).loss``, then ``loss.backward()``; ``compression.stats`` counts the bytes.
+    ``fields`` override ``config``'s."""
     if config is None or isinstance(config, dict):
         config = ActivationCompressionConfig.from_dict(config or {})
     elif not isinstance(config, ActivationCompressionConfig):

@@ -1,9 +1,5 @@
-"""Magnitude pruning of a flat tensor: keep the largest values and where they were.
-
-Positions are stored in whichever form is smaller for the kept fraction: a bitmask (one bit per value,
-packed 8 per byte) or sorted int32 indices (4 bytes per kept value), so a ratio of 0.1 costs 0.125
-bytes per value for positions and 0.01 costs 0.04.
-"""
+"""Magnitude pruning of a flat tensor: keep the largest values and where they were, as a bitmask or int32 indices,
+whichever is smaller."""
 
 from __future__ import annotations
 

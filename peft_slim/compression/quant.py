@@ -1,15 +1,10 @@
 """Per-group quantization of a flat tensor into packed 8/4/2-bit codes, and back.
 
-Asymmetric (min/max) rather than symmetric (absmax) groups: many saved activations are one-sided
-(softmax probabilities, SiLU outputs, log-probabilities), and a symmetric grid would spend half of its
-codes on values that never occur; one extra fp32 per group buys a full bit there. Rounding is to
-nearest (deterministic, the lowest error per value; unbiasedness over steps, which stochastic rounding
-would buy, matters less than error within a step at 8 and 4 bits). Codes narrower than a byte are
-packed 2 or 4 per byte, so the stored bytes really shrink. Scales and minima are fp32 (fp64 for fp64
-input): a bf16 scale would add as much error as 8-bit rounding itself. At 8 bits on the CPU, torch's
-fused row-wise kernel does the work in one pass over memory instead of five (same grid, see
-``_quantize_rowwise``); on CUDA, Triton kernels do (``triton_kernels``: the same codes as the torch path, checked
-against it before they first serve a device and dtype: ``kernels_usable``).
+Asymmetric (min/max) groups: many saved activations are one-sided (softmax probabilities, SiLU outputs), where a
+symmetric grid would waste half its codes. Rounding to nearest: the lowest error per value, which matters more than
+stochastic rounding's unbiasedness at 8 and 4 bits. Scales and minima are fp32 (fp64 for fp64): a bf16 scale would
+add as much error as 8-bit rounding. The same codes come from torch's fused row-wise kernel (8 bits on the CPU, one
+pass over memory) and from the Triton kernels on CUDA (checked against this path first: ``kernels_usable``).
 """
 
 from __future__ import annotations
@@ -27,14 +22,9 @@ from .packing import pack_bits, unpack_bits
 
 
 def quantize(values: torch.Tensor, bits: int, group_size: int, row: int | None = None) -> Quantized | None:
-    """Quantize a 1-D floating tensor: every value ends up within half a step of its group's grid.
-
-    With ``row`` (the length of the rows ``values`` is made of), groups are resized so that none straddles
-    two rows: rows (tokens, heads) can differ in scale by orders of magnitude, and a group spanning two
-    would quantize the smaller one coarsely. None when a value is infinite, NaN or within a factor 2 of the
-    dtype's largest (e.g. an additive attention mask, or a fully masked row's statistics): no grid
-    represents it together with ordinary values, and the tensor is better kept as it is.
-    """
+    """Quantize a 1-D floating tensor: every value within half a step of its group's grid. With ``row`` (the length
+    of its rows), no group straddles two rows (tokens, heads: their scales can differ by orders of magnitude). None
+    when a value is inf, NaN or within a factor 2 of the dtype's largest (an additive mask): keep the tensor."""
     if row is not None:
         group_size = row_aligned_group(row, group_size)
     if bits == 8 and _rowwise_applies(values, group_size):
@@ -132,8 +122,7 @@ def _rowwise_applies(values: torch.Tensor, group_size: int) -> bool:
 
 
 def _quantize_rowwise(values: torch.Tensor, group_size: int) -> Quantized | None:
-    """8 bits on the CPU in two passes over memory, a reduction and torch's fused kernel (which finds each
-    group's range and codes it), instead of the packed path's five."""
+    """8 bits on the CPU in two passes over memory (a reduction, torch's fused kernel), not the packed path's five."""
     # The kernel's own min/max can miss a NaN: one reduction checks every value first.
     low, high = torch.aminmax(values)
     if not _representable(high.float(), low.float(), values):
@@ -152,14 +141,13 @@ def _quantize_rowwise(values: torch.Tensor, group_size: int) -> Quantized | None
 
 
 def _representable(high: torch.Tensor, low: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether the extreme values ``high`` and ``low`` are finite and away from the dtype's limit. A fake tensor (a
-    memory estimate: shapes, no values) is taken as representable: ordinary activations are."""
+    """Whether the extremes ``high`` and ``low`` are finite and away from the dtype's limit (a fake tensor: yes)."""
     return is_fake_tensor(high) or bool(torch.maximum(high, -low) < torch.finfo(values.dtype).max / 2)
 
 
 def _groups(values: torch.Tensor, group_size: int, index: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """``values`` as ``[groups, group_size]`` blocks, whole groups (a view) then the last, partial one padded with
-    a value it holds (a copy of that group only); only the groups in ``index`` if given."""
+    """``values`` as ``[groups, group_size]`` blocks (only those in ``index``): whole groups (a view), then the last
+    one padded with a value it holds."""
     full = values.numel() // group_size
     blocks = [values[: full * group_size].view(full, group_size)]
     if index is not None:
@@ -201,13 +189,9 @@ CHECK_GROUP = 128  # the config's default group size
 
 
 def kernels_usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the Triton kernels serve ``dtype`` tensors on ``device``: checked against the torch path the first
-    time they would, then remembered for the process.
-
-    A kernel that fails to compile, or rounds otherwise than the torch path, would fail inside a saved-tensor hook in
-    the middle of backward, or train on wrong activations. So the check runs here, once, eagerly, under ``no_grad``,
-    and raises nothing: any failure or difference gives one warning and the torch path from then on.
-    """
+    """Whether the Triton kernels serve ``dtype`` tensors on ``device``: checked bit for bit against the torch path
+    once, eagerly (a kernel failing or rounding otherwise inside backward would crash or train on wrong values);
+    any failure gives one warning and the torch path for the rest of the process."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # as a tensor's device names it
         device = torch.device("cuda", torch.cuda.current_device())
@@ -230,16 +214,16 @@ def kernels_usable(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _kernels_serve(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
-    """``kernels_usable`` for a real tensor. A fake one (a memory estimate, or tracing under ``torch.compile``) has no
-    values to check with and must not launch the check: it follows the verdict if there is one, else the kernels."""
+    """``kernels_usable``; a fake tensor (memory estimate, ``torch.compile`` tracing) cannot run the check: the verdict
+    if there is one, else the kernels."""
     if is_fake_tensor(tensor) or torch.compiler.is_compiling():
         return kernel_verdicts.get((tensor.device, dtype), True)
     return kernels_usable(tensor.device, dtype)
 
 
 def _kernel_difference(kernels, device: torch.device, dtype: torch.dtype) -> str | None:
-    """What differs between the kernels and the torch path on a small tensor, both directions and every width, bit
-    for bit; an exception's type and message; None if nothing."""
+    """What differs bit for bit between the kernels and the torch path on a small tensor (both ways, every width), or
+    the exception raised; None if nothing."""
     try:
         with outside_fake_mode(), torch.no_grad():
             values = _check_values().to(dtype)
@@ -283,8 +267,8 @@ def _bits_differ(name: str, want: torch.Tensor, have: torch.Tensor) -> str | Non
 
 @functools.cache
 def _rowwise_kernels():
-    """torch's fused row-wise 8-bit (prepack, unpack) ops, if present and coding as expected here; else None.
-    Checked on real tensors even when first asked inside a memory estimate's fake-tensor mode."""
+    """torch's fused row-wise 8-bit (prepack, unpack) ops if present and coding as expected (checked on real tensors);
+    else None."""
     with outside_fake_mode():
         try:
             kernels = rowwise_byte_kernels()
@@ -308,15 +292,13 @@ def _rowwise_kernels():
     return (prepack, unpack) if ok else None
 
 
-# Work in chunks of about this many values: the fp32 temporaries stay bounded (16 MB, not the size of the
-# tensor: off an accelerator's peak, and no fresh pages to fault in on a CPU), with few ops per tensor.
+# Values per chunk: fp32 temporaries bounded at 16 MB (off an accelerator's peak, no fresh pages on a CPU).
 CHUNK = 1 << 22
 
 
 def _chunks(groups: int, group_size: int, tensor: torch.Tensor | None = None):
-    """(first group, end group) of each chunk; chunk boundaries fall on whole bytes of packed codes. For a fake
-    ``tensor`` (a memory estimate: shapes, no values) only the first chunk: the others allocate the same
-    temporaries and write values that do not exist."""
+    """(first group, end group) of each chunk, on whole bytes of packed codes; for a fake ``tensor`` the first only
+    (the others allocate the same temporaries)."""
     step = max(8, CHUNK // group_size // 8 * 8)
     chunks = [(start, min(start + step, groups)) for start in range(0, groups, step)]
     return chunks[:1] if tensor is not None and is_fake_tensor(tensor) else chunks

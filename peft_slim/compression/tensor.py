@@ -1,10 +1,5 @@
-"""One saved activation in its stored form, and the way back to a tensor of the same dtype, shape and strides.
-
-A tensor is flattened in its own memory order (a permutation of its dimensions makes a dense tensor
-contiguous), so restoring it gives back the same strides and no copy is made to reorder it; others
-(slices, overlapping views) are copied contiguous first. Then, in this order: pruning, quantization,
-offload to the CPU. Restoring undoes them in reverse, on the original device.
-"""
+"""One saved activation in its stored form: flattened in its own memory order (so restoring gives the same strides
+without a reordering copy; slices are copied first), then pruned, quantized, offloaded; restored in reverse."""
 
 from __future__ import annotations
 

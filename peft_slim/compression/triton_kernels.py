@@ -1,12 +1,7 @@
-"""Fused group quantisation on CUDA (Triton): each group read once, quantised and packed in one pass; and back.
-
-The torch path (``quant._quantize_packed``, ``dequantize``) reads a tensor five times and writes fp32 temporaries;
-these kernels read each group once into registers and write only its codes, scale and minimum. They produce the
-same codes bit for bit: the same fp32 operations in the same order, rounded where the torch path rounds (no fused
-multiply-adds but the one its ``addcmul`` makes), the same truncation and packing; the tests check that under
-Triton's interpreter, and on CUDA where there is one. Only for CUDA tensors of fp32, bf16 or fp16, whole bytes of
-codes per group and at most ``MAX_GROUP`` values a group; ``quant`` keeps the torch path otherwise, and on a
-(device, dtype) where the kernels failed their check (``quant.kernels_usable``).
+"""Fused group quantisation on CUDA (Triton): each group read once into registers, quantised and packed in one pass
+(the torch path reads a tensor five times); and back. The same codes bit for bit as the torch path (the same fp32
+operations in the same order, no fused multiply-add but its ``addcmul``'s), for CUDA fp32/bf16/fp16 tensors with
+whole bytes of codes per group and at most ``MAX_GROUP`` values; ``quant`` keeps the torch path otherwise.
 """
 
 from __future__ import annotations

@@ -4,19 +4,14 @@ from __future__ import annotations
 
 from transformers import TrainerCallback
 
-from ..compat import ExportableState
-from ..trainer_state import stored_callback_attribute
+from ..compat import ExportableState, stored_callback_attribute
 from .transform import find_slimfit
 
 
 class SlimFitCallback(TrainerCallback, ExportableState):
-    """Attaches the Trainer's optimizer (``slimfit_attach``), calls ``slimfit_step`` after every optimizer step,
-    and saves the schedule with every checkpoint.
-
-    The scheduler state goes into ``trainer_state.json`` and is restored on resuming, whether or not
-    ``restore_callback_states_from_checkpoint`` is set. When the Trainer is built and when training ends, every
-    scheduled unit requires grad again, so that another Trainer (or optimizer) on the same model holds them all.
-    """
+    """Attaches the Trainer's optimizer (``slimfit_attach``), calls ``slimfit_step`` after every optimizer step, and
+    saves the schedule in every checkpoint (restored on resume). When the Trainer is built and when training ends,
+    every unit requires grad again, so that another optimizer on the model holds them all."""
 
     def __init__(self):
         self.scheduler_state: dict | None = None

@@ -29,12 +29,9 @@ def rotation_steps(freeze_ratio: float) -> int:
 
 
 def default_compression() -> ActivationCompressionConfig:
-    """SlimFit's recipe for the activations freezing cannot remove: 4-bit GELU/SiLU inputs, 8-bit for the rest.
-
-    The paper also prunes frozen norm layers' outputs to their top 10%; the nearest thing here (pruning what a frozen
-    norm saves, its input) cut the gradient's cosine similarity to the exact one to 0.89 on a tiny Llama with LoRA
-    (0.99998 without), so it is off by default: `prune_ratio=0.1, prune_frozen_only=True` turns it on.
-    """
+    """SlimFit's recipe for the activations freezing cannot remove: 4-bit GELU/SiLU inputs, 8-bit for the rest. The
+    paper's pruning of frozen norms to their top 10% (here `prune_ratio=0.1, prune_frozen_only=True`) is off: it cut
+    the gradient's cosine similarity to the exact one to 0.89 on a tiny Llama with LoRA (0.99998 without)."""
     return ActivationCompressionConfig(bits=8, kind_bits={"activation": 4})
 
 
@@ -75,10 +72,8 @@ class SlimFitConfig(MethodConfig):
     freeze_ratio: float = field(
         default=0.8,
         metadata={
-            "help": "Fraction in [0, 1) of the scheduling units frozen at each step (at least one trains). 0.8, "
-            "with the default rotation and catch-up, came within 1 point of full fine-tuning's accuracy on short "
-            "one-learning-rate runs (MiniLM, ViT) at 0.37-0.45x its memory; 0.9 saves a little more and lost 2.6 "
-            "points on the ViT (docs/slimfit.md)."
+            "help": "Fraction in [0, 1) of the scheduling units frozen at each step (at least one trains). How 0.8 "
+            "and 0.9 compare with full fine-tuning in accuracy and memory: docs/slimfit.md."
         },
     )
     freeze_by: str = field(
@@ -97,10 +92,8 @@ class SlimFitConfig(MethodConfig):
             "help": "How far a unit that trains after missing steps moves: its update is scaled by k ('linear'), "
             "by sqrt(k) ('sqrt') or not at all ('none', the paper's update), where k = 1 + the consecutive steps it "
             "was frozen, at most 1 / (1 - freeze_ratio): W <- W_old + factor (W_new - W_old). 'linear' moves it as "
-            "far as steps with consistent gradients would have in full fine-tuning, 'sqrt' as far as steps with "
-            "independent ones (a random walk). The scores rank the optimizer's own update. Measured on short "
-            "small-data runs with the default rotation (`max_frozen_steps=None`): 'linear' matched full "
-            "fine-tuning on a ViT task where 'sqrt' stayed 4.7 points below (docs/slimfit.md)."
+            "far as steps with consistent gradients would have, 'sqrt' as far as independent ones (a random walk). "
+            "The scores rank the optimizer's own update. Measured: docs/slimfit.md."
         },
     )
     always_train_norms: bool = field(
@@ -167,9 +160,8 @@ class SlimFitConfig(MethodConfig):
             "score (if it fits the budget). None: one round, `rotation_steps(freeze_ratio)` = ceil(1 / (1 - "
             "freeze_ratio)) - 1 (4 at 0.8, 9 at 0.9), so every unit trains at least once every 1 / (1 - "
             "freeze_ratio) steps where the unit sizes allow it, and with catch_up='linear' moves as far as it would "
-            "have in those steps. On short runs at one learning rate this rotation closed most of SlimFit's gap to "
-            "full fine-tuning (docs/slimfit.md); a large value (configs saved before this default had 100) lets "
-            "low-scoring units stay frozen for the whole run."
+            "have in those steps (measured: docs/slimfit.md); a large value (configs saved before this default had "
+            "100) lets low-scoring units stay frozen for the whole run."
         },
     )
     seed: int = field(

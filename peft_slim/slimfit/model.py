@@ -40,24 +40,18 @@ class SlimFitState(AdapterState):
 
 
 class SlimFitSchedule:
-    """SlimFit's schedule on a model, shared by its PEFT tuner (``SlimFitModel``: the LoRA adapters are the units) and
-    its transform (``slimfit_``: the model's own weights are). Reads the method's state, config and model from
-    ``self._state``, ``self._config`` and ``self.model``.
+    """SlimFit's schedule, shared by its PEFT tuner (``SlimFitModel``: the LoRA adapters are the units) and its
+    transform (``slimfit_``: the model's own weights); reads ``self._state``, ``self._config`` and ``self.model``.
 
-    A frozen unit has ``requires_grad=False`` from the start of the training forward to the optimizer step: no
-    gradient (so no optimizer update, weight decay or momentum) and no cached input for backward. The training
-    context (``training_context.py``) applies the decision at every forward of the transformers model, so it holds
-    for every forward path; optimizer hooks score the units that trained; ``slimfit_step()`` re-ranks. With
-    ``token_selection``, the token selection is attached too.
+    A frozen unit has ``requires_grad=False`` from the start of the training forward (the training context applies
+    the decision there, for every forward path) to the optimizer step: no gradient, update or cached input.
+    Optimizer hooks score the units that trained; ``slimfit_step()`` re-ranks.
     """
 
-    trains_lora: ClassVar[bool]  # the units: the LoRA adapters (the tuner), or the model's own weights (the transform)
+    trains_lora: ClassVar[bool]  # the units: the LoRA adapters (tuner), or the model's own weights (transform)
 
     def _token_selection(self, config: SlimFitConfig) -> TokenSelectionConfig | None:
         return config.token_selection
-
-    def _trainable_base_parameters(self, model: nn.Module, config: SlimFitConfig) -> list[str]:
-        return [name for name, _ in model.named_parameters()]  # full fine-tuning; the schedule freezes units
 
     def _setup(self, model: nn.Module, config: SlimFitConfig) -> None:
         state = self._state
@@ -95,9 +89,7 @@ class SlimFitSchedule:
 
     def _remove_method_hooks(self) -> None:
         state = self._active_state()
-        if state is None:
-            return
-        if state.observer is not None:
+        if state is not None and state.observer is not None:
             state.observer.remove()
 
     def _restore_method_hooks(self) -> None:
@@ -112,7 +104,6 @@ class SlimFitSchedule:
 
     @property
     def scheduler(self) -> FreezeScheduler:
-        """The active adapter's schedule."""
         return self._state.scheduler
 
     @property
@@ -125,9 +116,8 @@ class SlimFitSchedule:
         return [unit.name for unit, trained in zip(self._state.units, self.scheduler.trained) if trained]
 
     def train_largest_units(self) -> list[str]:
-        """Make the next steps train the largest units the schedule could train at once (the largest first, as the
-        scheduler fills its budget): the step with the most gradients and optimizer state, which the memory planner
-        (``peft_slim.estimate_memory``) sizes; ``slimfit_step()`` goes back to the schedule. Returns their names."""
+        """Make the next step train the largest units the budget takes (the step the memory planner sizes: most
+        gradients and optimizer state) until ``slimfit_step()``. Returns their names."""
         sizes = unit_bytes(self._state.units)
         self.scheduler.trained = self.scheduler.fill(sorted(range(len(sizes)), key=lambda u: (-sizes[u], u)))
         self._apply_schedule()
@@ -141,12 +131,9 @@ class SlimFitSchedule:
         return math.sqrt(steps) if self._config.catch_up == "sqrt" else steps
 
     def slimfit_step(self, optimizer: torch.optim.Optimizer | list | tuple | None = None) -> None:
-        """Close a training step: score the units that trained, re-rank, freeze for the next step.
-
-        Call it once per training step, after every ``optimizer.step()`` (``SlimFitCallback`` does with Trainer).
-        With ``release_frozen_optimizer_state``, long-frozen units' state is freed from ``optimizer`` (one, or a
-        list), by default the optimizers that last stepped over the units.
-        """
+        """Close a training step, once after every ``optimizer.step()`` (``SlimFitCallback`` does with Trainer): score
+        the units that trained, re-rank, freeze for the next step. With ``release_frozen_optimizer_state``, frees
+        long-frozen units' state from ``optimizer`` (one or a list; default: those that last stepped the units)."""
         if self._state.paused:
             raise RuntimeError(
                 "SlimFit: slimfit_step() while the schedule is paused (slimfit_pause()): no unit was scheduled, so "
@@ -165,10 +152,8 @@ class SlimFitSchedule:
                             opt.state.pop(param, None)
 
     def slimfit_attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Score the units over ``optimizer``'s steps through its own step hooks: once, before training, for each
-        optimizer of a plain loop (``SlimFitCallback`` does it under Trainer). An optimizer that updates the units
-        unattached is refused at the next training forward or ``slimfit_step()``. Nothing to watch for an adapter
-        loaded for inference."""
+        """Score the units over ``optimizer``'s steps: once before training, for each optimizer of a plain loop
+        (``SlimFitCallback`` does it under Trainer); an unattached optimizer's update is refused."""
         if self._state.observer is not None:
             self._state.observer.attach(optimizer)
 
@@ -177,16 +162,14 @@ class SlimFitSchedule:
         return self._state.paused
 
     def slimfit_pause(self) -> None:
-        """Suspend the schedule: every scheduled unit requires grad again, as when the model was wrapped. Until
-        ``slimfit_resume()``, training forwards freeze nothing, optimizer steps are not scored and ``slimfit_step()``
-        raises; the schedule's state (scores, frozen ages, history) is kept."""
+        """Until ``slimfit_resume()`` every unit trains, steps are not scored, ``slimfit_step()`` raises."""
         self._unfreeze()
         self._state.paused = True
         if self._state.observer is not None:
             self._state.observer.active = False
 
     def slimfit_resume(self) -> None:
-        """End a pause: the schedule freezes again from the next training forward, where it stopped."""
+        """The schedule freezes again from the next training forward, where it stopped."""
         self._state.paused = False
         if self._state.observer is not None:
             self._state.observer.active = True
@@ -207,8 +190,7 @@ class SlimFitSchedule:
         return [(name, p) for name, p in self.model.named_parameters() if p.requires_grad and id(p) not in scheduled]
 
     def _resolve_params(self) -> None:
-        """Point every unit at the parameters the model holds now, found by name: FSDP2's ``fully_shard`` replaces
-        them with sharded ones after SlimFit found them (and stale references would keep the full tensors alive)."""
+        """Point every unit at the parameters the model holds now, by name (FSDP2's ``fully_shard`` replaces them)."""
         for unit in self._state.units:
             unit.params[:] = [self.model.get_parameter(name) for name in unit.param_names]
 
@@ -252,8 +234,7 @@ class SlimFitSchedule:
     # ------------------------------------------------------------------ forward path
 
     def _before_forward(self, model: nn.Module) -> None:
-        """Before every forward with grad enabled (the training context calls it): the schedule applied in train
-        mode, and a training step opened."""
+        """Before every forward with grad enabled: the schedule applied in train mode, a training step opened."""
         state = self._state
         if not torch.is_grad_enabled() or state.paused:
             return
@@ -265,13 +246,11 @@ class SlimFitSchedule:
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._state.applied:
-            # Only training-mode forwards apply the schedule: a loop that trains in eval mode (no dropout) reaches
-            # its first step (or its first after slimfit_resume() or a Trainer run) with every unit's gradient. The
-            # units the schedule freezes drop theirs here, so they stay bit-identical, as at every other step.
+            # Only training-mode forwards apply the schedule: a loop training in eval mode reaches its first step with
+            # every unit's gradient; the units the schedule freezes drop theirs here, bit-identical as at every step.
             self._apply_schedule()
-        # Releasing state is ``optimizer.state.pop(param)``: torch's and bitsandbytes' optimizers rebuild it as a
-        # fresh optimizer does, but bitsandbytes' *paged* ones keep each large buffer in a process-wide page manager:
-        # nothing would be freed, and each restart would allocate more. (``.optimizer``: accelerate's wrapper.)
+        # Releasing state pops it; bitsandbytes' *paged* optimizers keep each buffer in a process-wide page manager,
+        # so nothing would be freed and each restart would allocate more. (``.optimizer``: accelerate's wrapper.)
         inner = getattr(optimizer, "optimizer", optimizer)
         if self._config.release_frozen_optimizer_state and getattr(inner, "is_paged", False) is True:
             raise ValueError(
@@ -294,9 +273,8 @@ class SlimFitModel(SlimFitSchedule, MethodTuner):
 
     def _after_set_adapter(self) -> None:
         state = self._state
-        # PEFT just made every LoRA weight of the adapter trainable; where the schedule had frozen units, freeze them
-        # again now, not at the next forward: TRL switches to its reference adapter and back between a training
-        # forward and its backward, which (gradient checkpointing) recomputes the forward with the same flags.
+        # PEFT just made every LoRA weight trainable: freeze the schedule's units again now, since TRL switches to its
+        # reference adapter and back between a training forward and its backward (which may recompute it).
         if state.applied and not state.paused:
             self._apply_schedule()
 

@@ -1,15 +1,9 @@
-"""Watch optimizer steps: snapshot the training units right before a step, score their change right after.
+"""Watch optimizer steps through their own step hooks (``attach``): snapshot the training units before a step (after
+backward, so never at the activation peak), score their change and apply the catch-up after it.
 
-An optimizer is watched through its own step pre/post hooks, registered by ``attach(optimizer)``
-(``model.slimfit_attach``; ``SlimFitCallback`` attaches the Trainer's). One that steps over the units unattached could
-not be scored: the units' version counters, read at each training forward, show its update at the next forward or
-``slimfit_step()``, which refuse it naming ``slimfit_attach``. The snapshot is taken after backward, when activations
-are freed, so it never adds to the activation peak; the catch-up (``SlimFitConfig.catch_up``) scales the update in
-the post-hook.
-
-With parameters split over several optimizers, each step scores the tensors it holds and a unit's score sums over
-every optimizer step between two training forwards: the same as if one optimizer had stepped the whole unit. The
-hooks go with the observer (unload, or garbage collection); a copy of the model (deepcopy, pickle) gets its own.
+An unattached optimizer's update shows in the units' version counters and is refused at the next training forward or
+``slimfit_step()``. With parameters over several optimizers a unit's score sums over every step between two training
+forwards, as if one optimizer had stepped it. The hooks go with the observer; a copy of the model gets its own.
 """
 
 from __future__ import annotations
@@ -26,14 +20,13 @@ from .scheduler import DTensor, FreezeScheduler, _item, _tensor_parts, finish_sc
 from .units import Unit
 
 ORDER = "loss.backward(); optimizer.step(); optimizer.zero_grad(); model.slimfit_step()"
-# One optimizer step's score parts: unit index and value count of each tensor it stepped, and each tensor's sums
-# (a device tensor until the step is scored: relative_change and gradient [n], update_norm [n, 2]; host floats under
-# FSDP2).
+# One optimizer step's score parts: unit index and value count of each tensor it stepped, and each tensor's sums (on
+# the device until scored: [n], update_norm [n, 2]; host floats under FSDP2).
 Parts = tuple[list[int], list[int], "torch.Tensor | list"]
 
 
 def _plain(tensors: list[torch.Tensor]) -> bool:
-    """Whether ``step_parts`` can take them: plain tensors (a DTensor shard's sums need a reduction)."""
+    """No DTensor among them (a shard's sums need a reduction)."""
     return not any(isinstance(t, DTensor) for t in tensors)
 
 
@@ -44,7 +37,6 @@ def _fused(tensors: list[torch.Tensor]) -> bool:
 
 
 def snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of ``params`` before an optimizer step."""
     fused = params and _fused(params) and _plain(params)
     return torch._foreach_mul(params, 1.0) if fused else [p.detach().clone() for p in params]
 
@@ -52,10 +44,9 @@ def snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
 def step_parts(
     metric: str, before: list[torch.Tensor], after: list[torch.Tensor], epsilon: float, factors: list[float]
 ) -> torch.Tensor:
-    """Each tensor's score sums over one optimizer step (of the optimizer's own update), left on the device (no host
-    sync): relative_change's sum(|after - before| / (|before| + eps)), shape [n]; update_norm's squared norms of the
-    change and of the old values, shape [n, 2]. Consumes ``before``; a tensor whose factor is not 1 then moves
-    ``factor`` times the update (catch-up)."""
+    """Each tensor's score sums over one optimizer step, on the device: relative_change's sum(|after - before| /
+    (|before| + eps)) [n]; update_norm's squared norms of the change and of the old values [n, 2]. Consumes
+    ``before``; then each tensor moves ``factor`` times the update (catch-up)."""
     if not _fused(after):  # tensor by tensor, one temporary at a time; the sums stay on the device
         sums = [_tensor_parts(metric, o, n, epsilon, f) for o, n, f in zip(before, after, factors)]
         return _stack(sums) if metric == "relative_change" else torch.stack([_stack(p) for p in zip(*sums)], dim=1)
@@ -77,8 +68,8 @@ def step_parts(
 
 
 def gradient_sums(params: list[torch.Tensor]) -> torch.Tensor | list[float]:
-    """The 'gradient' metric's sums, read before the optimizer step: sum(|grad|) of each tensor (0 without a
-    gradient), in float32, left on the device (shape [n]); under FSDP2, host floats reduced over the shards."""
+    """The 'gradient' metric's sums before the step: fp32 sum(|grad|) per tensor (0 without one), on the device [n];
+    under FSDP2, host floats reduced over the shards."""
     grads = [p.grad if p.grad is not None else p.new_zeros(()) for p in params]
     sums = [torch.linalg.vector_norm(grad, 1, dtype=torch.float32) for grad in grads]
     return _stack(sums) if _plain(params) else [_item(total) for total in sums]
@@ -96,8 +87,8 @@ def _stack(sums: list[torch.Tensor]) -> torch.Tensor:
 
 
 class StepObserver:
-    """Scores of the units trained in each training step (from one training forward to the next: any number of
-    optimizer steps over some of the units), collected until ``take_scores()`` (``slimfit_step``) closes it."""
+    """Scores of the units trained in each training step (forward to forward: any number of optimizer steps),
+    collected until ``take_scores()`` (``slimfit_step``)."""
 
     def __init__(
         self,
@@ -139,8 +130,7 @@ class StepObserver:
     def _register(self) -> None:
         self._attached: weakref.WeakSet = weakref.WeakSet()  # optimizers whose own step hooks call this observer
         self._parked: weakref.WeakSet = weakref.WeakSet()  # attached while not watching: hooked by watch()
-        # The hooks hold the observer weakly (they must not keep a discarded tuner alive) and must not outlive it:
-        # removed when the observer is collected, or by remove(); attach() adds each optimizer's to this list.
+        # The hooks hold the observer weakly and go when it is collected, or by remove().
         self._hook_handles = []
         self._finalizer = weakref.finalize(self, _remove_handles, self._hook_handles)
 
@@ -150,8 +140,7 @@ class StepObserver:
         self._finalizer()
 
     def watch(self) -> None:
-        """Watch optimizer steps again after ``remove()`` (the adapter is active again on a model with several), the
-        optimizers attached before included."""
+        """Watch again after ``remove()`` (the adapter is active again), the optimizers attached before included."""
         if not self._finalizer.alive:
             attached = [*self._attached, *self._parked]
             self._register()
@@ -159,9 +148,8 @@ class StepObserver:
                 self.attach(optimizer)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Watch ``optimizer``'s steps through its own step hooks; again for an attached one does nothing. A wrapper
-        whose ``step`` calls no step hooks of its own (accelerate's ``AcceleratedOptimizer``) is attached through the
-        optimizer it wraps (``.optimizer``), whose steps are the ones that run the hooks."""
+        """Watch ``optimizer``'s steps through its own step hooks (once); a wrapper without them (accelerate's) through
+        the optimizer it wraps."""
         optimizer = optimizer_running_step_hooks(optimizer)
         if not self._finalizer.alive:  # not watching (the adapter is parked): hooked once it watches again
             self._parked.add(optimizer)
@@ -176,16 +164,8 @@ class StepObserver:
         self._attached.add(optimizer)
         self._check_always = True
 
-    def _unit_params(self, resolve: bool) -> set[int]:
-        """Ids of the units' parameters, first (``resolve``) those the model holds now, as an optimizer does between
-        steps (FSDP2 replaces them)."""
-        if resolve:
-            self.resolve()
-        return {id(p) for unit in self.units for p in unit.params}
-
     def __getstate__(self) -> dict:
-        """A copy (deepcopy, pickle) watches the copy's parameters with hooks of its own; the optimizers seen are the
-        original's, not the copy's; parameter ids become (unit, position) pairs."""
+        """A copy watches its own parameters with its own hooks, no optimizer seen; ids become (unit, position)."""
         private = {"_finalizer", "_hook_handles", "_attached", "_parked"}
         state = {key: value for key, value in self.__dict__.items() if key not in private}
         state["_optimizers"], state["_last_optimizers"], state["_held"] = [], [], set()
@@ -239,8 +219,7 @@ class StepObserver:
         return scores
 
     def _refuse_unattached(self) -> None:
-        """Raise when a unit changed since the last training forward but no attached optimizer stepped over it: an
-        optimizer SlimFit does not watch updated it, unscored, and the schedule would not follow training."""
+        """Raise when a unit changed since the last training forward but no attached optimizer stepped over it."""
         versions, self._versions = self._versions, None
         if versions is None or not self.active:
             return
@@ -274,16 +253,17 @@ class StepObserver:
         return {index: finish_score(self.metric, parts, self.epsilon) for index, parts in totals.items()}
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        """An attached optimizer's step pre-hook (``args`` and ``kwargs``: the step's): snapshot the training units it
-        holds (the 'gradient' metric reads their gradients now)."""
+        """Step pre-hook: snapshot the training units the optimizer holds ('gradient' reads their gradients now)."""
         if not self.active:
             return
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if self._check_always:  # any attached optimizer, also one holding only parameters that train at every step
-            self._held.update(id(p) for group in optimizer.param_groups for p in group["params"])
+            self._held |= held
         if self._depth:  # a wrapper optimizer's step around its wrapped one's, both attached: one snapshot
             self._depth += 1
             return
-        mine = {id(p) for group in optimizer.param_groups for p in group["params"]} & self._unit_params(resolve=True)
+        self.resolve()  # the parameters the model holds now, as the optimizer does (FSDP2 replaces them)
+        mine = held & {id(p) for unit in self.units for p in unit.params}
         if not mine:
             return  # another model's optimizer
         self.guard(optimizer)
@@ -321,8 +301,7 @@ class StepObserver:
         self._snapshot = (indices, params, before, gradients)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        """An attached optimizer's step post-hook: score its update of the units and apply the catch-up, in one pass
-        over the tensors (``step_parts``; ``scale_updates`` for the 'gradient' metric)."""
+        """Step post-hook: score the update of the units and apply the catch-up, in one pass over the tensors."""
         if not self._depth:
             return
         self._depth -= 1
@@ -370,9 +349,8 @@ class StepObserver:
             )
 
     def _warn_if_always_missing(self, stacklevel: int) -> None:
-        """Once per newly attached optimizer: parameters that train at every step but that no optimizer which stepped
-        holds (an optimizer built before get_peft_model holds the originals of PEFT's modules_to_save, not the
-        copies that train)."""
+        """Once per newly attached optimizer: parameters that train at every step but are in no optimizer that stepped
+        (one built before get_peft_model holds the originals of PEFT's modules_to_save, not the trained copies)."""
         self._check_always = False
         versions = self._always_versions
         moved = {id(p) for _, p in self.always() if id(p) in versions and tensor_version(p) != versions[id(p)]}

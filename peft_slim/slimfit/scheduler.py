@@ -1,8 +1,5 @@
-"""Inter-layer scheduling: which units train at the next step, from how much each changed when it last trained.
-
-Pure bookkeeping over unit indices (no tensors of the model): the tuner feeds it scores and applies its
-decisions. Its whole state is JSON-ready, so that it travels in Trainer checkpoints.
-"""
+"""Inter-layer scheduling: which units train at the next step, from how much each changed when it last trained
+(bookkeeping over unit indices, its state JSON-ready for Trainer checkpoints); and the scores' sums."""
 
 from __future__ import annotations
 
@@ -21,13 +18,10 @@ NEVER_TRAINED = math.inf
 
 
 class FreezeScheduler:
-    """Rank units by score; the lowest ``freeze_ratio`` of them freeze until the next re-ranking.
-
-    ``sizes`` (bytes per unit) makes the ratio count bytes: the units that train fill, in rank order, a budget of
-    ``(1 - freeze_ratio)`` of all units' bytes, or the smallest unit's if more (one that does not fit what is left is
-    passed over for smaller ones; see ``too_large``). Units start with an infinite score, so the first steps train
-    every unit once in a seeded random order (which breaks ties throughout); a unit frozen for ``max_frozen_steps``
-    consecutive steps trains at the next re-ranking, whatever its score (if it fits), so none starves.
+    """Rank units by score; the lowest ``freeze_ratio`` of them freeze until the next re-ranking. With ``sizes``
+    (bytes per unit) the training units fill, in rank order, a budget of ``1 - freeze_ratio`` of all bytes (at least
+    the smallest unit's). Units start with an infinite score, so the first steps sweep every unit in a seeded random
+    order (which breaks ties throughout); one frozen ``max_frozen_steps`` steps trains at the next re-ranking.
     """
 
     def __init__(
@@ -114,8 +108,8 @@ class FreezeScheduler:
 
 
 def score_parts(metric: str, before: list[torch.Tensor], after: list[torch.Tensor], epsilon: float) -> list[float]:
-    """The two sums a unit's score is made of, over some of its tensors (they add up over tensors, so over several
-    optimizers' steps); consumes ``before``."""
+    """The two sums a unit's score is made of, over some of its tensors (they add up over tensors and optimizers);
+    consumes ``before``."""
     sums = [_tensor_parts(metric, old, new, epsilon, 1.0) for old, new in zip(before, after)]
     if metric == "relative_change":  # sum of |after - before| / (|before| + eps), and the count of values
         return [sum((_item(total) for total in sums), 0.0), float(sum(old.numel() for old in before))]
@@ -143,8 +137,7 @@ def finish_score(metric: str, parts: list[float], epsilon: float) -> float:
 
 
 def _item(total: torch.Tensor) -> float:
-    """A sum as a float. Under FSDP2 a parameter is a DTensor shard and its sum a partial one: reduce it over the
-    shards, so that every rank scores the full tensor alike (numel of a DTensor is already the full count)."""
+    """A sum as a float; a DTensor shard's partial sum reduced over the shards, so every rank scores alike."""
     if isinstance(total, DTensor):
         total = total.full_tensor()
     if is_fake_tensor(total):  # a memory estimate (peft_slim.planner): shapes, no values to score

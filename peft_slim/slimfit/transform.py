@@ -22,10 +22,8 @@ class SlimFitTransform(SlimFitSchedule, MethodTransform):
 
 
 def slimfit_(model: nn.Module, config: SlimFitConfig) -> SlimFitTransform:
-    """Fine-tune ``model``'s own weights with SlimFit (``config``, without ``lora``): most weight tensors frozen at
-    every step. In a plain loop call ``handle.slimfit_attach(optimizer)`` once and ``handle.slimfit_step()`` after
-    each ``optimizer.step()``; with ``transformers.Trainer`` pass ``peft_slim.SlimFitCallback()``.
-    ``model.save_pretrained`` saves the plain checkpoint. Returns the handle: ``remove()`` takes SlimFit off."""
+    """Fine-tune ``model``'s own weights with SlimFit (``config`` without ``lora``); returns the handle (in a loop
+    ``slimfit_attach(optimizer)`` once, ``slimfit_step()`` after each step; under Trainer ``SlimFitCallback()``)."""
     return SlimFitTransform(model, config)
 
 

@@ -8,8 +8,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from torch import nn
+from transformers.integrations import is_fsdp_enabled
 
-from ..compat import loading_marks_differ_across_processes, newly_initialized_parameters
+from ..compat import newly_initialized_parameters
 from ..trainable import is_under, peft_wrapped_names, trainable_parameter_names
 from .config import SlimFitConfig
 
@@ -26,13 +27,12 @@ class Unit:
 
 
 def new_weights(model: nn.Module, config: SlimFitConfig) -> list[str]:
-    """With `train_new_weights`, for full fine-tuning: the parameters ``from_pretrained`` initialised rather than
-    loaded (the checkpoint lacked them). Empty for a model built from a config."""
+    """With `train_new_weights`: the parameters ``from_pretrained`` initialised rather than loaded."""
     if not config.train_new_weights:
         return []
     wrapped = peft_wrapped_names(model, config.modules_to_save)
     new = [name for name in newly_initialized_parameters(model) or [] if not is_under(name, wrapped)]
-    if new and loading_marks_differ_across_processes():
+    if new and is_fsdp_enabled():  # with efficient loading the others get the weights by broadcast, all marked
         warnings.warn(
             f"SlimFit: under FSDP with CPU-RAM-efficient loading, transformers marks every weight as loaded on the "
             f"processes but the first, so they cannot tell which weights the checkpoint lacked ({new[:5]} here): "
@@ -45,12 +45,8 @@ def new_weights(model: nn.Module, config: SlimFitConfig) -> list[str]:
 
 
 def find_units(model: nn.Module, config: SlimFitConfig, new: Collection[str] = (), lora: bool = True) -> list[Unit]:
-    """The scheduled units of ``model``: its LoRA adapters (``lora``, after injection; the base model stays frozen)
-    or, for full fine-tuning, every parameter except biases (they always train, as in the paper). Candidates under
-    `always_trainable` modules (and, for full fine-tuning, with `always_train_norms` the weights of normalisation
-    layers, and the parameters ``new`` names, see ``new_weights``) train at every step; PEFT's `modules_to_save`
-    copies are PEFT's and always train.
-    """
+    """The scheduled units of ``model``: its LoRA adapters (``lora``) or every parameter but biases, less what trains
+    at every step (`always_trainable`, `modules_to_save`; for full fine-tuning norms and ``new``)."""
     wrapped = peft_wrapped_names(model, config.modules_to_save)
     always_names = set() if lora else set(new)
     if config.always_trainable is not None:

@@ -10,17 +10,15 @@ import torch.distributed as dist
 from torch import nn
 from transformers import TrainerCallback
 
-from ..compat import ExportableState
+from ..compat import ExportableState, stored_callback_attribute
 from ..process_rank import rank
 from ..token_selection import TokenSelector
-from ..trainer_state import stored_callback_attribute
 from ..tuner import find_tuner
 from ..tuner.transform import find_transform
 
 
 def find_token_selector(model: nn.Module) -> TokenSelector | None:
-    """The token selector of the peft_slim tuner or transform on ``model`` (TokenTune, or SlimFit with
-    ``token_selection``), or None."""
+    """The token selector of the peft_slim tuner or transform on ``model``, or None."""
     tuner = find_tuner(model)
     tuner = find_transform(model) if tuner is None else tuner
     return None if tuner is None else tuner.token_selector
@@ -40,12 +38,9 @@ def _decode(text: str) -> dict:
 
 
 class TokenTuneCallback(TrainerCallback, ExportableState):
-    """Saves the token-selection generator (one per process) in every Trainer checkpoint's ``trainer_state.json``
-    and restores it on resume, whether or not ``restore_callback_states_from_checkpoint`` is set: without it a
-    resumed run draws other positions than an uninterrupted one. Under several processes the ranks' states are
-    gathered after every optimizer step (only the main process writes the file). Also tells the model which trainer
-    trains it (TRL's fused-LM-head call is exact under SFTTrainer only: ``token_selection.fused_head``).
-    """
+    """Saves each process's token-selection generator in every Trainer checkpoint and restores it on resume (else a
+    resumed run draws other positions), gathered from every rank after each step; tells the model which trainer
+    trains it (TRL's fused-LM-head call is exact under SFTTrainer only)."""
 
     def __init__(self):
         self.generator_states: list[str] | None = None  # base64 of each rank's generator state, by rank
@@ -60,7 +55,7 @@ class TokenTuneCallback(TrainerCallback, ExportableState):
                 "`token_selection`); remove the callback, or wrap the model with get_peft_model or apply "
                 "peft_slim.tokentune_ first."
             )
-        self._selector.set_trainer_args(args)  # which trainer: TRL's fused-head call is exact under SFTTrainer only
+        self._selector.set_trainer_args(args)
         stored = self.generator_states
         if stored is None and state.global_step > 0:  # resuming: the checkpoint's trainer_state.json has it
             stored = stored_callback_attribute(state, self, "generator_states")
@@ -101,8 +96,7 @@ class TokenTuneCallback(TrainerCallback, ExportableState):
             self._selector.set_trainer_args(None)
 
     def on_step_end(self, args, state, control, **kwargs):
-        # Only the main process writes trainer_state.json: it needs every rank's state, gathered here on all ranks
-        # (the save that may follow this step, including save_strategy="best", happens after this hook).
+        # The main process writes every rank's state: gathered here, before any save of this step.
         if _world_size() > 1 and args.save_strategy != "no":
             gathered: list = [None] * _world_size()
             dist.all_gather_object(gathered, _encode(self._selector))

@@ -8,11 +8,7 @@ from .config import TokenTuneConfig
 
 
 class TokenTuneModel(MethodTuner):
-    """Backpropagate through a subset of tokens (Simoulin et al., EMNLP 2024) into a LoRA adapter.
-
-    The training forward is the shared token-selection component's (outside training the model is untouched); full
-    fine-tuning of the model's own weights is ``peft_slim.tokentune_``.
-    """
+    """Backpropagate through a subset of tokens (Simoulin et al., EMNLP 2024) into a LoRA adapter."""
 
     def _token_selection(self, config: TokenTuneConfig) -> TokenSelectionConfig:
         return config.selection_config()

@@ -25,8 +25,6 @@ class TokenTuneTransform(MethodTransform):
 
 
 def tokentune_(model: nn.Module, config: TokenTuneConfig) -> TokenTuneTransform:
-    """Fine-tune ``model``'s own weights with TokenTune: every forward sees all tokens, gradients flow through the
-    selected ones (``config``, without ``lora``). Train in any loop or ``transformers.Trainer`` (with
-    ``peft_slim.TokenTuneCallback`` for exact resumes); ``model.save_pretrained`` saves the plain checkpoint.
-    Returns the handle: ``remove()`` takes TokenTune off the model."""
+    """Fine-tune ``model``'s own weights with TokenTune (``config`` without ``lora``): gradients flow through the
+    selected tokens. Train in any loop or Trainer (``TokenTuneCallback`` for exact resumes); returns the handle."""
     return TokenTuneTransform(model, config)

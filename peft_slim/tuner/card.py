@@ -16,8 +16,7 @@ CARD_END = "<!-- /peft_slim -->"
 
 
 def card_section(peft_model: Any) -> str:
-    """The card's "how to load" section: with plain PEFT (a LoRA adapter), and how to continue training with the
-    method."""
+    """The card's "how to load" section: with plain PEFT, and with the method to continue training."""
     tuner = peft_model.base_model
     config = tuner._config
     base_cls = type(peft_model.get_base_model())
@@ -25,7 +24,10 @@ def card_section(peft_model: Any) -> str:
     module = "transformers" if getattr(transformers, base_cls.__name__, None) is base_cls else base_cls.__module__
     base_ref = config.base_model_name_or_path or "<the base model it was trained from>"
     adapter_ref = "<the folder or Hub id of this adapter>"
-    code = [
+    lines = [
+        f"This is a plain PEFT **LoRA** adapter, trained with peft_slim's **{tuner.method_name}** (its settings "
+        f"are in `{METHOD_CONFIG_NAME}`). It loads without peft_slim:",
+        "",
         "```python",
         "from peft import PeftModel",
         f"from {module} import {base_cls.__name__}",
@@ -34,12 +36,6 @@ def card_section(peft_model: Any) -> str:
         f'model = PeftModel.from_pretrained(base, "{adapter_ref}")',
         "```",
         "",
-    ]
-    lines = [
-        f"This is a plain PEFT **LoRA** adapter, trained with peft_slim's **{tuner.method_name}** (its settings "
-        f"are in `{METHOD_CONFIG_NAME}`). It loads without peft_slim:",
-        "",
-        *code,
         f"To continue training with {tuner.method_name} and the same settings: "
         f'`peft_slim.from_pretrained(base, "{adapter_ref}", is_trainable=True)`.',
     ]

@@ -16,15 +16,7 @@ from peft.utils import CONFIG_NAME
 
 from .._version import __version__
 from ..compression import ActivationCompressionConfig
-from ..configuration import (
-    VERSION_KEY,
-    atomic_write_text,
-    check_names,
-    dump_json,
-    nested,
-    saved_fields,
-    to_json_value,
-)
+from ..configuration import VERSION_KEY, atomic_write_text, check_names, nested, saved_fields, to_json_value
 from ..nested_lora import check_lora_fields, merged_modules_to_save
 from ..registry import add_peft_type
 
@@ -41,11 +33,8 @@ def _lora_value(name: str, without_lora: Any) -> property:
 
 @dataclass
 class MethodConfig(PeftConfig):
-    """Base of the PEFT configs of peft_slim's methods (a subclass sets ``method``, e.g. "TOKENTUNE").
-
-    Through PEFT the method trains the LoRA adapter `lora` (required there); without it the config is for the
-    method's full fine-tuning transform (``peft_slim.tokentune_`` / ``slimfit_``). ``save_pretrained`` is atomic.
-    """
+    """Base of the PEFT configs of peft_slim's methods (a subclass sets ``method``): through PEFT the method trains
+    the LoRA `lora` (required there); without it the config is for the method's transform (full fine-tuning)."""
 
     method: ClassVar[str] = ""
     nested_types: ClassVar[dict[str, type]] = {"activation_compression": ActivationCompressionConfig}
@@ -88,18 +77,14 @@ class MethodConfig(PeftConfig):
             check_lora_fields(self.lora, f"{name}.lora")
             self.modules_to_save = merged_modules_to_save(self.modules_to_save, self.lora, f"{name}.lora")
 
-    # PEFT's own code reads these from an adapter's config, as from a LoraConfig (`bias`: which biases train and
-    # are saved; `target_modules` and `trainable_token_indices`: whether save_pretrained's
-    # save_embedding_layers="auto" saves the embedding layers). A stacked adapter answers with its LoRA's values,
-    # so that PEFT treats it exactly as that LoRA adapter.
-
+    # PEFT reads these from an adapter's config as from a LoraConfig (which biases train and are saved; whether
+    # save_embedding_layers="auto" saves the embeddings): the nested LoRA's, so PEFT treats it as that LoRA adapter.
     bias = _lora_value("bias", "none")
     target_modules = _lora_value("target_modules", None)
     trainable_token_indices = _lora_value("trainable_token_indices", None)
 
     def __getattr__(self, name: str) -> Any:
-        # Any other LoRA setting PEFT's LoRA code reads from the adapter's config (aLoRA's invocation tokens, KaSA's
-        # config, ...): the nested LoRA's. Only for names the config itself lacks.
+        # Any other LoRA setting PEFT reads from the adapter's config (aLoRA's, KaSA's, ...): the nested LoRA's.
         lora = self.__dict__.get("lora")
         if name.startswith("_") or not isinstance(lora, LoraConfig) or not hasattr(lora, name):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -123,28 +108,22 @@ class MethodConfig(PeftConfig):
         return {**own, "peft_type": to_json_value(self.peft_type)}
 
     def save_pretrained(self, save_directory: str, **kwargs) -> None:
-        """Write the adapter's config files, each atomically (a failure leaves the file that was there untouched).
-
-        ``adapter_config.json`` is the plain LoraConfig of the adapter (what vanilla PEFT reads, so the folder is a
-        standard LoRA adapter) and ``peft_slim_config.json`` the method and its own fields (what
-        ``peft_slim.from_pretrained`` reads beside it to continue with the method); the latter is written first,
-        so the file PEFT writes last stays last.
-        """
+        """Write ``adapter_config.json`` (the plain LoraConfig vanilla PEFT reads) and, first, so that PEFT's file
+        stays the last written, ``peft_slim_config.json`` (the method's own fields), each atomically."""
         if os.path.isfile(save_directory):
             raise ValueError(f"save_pretrained: {save_directory!r} is a file; give a directory.")
         auto_mapping = kwargs.pop("auto_mapping_dict", None)
         extra = {} if auto_mapping is None else {"auto_mapping": auto_mapping}
-        # Both fail here, before the disk is touched.
-        method_text = dump_json(self.method_dict())
-        lora_text = dump_json({**to_json_value(self.lora_export_config()), **extra})
+        # Both fail here, before the disk is touched (indented, sorted keys: as PEFT writes).
+        method_text = json.dumps(self.method_dict(), indent=2, sort_keys=True)
+        lora_text = json.dumps({**to_json_value(self.lora_export_config()), **extra}, indent=2, sort_keys=True)
         atomic_write_text(os.path.join(save_directory, METHOD_CONFIG_NAME), method_text)
         atomic_write_text(os.path.join(save_directory, CONFIG_NAME), lora_text)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None, **kwargs):
-        """The saved config: ``peft_slim_config.json`` with ``adapter_config.json`` where the folder has the first (a
-        LoRA-stacked adapter), else ``adapter_config.json`` (refused: an adapter of an earlier peft_slim without
-        LoRA)."""
+        """The saved config (:func:`load_config`); an ``adapter_config.json`` alone of this method is an earlier
+        peft_slim's adapter without LoRA: refused."""
         hub_kwargs = {key: value for key, value in kwargs.items() if key in _HUB_KEYWORDS}
         if adapter_file(pretrained_model_name_or_path, METHOD_CONFIG_NAME, subfolder, **hub_kwargs) is not None:
             return load_config(pretrained_model_name_or_path, subfolder=subfolder, **hub_kwargs)
@@ -176,9 +155,8 @@ class MethodConfig(PeftConfig):
 
 
 def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> Any:
-    """The peft_slim config of the adapter at ``model_id``: the method and its fields from ``peft_slim_config.json``,
-    the LoRA (and PEFT's fields) from ``adapter_config.json``, each written once. An earlier peft_slim repeated the
-    LoRA in ``peft_slim_config.json``: that copy is ignored (read only where ``adapter_config.json`` is missing)."""
+    """The peft_slim config of the adapter at ``model_id``: the method's fields from ``peft_slim_config.json``, the
+    LoRA and PEFT's fields from ``adapter_config.json`` (an earlier sidecar's copy of them is read only without it)."""
     method_file = adapter_file(model_id, METHOD_CONFIG_NAME, subfolder, **hub_kwargs)
     if method_file is None:
         config = PeftConfig.from_pretrained(model_id, subfolder=subfolder, **hub_kwargs)
@@ -236,8 +214,7 @@ def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> An
 
 
 def refuse_standalone(config: Any, model_id: str) -> None:
-    """Refuse a saved adapter without LoRA (the base weights trained in place, by an earlier peft_slim), naming the
-    way that replaced it."""
+    """Refuse an earlier peft_slim's adapter without LoRA, naming the transform that replaced it."""
     if config.lora is None:
         transform = f"peft_slim.{str(getattr(config.peft_type, 'value', config.peft_type)).lower()}_"
         raise ValueError(

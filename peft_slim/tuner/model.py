@@ -1,9 +1,5 @@
-"""The tuner base every peft_slim method stands on: PEFT registration glue, nested LoRA, token selection,
-activation compression and saving, so that a method adds only its own idea.
-
-A method subclasses :class:`MethodTuner` and fills in the hooks it needs (the section "the hooks a method fills
-in" below; docs/architecture.md, "Adding a method", walks through them).
-"""
+"""The tuner base every peft_slim method stands on (LoRA's own model class with the method's hooks), so that a
+method adds only its own idea; docs/architecture.md, "Adding a method", walks through the hooks."""
 
 from __future__ import annotations
 
@@ -31,8 +27,7 @@ from .model_kinds import check_model_kind
 
 class InferenceOnly:
     """Refuse a training forward (train mode, grad enabled) of ``model`` while its active adapter was loaded for
-    inference (``is_trainable=False``: its method's hooks were not set up), also after PEFT's ``set_adapter`` has made
-    it trainable. Eval-mode and no-grad forwards (``generate``) run as they are."""
+    inference (its method's hooks not set up), also once PEFT's ``set_adapter`` made it trainable."""
 
     def __init__(self, model: nn.Module, method_name: str, adapter_name: str):
         self.model = model
@@ -51,8 +46,6 @@ class InferenceOnly:
             self._handle = None
 
     def _refuse_training(self, model: nn.Module, args: tuple) -> None:
-        # Train mode with grad enabled is a training forward whether or not PEFT's set_adapter has made the LoRA
-        # trainable: refused here, not later in backward with PyTorch's "does not require grad".
         if model.training and torch.is_grad_enabled():
             raise ValueError(
                 f"To train adapter {self.adapter_name!r}, load it with is_trainable=True (peft_slim.from_pretrained("
@@ -69,18 +62,16 @@ def _names_adapter(parameter_name: str, adapter_name: str) -> bool:
 
 @dataclass(eq=False)
 class AdapterState:
-    """One adapter's method state, kept by adapter name (``MethodTuner._states``) as PEFT keys an adapter's weights;
-    only the active adapter's hooks are on the model. A method subclasses it with what its ``_setup`` fills in and
-    names the subclass in ``MethodTuner.state_cls``."""
+    """One adapter's method state (``MethodTuner._states``, by adapter name); a method subclasses it with what its
+    ``_setup`` fills in (``state_cls``)."""
 
     selector: TokenSelector | None = None
     context: TrainingContext | None = None  # compression, token selection and freezing of each training forward
     inference_only: InferenceOnly | None = None
 
     def attach_training(self, model: nn.Module, selection, compression, freezing) -> None:
-        """Attach what a training forward of ``model`` turns on (the tuner's and the transform's one way): the token
-        selector for ``selection``, and the training context over ``compression``, the selector and ``freezing``
-        (each may be None; no context where all are)."""
+        """Attach the token selector for ``selection`` and the training context over ``compression``, the selector and
+        ``freezing`` (each may be None; no context where all are): the tuner's and the transform's one way."""
         if selection is not None:
             self.selector = TokenSelector.attach(model, selection)
         if selection is not None or compression is not None or freezing is not None:
@@ -90,14 +81,53 @@ class AdapterState:
         return [hooks for hooks in (self.selector, self.context, self.inference_only) if hooks is not None]
 
     def detach(self) -> None:
-        """Take this state's shared hooks (training context, token selection, inference-only guard) off the model."""
         for hooks in self._hooks():
             hooks.detach()
 
     def reattach(self) -> None:
-        """Put them back, in the order ``MethodTuner._inject`` installs them."""
+        """Put the hooks back, in the order ``MethodTuner._inject`` installs them."""
         for hooks in self._hooks():
             hooks.reattach()
+
+
+class MethodHooks:
+    """What a method's PEFT tuner and its transform share: the hooks a method fills in, and what the last training
+    forward of its active state (``_active_state()``) did."""
+
+    def _token_selection(self, config: MethodConfig) -> TokenSelectionConfig | None:
+        """The token selection this config asks for (None: every token trains)."""
+        return None
+
+    def _setup(self, model: nn.Module, config: MethodConfig) -> None:
+        """The method's own state and hooks, once what trains is set (LoRA injected, for the tuner)."""
+
+    def _remove_method_hooks(self) -> None:
+        """Undo the hooks ``_setup`` installed."""
+
+    def _freezing(self) -> Callable[[nn.Module], None] | None:
+        """What to call before every forward with grad enabled, after compression and token selection are on (SlimFit
+        freezes its units there); called once ``_setup`` ran."""
+        return None
+
+    @property
+    def token_selector(self) -> TokenSelector | None:
+        """The active token selection (TokenTune, SlimFit with ``token_selection``), or None."""
+        state = self._active_state()
+        return None if state is None else state.selector
+
+    @property
+    def last_token_mask(self) -> torch.Tensor | None:
+        """The positions selected in the latest training forward ([batch, length], bool); None without selection."""
+        selector = self.token_selector
+        return None if selector is None else selector.last_token_mask
+
+    @property
+    def last_compression_stats(self) -> CompressionStats | None:
+        """Saved-activation bytes of the latest training forward, with `activation_compression` set."""
+        state = self._active_state()
+        if state is None or state.context is None or state.context.compression is None:
+            return None
+        return state.context.last_stats
 
 
 ONE_AT_A_TIME = (
@@ -111,8 +141,7 @@ _NEW_TUNERS: ContextVar[tuple[nn.Module, list] | None] = ContextVar("peft_slim_n
 
 @contextmanager
 def unchanged_if_raises(model: nn.Module) -> Iterator[None]:
-    """Run a wrap or load of ``model`` (a transformers model, e.g. ``PeftModel.from_pretrained``): if it raises, the
-    peft_slim tuners it put on ``model`` are taken off again, and the model is the one given."""
+    """Run a wrap or load of ``model``: if it raises, the peft_slim tuners it put on ``model`` are taken off again."""
     token = _NEW_TUNERS.set((model, []))
     try:
         yield
@@ -124,18 +153,11 @@ def unchanged_if_raises(model: nn.Module) -> Iterator[None]:
         _NEW_TUNERS.reset(token)
 
 
-class MethodTuner(LoraModel):
+class MethodTuner(MethodHooks, LoraModel):
     """LoRA's own model class for a peft_slim method: LoRA's injection, trainability, merging, disabling, unloading
-    and saving (parameter prefix ``lora_``) of the config's nested ``lora``, with the method's hooks added.
-
-    Trains the config's LoRA (required: full fine-tuning is a transform, ``tuner/transform.py``). In training
-    forwards the token selection (if any) and the activation compression (if any) are active. Outside
-    training (eval mode or no grad) the model computes exactly what the base model (+ LoRA) does.
-
-    Several LoRA-stacked adapters can live on one model, as with LoRA: each has its own config and its own method
-    state (an ``AdapterState`` in ``_states``, by adapter name: selection generator, SlimFit schedule, ...), and only
-    the active adapter's hooks are on the model. ``set_adapter`` switches them; one active adapter at a time.
-    """
+    and saving (prefix ``lora_``) of the config's nested ``lora``, with the method's hooks active in training
+    forwards only. Several adapters can live on one model, each with its own ``AdapterState`` in ``_states``; only the
+    active adapter's hooks are on the model (``set_adapter`` switches them)."""
 
     state_cls: type[AdapterState] = AdapterState  # a method's own, with the fields its ``_setup`` fills in
 
@@ -152,34 +174,18 @@ class MethodTuner(LoraModel):
     def method_name(self) -> str:
         return type(self).__name__.removesuffix("Model")
 
-    # ------------------------------------------------------------------ the hooks a method fills in
-
-    def _token_selection(self, config: MethodConfig) -> TokenSelectionConfig | None:
-        """The token selection this config asks for (None: every token trains)."""
-        return None
+    # ------------------------------------------------------------------ the hooks only a tuner has
 
     def _check_model(self, model: nn.Module, config: MethodConfig) -> None:
         """Raise for a model the method cannot train exactly, before anything is changed."""
 
-    def _setup(self, model: nn.Module, config: MethodConfig) -> None:
-        """The method's own state and hooks, once LoRA is injected and trainability is set."""
-
-    def _remove_method_hooks(self) -> None:
-        """Undo the hooks ``_setup`` installed."""
-
     def _restore_method_hooks(self) -> None:
         """Install again what ``_remove_method_hooks`` removed (the adapter becomes active again)."""
-
-    def _freezing(self) -> Callable[[nn.Module], None] | None:
-        """What to call before every forward with grad enabled, after compression and token selection are on (SlimFit
-        freezes its units there); called once ``_setup`` ran."""
-        return None
 
     # ------------------------------------------------------------------ PEFT's tuner API
 
     def forward(self, *args: Any, **kwargs: Any):
-        """PEFT's forward, inside the active adapter's training context: whatever raises in the model (a
-        KeyboardInterrupt included), what its training forward turned on is turned off again."""
+        """PEFT's forward inside the active adapter's training context's ``guard()`` (left on any exception)."""
         state = self._active_state()
         if state is None or state.context is None:
             return self.model(*args, **kwargs)
@@ -203,9 +209,8 @@ class MethodTuner(LoraModel):
                 self._take_off()  # get_peft_model refused: the model as it was given
                 raise
             return
-        # Another adapter (PeftModel.add_adapter / load_adapter): set it up as if it were active, park its state,
-        # and leave the model as it was: the same adapter active, every existing parameter's requires_grad kept
-        # (SlimFit's frozen units included), the new adapter frozen until set_adapter, as PEFT leaves a new LoRA.
+        # Another adapter (add_adapter / load_adapter): set it up as if active, park it, and leave the model as it was
+        # (same adapter active, requires_grad kept, the new adapter frozen until set_adapter, as PEFT leaves a LoRA).
         if len(self.active_adapters) != 1:
             raise ValueError(
                 f"{self.method_name}: add_adapter with active adapters {self.active_adapters}: {ONE_AT_A_TIME}. Call "
@@ -235,7 +240,6 @@ class MethodTuner(LoraModel):
             self._unpark(live)
 
     def _inject(self, model: nn.Module, adapter_name: str, autocast_dtype: bool, low_cpu_mem_usage: bool, state_dict):
-        """Inject adapter ``adapter_name`` (the active one while this runs) with its method's hooks."""
         config: MethodConfig = self.peft_config[adapter_name]
         state = self._states[adapter_name] = self.state_cls()
         selection = self._token_selection(config)
@@ -252,8 +256,7 @@ class MethodTuner(LoraModel):
                         "without token selection (SlimFit without `token_selection`)."
                     )
         self._check_model(model, config)
-        # LoRA's own injection, which reads the adapter's config from `peft_config`: there, while it runs, the
-        # nested LoRA (BaseTuner's check that two adapters do not both train biases included).
+        # LoRA's own injection reads the adapter's config from `peft_config`: the nested LoRA there while it runs.
         self.peft_config[adapter_name] = injected_lora(model, config)
         try:
             super().inject_adapter(model, adapter_name, autocast_dtype, low_cpu_mem_usage, state_dict)
@@ -271,7 +274,6 @@ class MethodTuner(LoraModel):
         state.attach_training(model, selection, config.activation_compression, self._freezing())
 
     def _require_lora(self, config: MethodConfig) -> None:
-        """Refuse a config without ``lora``: through PEFT a method trains a LoRA adapter."""
         if config.lora is None:
             transform = f"peft_slim.{self.method_name.lower()}_"
             raise ValueError(
@@ -281,7 +283,6 @@ class MethodTuner(LoraModel):
 
     @property
     def _state(self) -> AdapterState:
-        """The active adapter's method state."""
         return self._states[self.active_adapters[0]]
 
     def _unpark(self, adapter_name: str) -> None:
@@ -290,7 +291,7 @@ class MethodTuner(LoraModel):
         self._states[adapter_name].reattach()
 
     def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
-        """PEFT's ``set_adapter``; switching to another adapter switches the method state with it. One name only."""
+        """PEFT's ``set_adapter`` (one name), switching the method state with it."""
         names = [adapter_name] if isinstance(adapter_name, str) else list(adapter_name)
         if len(names) != 1:
             raise ValueError(
@@ -314,10 +315,7 @@ class MethodTuner(LoraModel):
         """PEFT's ``set_adapter`` just set requires_grad of the adapter's parameters (a method re-applies its own)."""
 
     def delete_adapter(self, adapter_name: str) -> None:
-        """PEFT's ``delete_adapter``, with the adapter's method state and hooks removed: the model is as if it never
-        had the adapter. Deleting the active one makes the adapter PEFT activates next live."""
-        if adapter_name not in self.peft_config:
-            raise ValueError(f"Adapter {adapter_name} does not exist")
+        """PEFT's ``delete_adapter`` (it refuses an unknown name) with the adapter's method state and hooks."""
         active = adapter_name in self.active_adapters  # else parked: its hooks are off the model already
         if active:
             self.remove_hooks()
@@ -337,45 +335,22 @@ class MethodTuner(LoraModel):
     def _config(self) -> MethodConfig:
         return self.peft_config[self.active_adapters[0]]
 
-    # ------------------------------------------------------------------ what the last training forward did
-
     def _active_state(self) -> AdapterState | None:
         names = self.active_adapters
         return self._states.get(names[0]) if len(names) == 1 else None
 
-    @property
-    def token_selector(self) -> TokenSelector | None:
-        """The active adapter's token selection (TokenTune, SlimFit with ``token_selection``), or None."""
-        state = self._active_state()
-        return None if state is None else state.selector
-
-    @property
-    def last_token_mask(self) -> torch.Tensor | None:
-        """The positions selected in the latest training forward ([batch, length], bool); None without selection."""
-        selector = self.token_selector
-        return None if selector is None else selector.last_token_mask
-
-    @property
-    def last_compression_stats(self) -> CompressionStats | None:
-        """Saved-activation bytes of the latest training forward, with `activation_compression` set."""
-        state = self._active_state()
-        if state is None or state.context is None or state.context.compression is None:
-            return None
-        return state.context.last_stats
-
     # ------------------------------------------------------------------ unloading and saving
 
     def remove_hooks(self) -> None:
-        """Detach the active adapter's method from the model (done by unload / merge_and_unload, and to park it)."""
+        """Detach the active adapter's method from the model (unload, merge_and_unload, parking it)."""
         state = self._active_state()
         if state is not None:
             state.detach()
         self._remove_method_hooks()
 
     def _take_off(self) -> None:
-        """Undo this tuner's wrapping of a get_peft_model or load that raised: the method's hooks off, LoRA layers
-        and PEFT's wrappers out (as ``unload()``), every parameter's
-        requires_grad as given. Nothing of the base model's values changed: a load refuses before it writes."""
+        """Undo this tuner's wrapping of a get_peft_model or load that raised: hooks off, LoRA layers and PEFT's
+        wrappers out (as ``unload()``), requires_grad as given (a load refuses before it writes a value)."""
         self.remove_hooks()
         BaseTuner._unload_and_optionally_merge(self, merge=False)
         for name, param in self.model.named_parameters():
@@ -408,10 +383,9 @@ class MethodTuner(LoraModel):
         )
 
     def _check_loaded(self, peft_model: nn.Module, config: MethodConfig, adapter_name: str, loaded: dict) -> None:
-        """Refuse an adapter file with tensors of other shapes than this model's, before any is loaded (torch would
-        load the others first, LoRA's biases among them). Then warn about the
-        keys it should have set but did not (PEFT's ``load_adapter`` only returns them, and leaves out the biases
-        ``lora.bias`` saves), and about tensors it holds that this model has no place for."""
+        """Refuse an adapter file with tensors of other shapes than this model's before any is loaded (torch would
+        load the others first); warn about the keys it lacks (PEFT's ``load_adapter`` only returns them, without the
+        biases ``lora.bias`` saves) and about tensors this model has no place for."""
         state_dict = peft_model.state_dict()
         wrong = [key for key, value in loaded.items() if key in state_dict and value.shape != state_dict[key].shape]
         if wrong:
@@ -431,8 +405,7 @@ class MethodTuner(LoraModel):
         missing = sorted(expected - loaded.keys())
         if missing:  # PEFT's wording
             warnings.warn(f"Found missing adapter keys while loading the checkpoint: {missing}.", stacklevel=2)
-        # Not warned about: the copies PEFT itself saves of a modules_to_save head's bias with bias="all" (loaded
-        # through the head's own key).
+        # Not warned about: PEFT's own copies of a modules_to_save head's bias with bias="all".
         wrapped = peft_wrapped_names(peft_model)
         unexpected = sorted(key for key in loaded.keys() - state_dict.keys() if not is_under(key, wrapped))
         if unexpected:

@@ -1,19 +1,13 @@
-"""Which models a peft_slim method can be handed, refused before anything changes with what is needed instead.
-
-* DeepSpeed ZeRO-3 shards every parameter to an empty tensor before PEFT sees the model, so the methods' units,
-  hashes, LoRA shapes and selection hooks would be built on empty stand-ins: refused; FSDP2 (the tested sharded
-  path), DDP and ZeRO-1/2 keep whole parameters on each rank.
-* Token selection (TokenTune, SlimFit's ``token_selection``) reads a transformers model's config (attention
-  implementation, head kind) and its decoder blocks: any other ``nn.Module`` (a plain module, a timm model) is
-  refused. SlimFit without token selection, activation compression and the nested LoRA work on any module.
+"""Which models a peft_slim method can be handed, refused before anything changes: DeepSpeed ZeRO-3 (parameters
+sharded to empty tensors before PEFT sees them; FSDP2, DDP and ZeRO-1/2 keep them whole), and for token selection
+anything but a transformers model (it reads the config and the decoder blocks).
 """
 
 from __future__ import annotations
 
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
-
-from ..compat import is_deepspeed_zero3_enabled
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 
 def check_model_kind(model: nn.Module, method: str, selects_tokens: bool) -> None:

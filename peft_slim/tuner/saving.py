@@ -1,16 +1,9 @@
-"""Saving and loading peft_slim adapters through PEFT's own methods, plus explicit functions.
+"""What PEFT's own saving and loading cannot do: an atomic :func:`save_pretrained` (with peft_slim's card section,
+the plain LoRA adapter alone, or under ``torch.distributed``), and :func:`from_pretrained` / :func:`load_adapter`
+with the method's config (``load_config``), each reading one save of a folder (:func:`consistent_read`).
 
-PEFT's ``PeftModel.save_pretrained`` (and so ``push_to_hub`` and Trainer checkpoints) writes a LoRA-stacked
-adapter as a plain LoRA adapter: the config's own ``save_pretrained`` (``MethodConfig``) writes LoRA's
-``adapter_config.json`` and, beside it, the method and its settings in ``peft_slim_config.json``. Vanilla PEFT loads
-such a folder as LoRA, without peft_slim; :func:`from_pretrained` loads it with the method, to continue training.
-
-Nothing of PEFT is replaced: what PEFT's methods cannot do for us is done by the tuner's hooks (missing and
-unexpected keys at load) or here: :func:`save_pretrained` (atomic, with peft_slim's
-section in the model card, or the plain LoRA adapter alone; under ``torch.distributed`` too; ``peft-slim train``
-uses it), :func:`from_pretrained` and :func:`load_adapter` (with the
-config ``tuner.config.load_config`` reads, which ``PeftModel.load_adapter`` cannot be given), both reading one save
-of a folder (:func:`consistent_read`).
+PEFT's ``save_pretrained`` (so ``push_to_hub`` and Trainer checkpoints) already writes a plain LoRA adapter plus
+``peft_slim_config.json`` (``MethodConfig.save_pretrained``), which vanilla PEFT loads as LoRA.
 """
 
 from __future__ import annotations
@@ -73,19 +66,15 @@ def save_pretrained(
     distributed: bool = False,
     **kwargs,
 ) -> None:
-    """``model.save_pretrained(save_directory, **kwargs)`` made atomic, with peft_slim's card section for a
-    peft_slim adapter. ``model``: a PeftModel (any PEFT type) or a transformers model. ``tokenizer`` (or any
-    processor with ``save_pretrained``): saved into the folder in the same swap, replacing the tokenizer files there.
-    ``replace_model_files=True``: every :func:`model_file` of the folder goes too, also those of another kind of
-    model (a full model saved over a LoRA adapter, or the reverse). ``plain_lora=True`` (a peft_slim adapter): the
-    plain LoRA adapter alone, without ``peft_slim_config.json`` (the method's settings) or peft_slim's card section.
-    ``distributed=True``: call it on every rank of a ``torch.distributed`` run with the wrapped or sharded model
-    (DDP, FSDP2 ``fully_shard``, FSDP1); every rank joins the gathering of full tensors, which rank 0 writes.
+    """``model.save_pretrained(save_directory, **kwargs)`` (a PeftModel of any type, or a transformers model) made
+    atomic: written into a new folder beside ``save_directory`` holding everything else of it too, then swapped in
+    whole, so a kill at any point leaves the old files or the new ones; peft_slim's card section for its adapters.
 
-    The files are written into a new folder beside ``save_directory`` that holds everything else of the folder too
-    (files as hard links, sub-folders, symbolic links), then swapped in whole: a process killed at any point leaves
-    the old files or the new ones (adapter and tokenizer together); leftovers of a killed save are cleaned up by the
-    next one.
+    ``tokenizer`` (or any processor): saved in the same swap, replacing the tokenizer files there.
+    ``replace_model_files=True``: every :func:`model_file` of the folder goes too, of any kind of model.
+    ``plain_lora=True`` (a peft_slim adapter): the plain LoRA adapter alone, without ``peft_slim_config.json`` or the
+    card section. ``distributed=True``: call it on every rank with the wrapped or sharded model (DDP, FSDP2, FSDP1);
+    every rank joins the gathering of full tensors, which rank 0 writes.
     """
     inner = unwrap(model) if distributed else model
     if not callable(getattr(inner, "save_pretrained", None)):
@@ -159,10 +148,8 @@ def full_state_dict(model: nn.Module) -> dict:
 
 
 def model_file(relative: str) -> bool:
-    """Whether ``relative`` (a path inside a save folder) is a model file at the folder's top level: an adapter's
-    (``adapter_config.json``, its weights, ``peft_slim_config.json``) or a transformers model's (the weights, every
-    shard and the shards' index, ``config.json``, ``generation_config.json``). ``save_pretrained(...,
-    replace_model_files=True)`` removes them all, whatever kind of model it saves."""
+    """Whether ``relative`` (a path inside a save folder) is an adapter's or a transformers model's file at the top
+    level (``ADAPTER_FILES``, ``MODEL_FILES``: weights, shards and index, configs)."""
     return os.path.dirname(relative) == "" and (relative in ADAPTER_FILES or bool(MODEL_FILES.fullmatch(relative)))
 
 
@@ -182,11 +169,9 @@ LOAD_ATTEMPTS = 5
 
 
 def consistent_read(undo: Callable[..., None]) -> Callable:
-    """Decorate ``load(model, model_id, ...)`` so that it reads one save of a local folder ``model_id`` (recovered
-    first if a save was killed between its two renames): the adapter's files are held open as one version of the
-    folder (``atomic_folder.held_files``) while ``load`` runs. If a save replaces the folder meanwhile,
-    ``undo(model, result, *args, **kwargs)`` takes the load off the model and it is read again, up to
-    ``LOAD_ATTEMPTS`` times; then ``atomic_folder.FolderReplaced``."""
+    """Decorate ``load(model, model_id, ...)`` to read one save of a local folder (recovered first), its files held
+    open as one version; if a save replaces it meanwhile, ``undo(model, result, *args, **kwargs)`` takes the load off
+    and it is read again, up to ``LOAD_ATTEMPTS`` times."""
 
     def decorate(load: Callable) -> Callable:
         @functools.wraps(load)
@@ -250,12 +235,9 @@ def from_pretrained(
     is_trainable: bool = False,
     **kwargs,
 ) -> Any:
-    """``PeftModel.from_pretrained`` with the adapter's peft_slim method and settings, e.g. to continue training.
-
-    ``PeftModel.from_pretrained`` alone loads a LoRA-stacked adapter as the plain LoRA adapter it is (same outputs,
-    no token selection, freezing or compression). ``kwargs`` go to ``PeftModel.from_pretrained``. A load that
-    raises leaves ``model`` as it was given. ``is_trainable=False`` sets up no method: training it is refused.
-    """
+    """``PeftModel.from_pretrained`` (which alone loads the plain LoRA adapter) with the adapter's peft_slim method and
+    settings, e.g. to continue training. A load that raises leaves ``model`` as given; ``is_trainable=False`` sets up
+    no method: training it is refused."""
     hub_kwargs = {key: kwargs[key] for key in ("subfolder", "revision", "cache_dir", "token") if key in kwargs}
     config = load_config(model_id, **hub_kwargs)
     # The tuner's load hook reports missing keys (also for load_adapter, where PEFT only returns them): PEFT's own
@@ -269,12 +251,8 @@ def from_pretrained(
 
 @consistent_read(_delete_loaded)
 def load_adapter(model: Any, model_id: str, adapter_name: str, is_trainable: bool = False, **kwargs) -> Any:
-    """``model.load_adapter`` for a saved peft_slim adapter: a further adapter named ``adapter_name`` on ``model`` (a
-    PeftModel of the same peft_slim method), with the saved method and settings. Returns PEFT's load result.
-
-    ``model.load_adapter`` alone reads ``adapter_config.json``, which for a LoRA-stacked adapter is LoRA's, and PEFT
-    then refuses to put a LoRA adapter beside a TokenTune or SlimFit one. ``kwargs`` go to ``model.load_adapter``.
-    """
+    """``model.load_adapter`` (a PeftModel of the same method) with the saved method and settings: PEFT's own reads
+    ``adapter_config.json``, LoRA's, and refuses a LoRA adapter beside a peft_slim one. Returns PEFT's load result."""
     if not is_peft_slim_model(model):
         raise ValueError(
             f"peft_slim.load_adapter expects a PeftModel of a peft_slim method, got {type(model).__name__}"

@@ -1,33 +1,25 @@
-"""Full fine-tuning with a peft_slim method: the method's mechanisms attached to a plain model, in the style of
-torchao's ``quantize_(model, config)``. No adapter and no PEFT wrapper: the model trains in any loop or Trainer and
-saves as the checkpoint it is (``model.save_pretrained``); ``remove()`` takes the method off again."""
+"""Full fine-tuning with a peft_slim method: its hooks attached to a plain model, as torchao's ``quantize_(model,
+config)``; the model trains in any loop and saves as the checkpoint it is; ``remove()`` takes the method off."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, ClassVar
 
-import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from ..compression import CompressionStats
-from ..token_selection import TokenSelectionConfig, TokenSelector
+from ..token_selection import TokenSelector
 from .config import MethodConfig
-from .model import AdapterState
+from .model import AdapterState, MethodHooks
 from .model_kinds import check_model_kind
 
 # Where a transform's handle sits on the model it changed: a plain attribute, so nothing of it is saved.
 HANDLE = "_peft_slim_transform"
 
 
-class MethodTransform:
-    """The handle a transform returns: what it attached to ``model`` (the method's hooks, its token selection and
-    training-forward compression, which parameters train), until ``remove()``.
-
-    A method subclasses it with ``config_cls`` and the hooks ``_token_selection``, ``_trainable_base_parameters``,
-    ``_setup`` and ``_remove_method_hooks`` (those of its PEFT tuner, which it may share).
-    """
+class MethodTransform(MethodHooks):
+    """The handle a transform returns: what it attached to ``model`` until ``remove()``. A method subclasses it with
+    ``config_cls``, ``transform_name`` and the ``MethodHooks`` it needs."""
 
     config_cls: ClassVar[type[MethodConfig]]
     transform_name: ClassVar[str]  # the public function, for messages
@@ -81,8 +73,7 @@ class MethodTransform:
         return self.config_cls.__name__.removesuffix("Config")
 
     def remove(self) -> None:
-        """Take the method off the model: its hooks, token selection and compression, and every parameter's
-        requires_grad as it was given. The weights keep what they were trained to."""
+        """Take the method off the model, every parameter's requires_grad as given; the weights keep their training."""
         self._state.detach()
         self._remove_method_hooks()
         for parameter_name, param in self.model.named_parameters():
@@ -93,44 +84,13 @@ class MethodTransform:
     def _active_state(self) -> AdapterState:
         return self._state
 
-    # ------------------------------------------------------------------ the hooks a method fills in
-
-    def _token_selection(self, config: MethodConfig) -> TokenSelectionConfig | None:
-        return None
-
     def _trainable_base_parameters(self, model: nn.Module, config: MethodConfig) -> list[str]:
-        raise NotImplementedError
-
-    def _setup(self, model: nn.Module, config: MethodConfig) -> None:
-        pass
-
-    def _remove_method_hooks(self) -> None:
-        pass
-
-    def _freezing(self) -> Callable[[nn.Module], None] | None:
-        """What the training context calls before every forward with grad enabled (SlimFit's schedule), or None."""
-        return None
-
-    # ------------------------------------------------------------------ what the last training forward did
-
-    @property
-    def token_selector(self) -> TokenSelector | None:
-        return self._state.selector
-
-    @property
-    def last_token_mask(self) -> torch.Tensor | None:
-        """The positions selected in the latest training forward ([batch, length], bool); None without selection."""
-        return None if self._state.selector is None else self._state.selector.last_token_mask
-
-    @property
-    def last_compression_stats(self) -> CompressionStats | None:
-        context = self._state.context
-        return None if context is None or context.compression is None else context.last_stats
+        """The names of the parameters that train: all of them (a method may train fewer)."""
+        return [name for name, _ in model.named_parameters()]
 
 
 def find_transform(model: nn.Module, cls: type[MethodTransform] = MethodTransform) -> Any:
-    """The ``cls`` handle of the transform on ``model`` (or on a module inside it: a DDP or accelerate wrapper's),
-    or None."""
+    """The ``cls`` handle of the transform on ``model`` or a module inside it (DDP's, accelerate's), or None."""
     for module in model.modules():
         handle = module.__dict__.get(HANDLE)
         if isinstance(handle, cls):

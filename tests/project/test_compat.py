@@ -352,6 +352,23 @@ def test_exportable_state_is_what_the_trainer_saves():
     assert state.stateful_callbacks == saved, moved(f"{api} (not saved by the Trainer)")
 
 
+def test_stored_callback_attribute_reads_the_trainer_states_format():
+    api = "TrainerState.stateful_callbacks (the format ExportableState is saved in)"
+
+    class Stateful(transformers.TrainerCallback, compat.ExportableState):
+        def __init__(self, value):
+            self.value = value
+
+        def state(self) -> dict:
+            return {"args": {}, "attributes": {"value": self.value}}
+
+    one = transformers.TrainerState(stateful_callbacks=[Stateful([1, 2])])
+    assert compat.stored_callback_attribute(one, Stateful(None), "value") == [1, 2], moved(api)
+    two = transformers.TrainerState(stateful_callbacks=[Stateful("first"), Stateful("second")])
+    assert compat.stored_callback_attribute(two, Stateful(None), "value") == "first", moved(api)
+    assert compat.stored_callback_attribute(one, peft_slim.SlimFitCallback(), "value") is None
+
+
 # ---------------------------------------------------------------------------------------------- PEFT
 
 
@@ -463,15 +480,6 @@ def test_newly_initialized_parameters_are_the_missing_keys(tmp_path):
     assert compat.newly_initialized_parameters(copied) is None  # a deep copy drops the marks ...
     compat.copy_loading_marks(model, copied)
     assert set(compat.newly_initialized_parameters(copied)) == set(info["missing_keys"])  # ... which this copies
-
-
-def test_loading_marks_differ_only_under_fsdp_efficient_loading(monkeypatch, process_group):
-    assert not compat.loading_marks_differ_across_processes()
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
-    assert compat.loading_marks_differ_across_processes(), moved("transformers.integrations.is_fsdp_enabled")
-    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
-    assert not compat.loading_marks_differ_across_processes()
 
 
 # ---------------------------------------------------------------------------------------------- one place

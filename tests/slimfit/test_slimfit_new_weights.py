@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers.slimfit_cases import FullFineTuned, loss_of
 from helpers.tiny_models import make_batch
 from peft import get_peft_model
@@ -143,12 +144,31 @@ def test_the_planner_trains_them_at_every_step_too(checkpoint, device):
     assert len(notes) == 1 and not set(NEW) & set(model.base_model.unit_names)
 
 
+def test_is_fsdp_enabled_means_fsdp_efficient_loading(monkeypatch, tmp_path):
+    """The check units.new_weights makes: transformers' is_fsdp_enabled, true only under FSDP with CPU-RAM-efficient
+    loading in a process group (where other processes than the first mark every weight as loaded)."""
+    from peft_slim.slimfit import units
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group yet")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert not units.is_fsdp_enabled()
+        monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+        monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+        assert units.is_fsdp_enabled()
+        monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
+        assert not units.is_fsdp_enabled()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_under_fsdp_efficient_loading_they_are_scheduled_with_a_warning(checkpoint, monkeypatch):
     """Processes other than the first mark every weight as loaded there: all processes must schedule the same
     units, so none is treated as new."""
     from peft_slim.slimfit import units
 
-    monkeypatch.setattr(units, "loading_marks_differ_across_processes", lambda: True)
+    monkeypatch.setattr(units, "is_fsdp_enabled", lambda: True)
     model, notes = wrap(load(checkpoint), note="CPU-RAM-efficient loading")
     assert len(notes) == 1 and "train_new_weights has no effect" in notes[0]
     assert set(NEW) <= set(model.base_model.unit_names)
