@@ -15,7 +15,7 @@ import weakref
 import torch
 
 from ..compat import storage_key
-from .fake import PRIM_DEVICE, TO_COPY, TorchDispatchMode, device_of_fake, tree_leaves, tree_map_only
+from .fake import PRIM_DEVICE, TO_COPY, TorchDispatchMode, device_of_fake, tree_map_only
 
 
 class LiveBytes(TorchDispatchMode):
@@ -33,16 +33,20 @@ class LiveBytes(TorchDispatchMode):
         if func is PRIM_DEVICE:  # a tensor's device, asked more often than any operator: nothing allocated
             device = device_of_fake(args[0])
             return func(*args) if device is None else device
+        kwargs = kwargs or {}
+        given = tensors_in((args, kwargs))
         if self.on_meta:
-            kwargs = kwargs or {}
             if func is TO_COPY and args[0].device.type != "meta" and kwargs.get("dtype") in (None, args[0].dtype):
                 return self._moved(args[0], func(*args, **kwargs))
-            args, kwargs = on_one_device(args, kwargs)
-        out = func(*args, **(kwargs or {}))
+            meta = [t.device.type == "meta" for t in given]
+            if any(meta) and not all(meta):  # real tensors mixed with meta ones: moved to the meta device
+                args, kwargs = on_one_device(args, kwargs)
+                given = tensors_in((args, kwargs))
+            out = META_RESULTS.run(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         inputs = None
-        for tensor in tree_leaves(out):
-            if not isinstance(tensor, torch.Tensor):
-                continue
+        for tensor in tensors_in(out):
             key = storage_key(tensor)
             if key not in self._live:
                 # A view allocates nothing. Its storage is untracked when it views a tensor from before the trace (a
@@ -51,13 +55,12 @@ class LiveBytes(TorchDispatchMode):
                 if func.is_view:
                     continue
                 if inputs is None:  # storages the operator was given: an in-place result on one of them
-                    leaves = tree_leaves((args, kwargs))
-                    inputs = {storage_key(t) for t in leaves if isinstance(t, torch.Tensor)}
+                    inputs = {storage_key(t) for t in given}
                 if key in inputs:
                     continue  # an in-place change of a tensor from before the trace: nothing allocated or freed
             self._track(tensor, key)
         if torch.Tag.pointwise in func.tags:
-            self.peak = max(self.peak, self.total + promotion_bytes(func, args, kwargs))
+            self.peak = max(self.peak, self.total + promotion_bytes(func, args, given))
         return out
 
     def _moved(self, real: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
@@ -95,21 +98,36 @@ class LiveBytes(TorchDispatchMode):
                 self._drop(entry[3])
 
 
-def on_one_device(args: tuple, kwargs: dict | None) -> tuple:
-    """An operator's arguments with its real tensors on the meta device where it mixes them with meta ones."""
-    leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    meta = [t.device.type == "meta" for t in leaves]
-    if all(meta) or not any(meta):
-        return args, kwargs
+def tensors_in(value) -> list[torch.Tensor]:
+    """The tensors in an operator's arguments or results (nested in tuples, lists and dicts), in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    found: list[torch.Tensor] = []
+    if isinstance(value, (tuple, list, dict)):
+        _collect(value, found)
+    return found
+
+
+def _collect(value, found: list) -> None:
+    for item in value.values() if isinstance(value, dict) else value:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (tuple, list, dict)):
+            _collect(item, found)
+
+
+def on_one_device(args: tuple, kwargs: dict) -> tuple:
+    """An operator's arguments with its real tensors on the meta device."""
     return tree_map_only(torch.Tensor, lambda t: t if t.device.type == "meta" else t.to("meta"), (args, kwargs))
 
 
-def promotion_bytes(func, args: tuple, kwargs: dict | None) -> int:
+def promotion_bytes(func, args: tuple, tensors: list[torch.Tensor]) -> int:
     """Bytes of the temporaries a CPU elementwise operator makes while it runs when its floating-point tensors differ
     in dtype: a copy in the common dtype of each one of another dtype, and for an in-place operator on a tensor of
     another dtype, its result in the common dtype (then copied into it). The common dtype is that of the tensors with
-    dimensions (a 0-dim one does not promote). Masks and indices (bool, integer) are read as they are."""
-    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    dimensions (a 0-dim one does not promote). Masks and indices (bool, integer) are read as they are. ``tensors``:
+    the tensors among its arguments."""
+    tensors = [t for t in tensors if t.is_floating_point()]
     shaped = [t for t in tensors if t.dim() > 0] or tensors
     if len({t.dtype for t in shaped}) < 2:
         return 0
@@ -119,3 +137,137 @@ def promotion_bytes(func, args: tuple, kwargs: dict | None) -> int:
     copies = sum(t.numel() * common.itemsize for t in shaped if t.dtype != common)
     target = args[0] if func._schema.name.endswith("_") and args and isinstance(args[0], torch.Tensor) else None
     return copies + (target.numel() * common.itemsize if target is not None and target.dtype != common else 0)
+
+
+class MetaResults:
+    """Operators' results on meta tensors, remembered by what the operator reads of its arguments, so that an
+    operator called again on tensors of the same shapes, strides and dtypes (and the same other arguments) makes its
+    results with ``torch.empty_strided`` instead of running its meta kernel (most of them in Python) again. A meta
+    kernel reads no values (there are none): its results are a function of what the key holds.
+
+    Remembered are two kinds of operators, by their schema: those that return new tensors (no alias in the schema),
+    where each result is a tensor of its own storage, of the bytes its shape and strides span, from offset 0 (what
+    ``torch.empty_strided`` makes; checked on the first run); and those that change their first argument in place
+    and return it, leaving its shape and strides as they were (checked on the first run). None that views, writes
+    into another argument, changes a shape in place, draws random numbers or returns a shape that depends on
+    values."""
+
+    def __init__(self):
+        self._results: dict[tuple, tuple | None] = {}  # key -> (single result?, (shape, stride, dtype) each) or None
+        self._kinds: dict = {}  # operator -> NEW, IN_PLACE or None (never remembered)
+
+    def run(self, func, args: tuple, kwargs: dict):
+        """``func(*args, **kwargs)``, remembered where it may be."""
+        kind = self._kinds.get(func, False)
+        if kind is False:
+            kind = self._kinds[func] = _kind(func)
+        key = None if kind is None else _key(func, args, kwargs)
+        if key is None:
+            return func(*args, **kwargs)
+        found = self._results.get(key, False)
+        if found is False:
+            out = func(*args, **kwargs)
+            self._results[key] = _made_alike(out, args, kwargs) if kind is NEW else _in_place(out, args, key)
+            return out
+        if found is None:  # results that are not made alike
+            return func(*args, **kwargs)
+        if kind is IN_PLACE:
+            return args[0]
+        single, specs = found
+        made = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in specs]
+        return made[0] if single else tuple(made)
+
+
+META_RESULTS = MetaResults()
+NEW, IN_PLACE = "new", "in place"
+_SKIPPED_TAGS = (
+    torch.Tag.nondeterministic_seeded,
+    torch.Tag.dynamic_output_shape,
+    torch.Tag.data_dependent_output,
+    torch.Tag.inplace_view,
+)
+
+
+def _kind(func) -> str | None:
+    """NEW: ``func`` returns new tensors; IN_PLACE: it writes into its first argument and returns it; else None."""
+    schema = func._schema
+    if func.is_view or any(tag in func.tags for tag in _SKIPPED_TAGS):
+        return None
+    if not schema.returns or not all(str(r.type) == "Tensor" for r in schema.returns):
+        return None
+    arguments, returns = schema.arguments, schema.returns
+    if not any(a.alias_info is not None for a in (*arguments, *returns)):
+        return NEW
+    first, aliased = arguments[0].alias_info, [a for a in arguments[1:] if a.alias_info is not None]
+    back = returns[0].alias_info
+    if len(returns) == 1 and first is not None and first.is_write and not aliased and back is not None:
+        if back.is_write and back.before_set == first.before_set and back.after_set == first.after_set:
+            return IN_PLACE
+    return None
+
+
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _key(func, args: tuple, kwargs: dict) -> tuple | None:
+    """What ``func``'s meta kernel reads of its arguments: each tensor's shape, strides, offset and dtype (every one
+    on the meta device), each other argument with its type (``1``, ``1.0`` and ``True`` promote differently); None
+    where an argument is of another kind."""
+    parts = [func, torch.get_default_dtype()]
+    if not _describe(args, parts) or not _describe(kwargs, parts):
+        return None
+    return tuple(parts)
+
+
+def _describe(value, parts: list) -> bool:
+    kind = type(value)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        if value.device.type != "meta" or value.layout is not torch.strided or value.is_conj() or value.is_neg():
+            return False
+        parts.append((value.dtype, value.shape, value.stride(), value.storage_offset()))
+        return True
+    if kind is tuple or kind is list:
+        parts.append((kind, len(value)))
+        return all(_describe(item, parts) for item in value)
+    if kind is dict:
+        parts.append((dict, tuple(value)))
+        return all(_describe(item, parts) for item in value.values())
+    if kind in _SCALARS:
+        parts.append((kind, value))
+        return True
+    return False
+
+
+def _made_alike(out, args: tuple, kwargs: dict) -> tuple | None:
+    """How to make ``out`` again with ``torch.empty_strided``, or None where that would not make it alike."""
+    single = isinstance(out, torch.Tensor)
+    results = [out] if single else out
+    if not isinstance(results, (tuple, list)) or not all(type(t) is torch.Tensor for t in results):
+        return None
+    inputs = {storage_key(t) for t in tensors_in((args, kwargs))}
+    storages = [storage_key(t) for t in results]
+    if len(set(storages)) < len(storages) or inputs.intersection(storages):
+        return None
+    specs = []
+    for tensor in results:
+        shape, stride, dtype = tensor.shape, tensor.stride(), tensor.dtype
+        if tensor.device.type != "meta" or tensor.layout is not torch.strided or tensor.storage_offset() != 0:
+            return None
+        if tensor.is_conj() or tensor.is_neg() or tensor.requires_grad:
+            return None
+        made = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        if made.untyped_storage().nbytes() != tensor.untyped_storage().nbytes():
+            return None
+        specs.append((shape, stride, dtype))
+    return single, tuple(specs)
+
+
+def _in_place(out, args: tuple, key: tuple) -> tuple | None:
+    """An in-place operator's entry where it returned its first argument with the shape and strides it had (its
+    description at ``key[3]``, after the operator, the default dtype and the arguments' count), else None."""
+    target = args[0] if args else None
+    if out is not target or type(target) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    parts = []
+    _describe(target, parts)
+    return (True, ()) if parts == [key[3]] else None
