@@ -198,12 +198,11 @@ def _kind(func) -> str | None:
     arguments, returns = schema.arguments, schema.returns
     if not any(a.alias_info is not None for a in (*arguments, *returns)):
         return NEW
-    first, aliased = arguments[0].alias_info, [a for a in arguments[1:] if a.alias_info is not None]
-    back = returns[0].alias_info
-    if len(returns) == 1 and first is not None and first.is_write and not aliased and back is not None:
-        if back.is_write and back.before_set == first.before_set and back.after_set == first.after_set:
-            return IN_PLACE
-    return None
+    first, back = arguments[0].alias_info, returns[0].alias_info
+    if len(returns) > 1 or first is None or back is None or any(a.alias_info for a in arguments[1:]):
+        return None
+    same = back.before_set == first.before_set and back.after_set == first.after_set
+    return IN_PLACE if first.is_write and back.is_write and same else None
 
 
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
