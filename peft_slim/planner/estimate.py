@@ -8,7 +8,6 @@ or method needs no formula here.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import warnings
 from dataclasses import asdict, dataclass
@@ -28,7 +27,7 @@ from .setup import (
     training_step,
     weight_bytes,
 )
-from .trace import LiveBytes
+from .trace import LiveBytes, Remembered
 
 
 @dataclass(frozen=True)
@@ -129,7 +128,7 @@ def traced(model, step: tuple) -> MemoryEstimate:
         model, peft_config, batch_size, seq_len, optimizer, dtype, task, gradient_checkpointing, "meta"
     )
     meta = on_meta(workload.task, peft_config)
-    with contextlib.nullcontext() if meta else fake_tensor_mode():
+    with Remembered() if meta else fake_tensor_mode():
         if not meta:
             _make_fake(trained)
         optimizer = make_optimizer(trained, workload.optimizer)

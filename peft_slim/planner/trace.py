@@ -179,6 +179,16 @@ class MetaResults:
 
 
 META_RESULTS = MetaResults()
+
+
+class Remembered(TorchDispatchMode):
+    """Inside it, operators run through ``META_RESULTS`` (those on meta tensors that may be remembered), nothing
+    counted: a model built on the meta device, its optimizer state created."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return META_RESULTS.run(func, args, kwargs or {})
+
+
 NEW, IN_PLACE = "new", "in place"
 _SKIPPED_TAGS = (
     torch.Tag.nondeterministic_seeded,
