@@ -8,6 +8,7 @@ or method needs no formula here.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from dataclasses import asdict, dataclass
@@ -128,12 +129,13 @@ def traced(model, step: tuple) -> MemoryEstimate:
         model, peft_config, batch_size, seq_len, optimizer, dtype, task, gradient_checkpointing, "meta"
     )
     meta = on_meta(workload.task, peft_config)
-    with Remembered() if meta else fake_tensor_mode():
+    with contextlib.nullcontext() if meta else fake_tensor_mode():
         if not meta:
             _make_fake(trained)
         optimizer = make_optimizer(trained, workload.optimizer)
         held = weight_bytes(trained)
-        _create_optimizer_state(trained, optimizer)
+        with Remembered() if meta else contextlib.nullcontext():  # not below the trace's mode: each call once
+            _create_optimizer_state(trained, optimizer)
         live = LiveBytes(on_meta=meta)
         silenced = warning_silenced(Warning, "SlimFit: an optimizer stepped twice")
         with live, one_sequence_per_row(), attention_as_on_cpu(), silenced:
