@@ -34,32 +34,35 @@ class LiveBytes(TorchDispatchMode):
             device = device_of_fake(args[0])
             return func(*args) if device is None else device
         kwargs = kwargs or {}
-        given = tensors_in((args, kwargs))
+        given = tensors_in(args, kwargs)
         if self.on_meta:
-            if func is TO_COPY and args[0].device.type != "meta" and kwargs.get("dtype") in (None, args[0].dtype):
+            if func is TO_COPY and not args[0].is_meta and kwargs.get("dtype") in (None, args[0].dtype):
                 return self._moved(args[0], func(*args, **kwargs))
-            meta = [t.device.type == "meta" for t in given]
-            if any(meta) and not all(meta):  # real tensors mixed with meta ones: moved to the meta device
+            meta = sum(t.is_meta for t in given)
+            if 0 < meta < len(given):  # real tensors mixed with meta ones: moved to the meta device
                 args, kwargs = on_one_device(args, kwargs)
-                given = tensors_in((args, kwargs))
+                given = tensors_in(args, kwargs)
             out = META_RESULTS.run(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
+        flags = _FLAGS.get(func)
+        if flags is None:
+            flags = _FLAGS[func] = (func.is_view, torch.Tag.pointwise in func.tags)
         inputs = None
-        for tensor in tensors_in(out):
+        for tensor in [out] if isinstance(out, torch.Tensor) else tensors_in(out) if isinstance(out, tuple | list) else ():
             key = storage_key(tensor)
             if key not in self._live:
                 # A view allocates nothing. Its storage is untracked when it views a tensor from before the trace (a
                 # weight), or the fake copy of a real tensor (the token selection's index, drawn for real from the
                 # real inputs and counted as such): fake tensor mode converts real arguments to fake ones.
-                if func.is_view:
+                if flags[0]:  # a view
                     continue
                 if inputs is None:  # storages the operator was given: an in-place result on one of them
                     inputs = {storage_key(t) for t in given}
                 if key in inputs:
                     continue  # an in-place change of a tensor from before the trace: nothing allocated or freed
             self._track(tensor, key)
-        if torch.Tag.pointwise in func.tags:
+        if flags[1]:  # pointwise
             self.peak = max(self.peak, self.total + promotion_bytes(func, args, given))
         return out
 
@@ -98,21 +101,23 @@ class LiveBytes(TorchDispatchMode):
                 self._drop(entry[3])
 
 
-def tensors_in(value) -> list[torch.Tensor]:
-    """The tensors in an operator's arguments or results (nested in tuples, lists and dicts), in order."""
-    if isinstance(value, torch.Tensor):
-        return [value]
+_FLAGS: dict = {}  # operator -> (a view?, pointwise?)
+
+
+def tensors_in(args: tuple | list, kwargs: dict | None = None) -> list[torch.Tensor]:
+    """The tensors in an operator's arguments (or results), nested in tuples and lists, in order."""
     found: list[torch.Tensor] = []
-    if isinstance(value, (tuple, list, dict)):
-        _collect(value, found)
+    _collect(args, found)
+    if kwargs:
+        _collect(kwargs.values(), found)
     return found
 
 
-def _collect(value, found: list) -> None:
-    for item in value.values() if isinstance(value, dict) else value:
+def _collect(values, found: list) -> None:
+    for item in values:
         if isinstance(item, torch.Tensor):
             found.append(item)
-        elif isinstance(item, (tuple, list, dict)):
+        elif isinstance(item, tuple | list):
             _collect(item, found)
 
 
@@ -220,31 +225,35 @@ _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.
 
 def _key(func, args: tuple, kwargs: dict) -> tuple | None:
     """What ``func``'s meta kernel reads of its arguments: each tensor's shape, strides, offset and dtype (every one
-    on the meta device), each other argument with its type (``1``, ``1.0`` and ``True`` promote differently); None
-    where an argument is of another kind."""
-    parts = [func, torch.get_default_dtype()]
-    if not _describe(args, parts) or not _describe(kwargs, parts):
+    on the meta device), each other argument with its type (``1``, ``1.0`` and ``True`` promote differently), the
+    keyword arguments' names; None where an argument is of another kind."""
+    parts = [func, torch.get_default_dtype(), len(args)]
+    if not _describe(args, parts):
         return None
+    if kwargs:
+        parts.append(tuple(kwargs))
+        if not _describe(kwargs.values(), parts):
+            return None
     return tuple(parts)
 
 
-def _describe(value, parts: list) -> bool:
-    kind = type(value)
-    if kind is torch.Tensor or kind is torch.nn.Parameter:
-        if value.device.type != "meta" or value.layout is not torch.strided or value.is_conj() or value.is_neg():
+def _describe(values, parts: list) -> bool:
+    """Append each of ``values`` to ``parts`` as the key holds it; False where one cannot be."""
+    for value in values:
+        kind = type(value)
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            if not value.is_meta or value.layout is not torch.strided or value.is_conj() or value.is_neg():
+                return False
+            parts.append((value.dtype, value.shape, value.stride(), value.storage_offset()))
+        elif kind is tuple or kind is list:
+            parts.append((kind, len(value)))
+            if not _describe(value, parts):
+                return False
+        elif kind in _SCALARS:
+            parts.append((kind, value))
+        else:
             return False
-        parts.append((value.dtype, value.shape, value.stride(), value.storage_offset()))
-        return True
-    if kind is tuple or kind is list:
-        parts.append((kind, len(value)))
-        return all(_describe(item, parts) for item in value)
-    if kind is dict:
-        parts.append((dict, tuple(value)))
-        return all(_describe(item, parts) for item in value.values())
-    if kind in _SCALARS:
-        parts.append((kind, value))
-        return True
-    return False
+    return True
 
 
 def _made_alike(out, args: tuple, kwargs: dict) -> tuple | None:
@@ -253,7 +262,7 @@ def _made_alike(out, args: tuple, kwargs: dict) -> tuple | None:
     results = [out] if single else out
     if not isinstance(results, (tuple, list)) or not all(type(t) is torch.Tensor for t in results):
         return None
-    inputs = {storage_key(t) for t in tensors_in((args, kwargs))}
+    inputs = {storage_key(t) for t in tensors_in(args, kwargs)}
     storages = [storage_key(t) for t in results]
     if len(set(storages)) < len(storages) or inputs.intersection(storages):
         return None
@@ -278,5 +287,5 @@ def _in_place(out, args: tuple, key: tuple) -> tuple | None:
     if out is not target or type(target) not in (torch.Tensor, torch.nn.Parameter):
         return None
     parts = []
-    _describe(target, parts)
+    _describe((target,), parts)
     return (True, ()) if parts == [key[3]] else None
