@@ -6,6 +6,9 @@ are). Buffers an operator allocates and frees before returning are not seen, wit
 a CPU elementwise operator whose tensors differ in dtype (PEFT adds a float32 LoRA output to a bfloat16 layer's)
 first copies each input of another dtype to the common one (TensorIterator's ``promote_inputs_to_common_dtype``),
 and an in-place one computes into a temporary of the common dtype; those copies live while it runs.
+
+On meta tensors an operator's results are a function of its arguments' shapes, strides and dtypes: ``MetaResults``
+remembers them, so that each distinct call runs its meta kernel (most of them in Python) once per process.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ class LiveBytes(TorchDispatchMode):
         if flags is None:
             flags = _FLAGS[func] = (func.is_view, torch.Tag.pointwise in func.tags)
         inputs = None
-        for tensor in [out] if isinstance(out, torch.Tensor) else tensors_in(out) if isinstance(out, tuple | list) else ():
+        results = [out] if isinstance(out, torch.Tensor) else tensors_in(out) if isinstance(out, tuple | list) else ()
+        for tensor in results:
             key = storage_key(tensor)
             if key not in self._live:
                 # A view allocates nothing. Its storage is untracked when it views a tensor from before the trace (a

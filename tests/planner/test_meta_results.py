@@ -91,3 +91,16 @@ def test_a_traced_step_is_estimated_alike_with_and_without_remembered_results(mo
     remembered = [estimate.traced(config, step) for _ in range(2)]  # the second one from what the first remembered
     monkeypatch.setattr(trace.MetaResults, "run", lambda self, func, args, kwargs: func(*args, **kwargs))
     assert remembered == [estimate.traced(config, step)] * 2
+
+
+def test_a_model_without_weights_is_built_without_drawing_values():
+    """Inside ``values_not_drawn`` torch.nn.init leaves tensors as they are (PEFT's adapters are drawn on the CPU,
+    then moved to the meta device); outside it, it draws again."""
+    from peft_slim.planner import setup
+
+    tensor = torch.zeros(4, 4)
+    with setup.values_not_drawn():
+        assert torch.nn.init.kaiming_uniform_(tensor, a=5**0.5) is tensor and not tensor.any()
+        assert torch.nn.Linear(4, 4).weight.shape == (4, 4)
+    torch.nn.init.kaiming_uniform_(tensor, a=5**0.5)
+    assert tensor.any()
