@@ -28,7 +28,7 @@ from .setup import (
     training_step,
     weight_bytes,
 )
-from .trace import LiveBytes
+from .trace import LiveBytes, Remembered
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,8 @@ def traced(model, step: tuple) -> MemoryEstimate:
             _make_fake(trained)
         optimizer = make_optimizer(trained, workload.optimizer)
         held = weight_bytes(trained)
-        _create_optimizer_state(trained, optimizer)
+        with Remembered() if meta else contextlib.nullcontext():  # not below the trace's mode: each call once
+            _create_optimizer_state(trained, optimizer)
         live = LiveBytes(on_meta=meta)
         silenced = warning_silenced(Warning, "SlimFit: an optimizer stepped twice")
         with live, one_sequence_per_row(), attention_as_on_cpu(), silenced:

@@ -8,6 +8,7 @@ token with a label, the case a budget must hold.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -138,8 +139,33 @@ def training_step(
     workload = resolve_workload(model, peft_config, batch_size, seq_len, optimizer, dtype, task)
     if seed is not None:
         torch.manual_seed(seed)
-    trained = trainable_model(base_model(workload, device), peft_config, gradient_checkpointing)
+    with values_not_drawn() if device == "meta" else contextlib.nullcontext():
+        trained = trainable_model(base_model(workload, device), peft_config, gradient_checkpointing)
     return workload, trained, make_inputs(trained, workload, 0 if seed is None else seed)
+
+
+# torch.nn.init's functions that draw or fill a tensor's values in place
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_")
+_INIT_FUNCTIONS += ("xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_")
+
+
+@contextlib.contextmanager
+def values_not_drawn():
+    """Inside it, ``torch.nn.init``'s functions leave their tensor as it is: a model without weights needs no values
+    (PEFT draws its adapters' on the CPU before moving them to the base layer's device: here, the meta device)."""
+    init = torch.nn.init
+    originals = {name: getattr(init, name) for name in _INIT_FUNCTIONS}
+    for name in _INIT_FUNCTIONS:
+        setattr(init, name, _left_as_it_is)
+    try:
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(init, name, function)
+
+
+def _left_as_it_is(tensor, *args, **kwargs):
+    return tensor
 
 
 def max_positions(config) -> int | None:

@@ -6,6 +6,9 @@ are). Buffers an operator allocates and frees before returning are not seen, wit
 a CPU elementwise operator whose tensors differ in dtype (PEFT adds a float32 LoRA output to a bfloat16 layer's)
 first copies each input of another dtype to the common one (TensorIterator's ``promote_inputs_to_common_dtype``),
 and an in-place one computes into a temporary of the common dtype; those copies live while it runs.
+
+On meta tensors an operator's results are a function of its arguments' shapes, strides and dtypes: ``MetaResults``
+remembers them, so that each distinct call runs its meta kernel (most of them in Python) once per process.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import weakref
 import torch
 
 from ..compat import storage_key
-from .fake import PRIM_DEVICE, TO_COPY, TorchDispatchMode, device_of_fake, tree_leaves, tree_map_only
+from .fake import PRIM_DEVICE, TO_COPY, TorchDispatchMode, device_of_fake, tree_map_only
 
 
 class LiveBytes(TorchDispatchMode):
@@ -33,31 +36,38 @@ class LiveBytes(TorchDispatchMode):
         if func is PRIM_DEVICE:  # a tensor's device, asked more often than any operator: nothing allocated
             device = device_of_fake(args[0])
             return func(*args) if device is None else device
+        kwargs = kwargs or {}
+        given = tensors_in(args, kwargs)
         if self.on_meta:
-            kwargs = kwargs or {}
-            if func is TO_COPY and args[0].device.type != "meta" and kwargs.get("dtype") in (None, args[0].dtype):
+            if func is TO_COPY and not args[0].is_meta and kwargs.get("dtype") in (None, args[0].dtype):
                 return self._moved(args[0], func(*args, **kwargs))
-            args, kwargs = on_one_device(args, kwargs)
-        out = func(*args, **(kwargs or {}))
+            meta = sum(t.is_meta for t in given)
+            if 0 < meta < len(given):  # real tensors mixed with meta ones: moved to the meta device
+                args, kwargs = on_one_device(args, kwargs)
+                given = tensors_in(args, kwargs)
+            out = META_RESULTS.run(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        flags = _FLAGS.get(func)
+        if flags is None:
+            flags = _FLAGS[func] = (func.is_view, torch.Tag.pointwise in func.tags)
         inputs = None
-        for tensor in tree_leaves(out):
-            if not isinstance(tensor, torch.Tensor):
-                continue
+        results = [out] if isinstance(out, torch.Tensor) else tensors_in(out) if isinstance(out, tuple | list) else ()
+        for tensor in results:
             key = storage_key(tensor)
             if key not in self._live:
                 # A view allocates nothing. Its storage is untracked when it views a tensor from before the trace (a
                 # weight), or the fake copy of a real tensor (the token selection's index, drawn for real from the
                 # real inputs and counted as such): fake tensor mode converts real arguments to fake ones.
-                if func.is_view:
+                if flags[0]:  # a view
                     continue
                 if inputs is None:  # storages the operator was given: an in-place result on one of them
-                    leaves = tree_leaves((args, kwargs))
-                    inputs = {storage_key(t) for t in leaves if isinstance(t, torch.Tensor)}
+                    inputs = {storage_key(t) for t in given}
                 if key in inputs:
                     continue  # an in-place change of a tensor from before the trace: nothing allocated or freed
             self._track(tensor, key)
-        if torch.Tag.pointwise in func.tags:
-            self.peak = max(self.peak, self.total + promotion_bytes(func, args, kwargs))
+        if flags[1]:  # pointwise
+            self.peak = max(self.peak, self.total + promotion_bytes(func, args, given))
         return out
 
     def _moved(self, real: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
@@ -95,21 +105,38 @@ class LiveBytes(TorchDispatchMode):
                 self._drop(entry[3])
 
 
-def on_one_device(args: tuple, kwargs: dict | None) -> tuple:
-    """An operator's arguments with its real tensors on the meta device where it mixes them with meta ones."""
-    leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    meta = [t.device.type == "meta" for t in leaves]
-    if all(meta) or not any(meta):
-        return args, kwargs
+_FLAGS: dict = {}  # operator -> (a view?, pointwise?)
+
+
+def tensors_in(args: tuple | list, kwargs: dict | None = None) -> list[torch.Tensor]:
+    """The tensors in an operator's arguments (or results), nested in tuples and lists, in order."""
+    found: list[torch.Tensor] = []
+    _collect(args, found)
+    if kwargs:
+        _collect(kwargs.values(), found)
+    return found
+
+
+def _collect(values, found: list) -> None:
+    for item in values:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, tuple | list):
+            _collect(item, found)
+
+
+def on_one_device(args: tuple, kwargs: dict) -> tuple:
+    """An operator's arguments with its real tensors on the meta device."""
     return tree_map_only(torch.Tensor, lambda t: t if t.device.type == "meta" else t.to("meta"), (args, kwargs))
 
 
-def promotion_bytes(func, args: tuple, kwargs: dict | None) -> int:
+def promotion_bytes(func, args: tuple, tensors: list[torch.Tensor]) -> int:
     """Bytes of the temporaries a CPU elementwise operator makes while it runs when its floating-point tensors differ
     in dtype: a copy in the common dtype of each one of another dtype, and for an in-place operator on a tensor of
     another dtype, its result in the common dtype (then copied into it). The common dtype is that of the tensors with
-    dimensions (a 0-dim one does not promote). Masks and indices (bool, integer) are read as they are."""
-    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    dimensions (a 0-dim one does not promote). Masks and indices (bool, integer) are read as they are. ``tensors``:
+    the tensors among its arguments."""
+    tensors = [t for t in tensors if t.is_floating_point()]
     shaped = [t for t in tensors if t.dim() > 0] or tensors
     if len({t.dtype for t in shaped}) < 2:
         return 0
@@ -119,3 +146,150 @@ def promotion_bytes(func, args: tuple, kwargs: dict | None) -> int:
     copies = sum(t.numel() * common.itemsize for t in shaped if t.dtype != common)
     target = args[0] if func._schema.name.endswith("_") and args and isinstance(args[0], torch.Tensor) else None
     return copies + (target.numel() * common.itemsize if target is not None and target.dtype != common else 0)
+
+
+class MetaResults:
+    """Operators' results on meta tensors, remembered by what the operator reads of its arguments, so that an
+    operator called again on tensors of the same shapes, strides and dtypes (and the same other arguments) makes its
+    results with ``torch.empty_strided`` instead of running its meta kernel (most of them in Python) again. A meta
+    kernel reads no values (there are none): its results are a function of what the key holds.
+
+    Remembered are two kinds of operators, by their schema: those that return new tensors (no alias in the schema),
+    where each result is a tensor of its own storage, of the bytes its shape and strides span, from offset 0 (what
+    ``torch.empty_strided`` makes; checked on the first run); and those that change their first argument in place
+    and return it, leaving its shape and strides as they were (checked on the first run). None that views, writes
+    into another argument, changes a shape in place, draws random numbers or returns a shape that depends on
+    values."""
+
+    def __init__(self):
+        self._results: dict[tuple, tuple | None] = {}  # key -> (single result?, (shape, stride, dtype) each) or None
+        self._kinds: dict = {}  # operator -> NEW, IN_PLACE or None (never remembered)
+
+    def run(self, func, args: tuple, kwargs: dict):
+        """``func(*args, **kwargs)``, remembered where it may be."""
+        kind = self._kinds.get(func, False)
+        if kind is False:
+            kind = self._kinds[func] = _kind(func)
+        key = None if kind is None else _key(func, args, kwargs)
+        if key is None:
+            return func(*args, **kwargs)
+        found = self._results.get(key, False)
+        if found is False:
+            out = func(*args, **kwargs)
+            self._results[key] = _made_alike(out, args, kwargs) if kind is NEW else _in_place(out, args, key)
+            return out
+        if found is None:  # results that are not made alike
+            return func(*args, **kwargs)
+        if kind is IN_PLACE:
+            return args[0]
+        single, specs = found
+        made = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in specs]
+        return made[0] if single else tuple(made)
+
+
+META_RESULTS = MetaResults()
+
+
+class Remembered(TorchDispatchMode):
+    """Inside it, operators run through ``META_RESULTS`` (those on meta tensors that may be remembered), nothing
+    counted: a model built on the meta device, its optimizer state created."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return META_RESULTS.run(func, args, kwargs or {})
+
+
+NEW, IN_PLACE = "new", "in place"
+_SKIPPED_TAGS = (
+    torch.Tag.nondeterministic_seeded,
+    torch.Tag.dynamic_output_shape,
+    torch.Tag.data_dependent_output,
+    torch.Tag.inplace_view,
+)
+
+
+def _kind(func) -> str | None:
+    """NEW: ``func`` returns new tensors; IN_PLACE: it writes into its first argument and returns it; else None."""
+    schema = func._schema
+    if func.is_view or any(tag in func.tags for tag in _SKIPPED_TAGS):
+        return None
+    if not schema.returns or not all(str(r.type) == "Tensor" for r in schema.returns):
+        return None
+    arguments, returns = schema.arguments, schema.returns
+    if not any(a.alias_info is not None for a in (*arguments, *returns)):
+        return NEW
+    first, back = arguments[0].alias_info, returns[0].alias_info
+    if len(returns) > 1 or first is None or back is None or any(a.alias_info for a in arguments[1:]):
+        return None
+    same = back.before_set == first.before_set and back.after_set == first.after_set
+    return IN_PLACE if first.is_write and back.is_write and same else None
+
+
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _key(func, args: tuple, kwargs: dict) -> tuple | None:
+    """What ``func``'s meta kernel reads of its arguments: each tensor's shape, strides, offset and dtype (every one
+    on the meta device), each other argument with its type (``1``, ``1.0`` and ``True`` promote differently), the
+    keyword arguments' names; None where an argument is of another kind."""
+    parts = [func, torch.get_default_dtype(), len(args)]
+    if not _describe(args, parts):
+        return None
+    if kwargs:
+        parts.append(tuple(kwargs))
+        if not _describe(kwargs.values(), parts):
+            return None
+    return tuple(parts)
+
+
+def _describe(values, parts: list) -> bool:
+    """Append each of ``values`` to ``parts`` as the key holds it; False where one cannot be."""
+    for value in values:
+        kind = type(value)
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            if not value.is_meta or value.layout is not torch.strided or value.is_conj() or value.is_neg():
+                return False
+            parts.append((value.dtype, value.shape, value.stride(), value.storage_offset()))
+        elif kind is tuple or kind is list:
+            parts.append((kind, len(value)))
+            if not _describe(value, parts):
+                return False
+        elif kind in _SCALARS:
+            parts.append((kind, value))
+        else:
+            return False
+    return True
+
+
+def _made_alike(out, args: tuple, kwargs: dict) -> tuple | None:
+    """How to make ``out`` again with ``torch.empty_strided``, or None where that would not make it alike."""
+    single = isinstance(out, torch.Tensor)
+    results = [out] if single else out
+    if not isinstance(results, (tuple, list)) or not all(type(t) is torch.Tensor for t in results):
+        return None
+    inputs = {storage_key(t) for t in tensors_in(args, kwargs)}
+    storages = [storage_key(t) for t in results]
+    if len(set(storages)) < len(storages) or inputs.intersection(storages):
+        return None
+    specs = []
+    for tensor in results:
+        shape, stride, dtype = tensor.shape, tensor.stride(), tensor.dtype
+        if tensor.device.type != "meta" or tensor.layout is not torch.strided or tensor.storage_offset() != 0:
+            return None
+        if tensor.is_conj() or tensor.is_neg() or tensor.requires_grad:
+            return None
+        made = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        if made.untyped_storage().nbytes() != tensor.untyped_storage().nbytes():
+            return None
+        specs.append((shape, stride, dtype))
+    return single, tuple(specs)
+
+
+def _in_place(out, args: tuple, key: tuple) -> tuple | None:
+    """An in-place operator's entry where it returned its first argument with the shape and strides it had (its
+    description at ``key[3]``, after the operator, the default dtype and the arguments' count), else None."""
+    target = args[0] if args else None
+    if out is not target or type(target) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    parts = []
+    _describe((target,), parts)
+    return (True, ()) if parts == [key[3]] else None
