@@ -16,6 +16,13 @@ baseline, time ratios against it and the fastest baseline of the same unit), ``p
     python -m benchmarks.harness --tasks qa pydocs longqa --methods lora+ckpt lora+ckpt+labelled-head tokentune \
         --steps 4 --seeds 0 --out benchmarks/results/harness
 
+The step table (``results/step``: the three baselines, TokenTune's defaults and ratio 0.5) and the baselines' heads
+alone (``results/step/heads.*``):
+
+    python -m benchmarks.harness --tasks qa pydocs --methods lora+ckpt+trl-head lora+ckpt lora+ckpt+labelled-head \
+        tokentune tokentune-0.5 --steps 4 --seeds 0 1 --out benchmarks/results/step
+    python -m benchmarks.harness --heads 7 --tasks qa pydocs longqa --out benchmarks/results/step
+
 The chunk-rule comparison (``results/chunk_rule/<group>``: TokenTune's chunked loss at 16 to 256 least rows a chunk
 and one chunk; the groups ran apart, for time, with the rules that differ on the group's row counts):
 
