@@ -9,11 +9,19 @@ One *unit* is one (task, seed): every method is built from the same base model, 
 trains on the same batch in turn (so that load on a shared machine hits all alike), timed by process CPU time;
 after the steps, each method's step peak (``peak_memory_bytes``, on the unit's first batch) and held-out answer
 perplexity. A finished unit is written to ``<out>/<stem>.json`` at once: a run killed part-way resumes from the
-file, running only the units it lacks. ``report`` renders the file as Markdown (ratios against the fastest
-baseline of the same unit), ``plot`` draws the loss curves.
+file, running only the units it lacks. ``report`` renders the file as Markdown (peak ratios against the leanest
+baseline, time ratios against it and the fastest baseline of the same unit), ``plot`` draws the loss curves.
+``--heads``: each baseline's LM head and loss alone (``head_times``), written to ``<out>/heads.{json,md}``.
 
     python -m benchmarks.harness --tasks qa pydocs longqa --methods lora+ckpt lora+ckpt+labelled-head tokentune \
         --steps 4 --seeds 0 --out benchmarks/results/harness
+
+The step table (``results/step``: the three baselines, TokenTune's defaults and ratio 0.5) and the baselines' heads
+alone (``results/step/heads.*``):
+
+    python -m benchmarks.harness --tasks qa pydocs --methods lora+ckpt+trl-head lora+ckpt lora+ckpt+labelled-head \
+        tokentune tokentune-0.5 --steps 4 --seeds 0 1 --out benchmarks/results/step
+    python -m benchmarks.harness --heads 7 --tasks qa pydocs longqa --out benchmarks/results/step
 
 The chunk-rule comparison (``results/chunk_rule/<group>``: TokenTune's chunked loss at 16 to 256 least rows a chunk
 and one chunk; the groups ran apart, for time, with the rules that differ on the group's row counts):
@@ -56,6 +64,8 @@ from peft_slim.recipe import Recipe  # noqa: E402
 IGNORE_INDEX = -100
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 HEADS = ("model", "trl", "labelled")
+# The per-token outputs SFTTrainer asks of TRL's fused head (its loss, and its entropy and token-accuracy metrics).
+TRL_SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +156,7 @@ def build(method: Method, base, seed: int):
     if method.head == "trl":
         from trl.trainer.utils import add_fused_lm_head
 
-        add_fused_lm_head(model)
+        add_fused_lm_head(model, outputs=TRL_SFT_OUTPUTS)
     elif method.head == "labelled":
         add_labelled_head(model)
     if method.recipe.gradient_checkpointing:
@@ -296,6 +306,97 @@ def run_unit(
     }
 
 
+def head_times(task: Task, repeats: int) -> dict:
+    """Each baseline's LM head and loss alone, forward and backward to the body's output (the only gradient the head
+    passes on under LoRA), on the body's real output for the task's first batch of seed 0, the heads interleaved
+    ``repeats`` times: median CPU seconds, the loss, the largest gradient difference from the model's own head, the
+    share of the time in matrix products, and their work in full projections of every position (2 * positions *
+    hidden * vocab FLOPs each). Also TRL's head as it runs on a CUDA device with Triton (only the labelled rows;
+    ``compact``), to tell the restriction from the rest."""
+    import trl.trainer.utils as trl_utils
+    from torch.profiler import profile, record_function
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    base, train, _, pad_id, description = task.load()
+    order = random.Random(0).sample(range(len(train)), len(train))
+    batch = collate([train[order[i]] for i in range(task.batch_size)], pad_id)
+    base.requires_grad_(False)
+    body = getattr(base, base.base_model_prefix)
+    with torch.no_grad():
+        hidden = body(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    hidden.requires_grad_(True)
+    body.forward = lambda *args, **kwargs: BaseModelOutputWithPast(last_hidden_state=hidden)
+    use_triton = trl_utils._use_triton
+
+    def head(kind: str) -> Callable[[], tuple]:
+        model = copy.copy(base)  # the same weights and (stubbed) body, its own forward
+        model.forward = types.MethodType(type(base).forward, model)
+        if kind == "labelled":
+            add_labelled_head(model)
+        elif kind != "model":
+            trl_utils.add_fused_lm_head(model, outputs=TRL_SFT_OUTPUTS)
+        extra = {"fused_lm_head": True} if kind.startswith("trl") else {}
+
+        def run() -> tuple:
+            trl_utils._use_triton = (lambda device: True) if kind == "trl-compact" else use_triton
+            try:
+                loss = model(**batch, **extra).loss
+            finally:
+                trl_utils._use_triton = use_triton
+            loss.backward()
+            grad, hidden.grad = hidden.grad, None
+            return loss.item(), grad
+
+        return run
+
+    runs = {kind: head(kind) for kind in ("model", "trl", "trl-compact", "labelled")}
+    _, reference = runs["model"]()
+    out = {kind: {"cpu_seconds": []} for kind in runs}
+    for kind, run_ in runs.items():
+        out[kind]["loss"], grad = run_()
+        out[kind]["max_grad_difference"] = (grad - reference).abs().max().item()
+        with profile(record_shapes=True) as prof, record_function("head"):
+            run_()
+        events = [e for e in prof.key_averages(group_by_input_shape=True) if e.key != "head"]
+        products = [e for e in events if e.key in ("aten::mm", "aten::addmm", "aten::addmm_")]
+        operands = [(e.count, e.input_shapes[e.key != "aten::mm" :]) for e in products]  # addmm: (c, a, b)
+        flops = sum(count * math.prod(a) * b[-1] * 2 for count, (a, b, *_) in operands)
+        out[kind]["matmul_share"] = sum(e.self_cpu_time_total for e in products) / sum(
+            e.self_cpu_time_total for e in events
+        )
+        out[kind]["full_projections"] = flops / (
+            2 * hidden[:, :-1].numel() * base.get_output_embeddings().out_features
+        )
+    for _ in range(repeats):
+        for kind, run_ in runs.items():
+            start = time.process_time()
+            run_()
+            out[kind]["cpu_seconds"].append(time.process_time() - start)
+    labelled = (batch["labels"][:, 1:] != IGNORE_INDEX).sum().item()
+    return {"description": description, "batch": list(batch["input_ids"].shape), "labelled_positions": labelled,
+            "positions": batch["labels"][:, 1:].numel(), "heads": out}  # fmt: skip
+
+
+def heads_markdown(results: dict) -> str:
+    names = {"model": "the model's own (every position)", "trl": "TRL's fused head (on a CPU: every position)",
+             "trl-compact": "TRL's fused head, labelled rows only (as on CUDA with Triton)",
+             "labelled": "labelled positions by hand"}  # fmt: skip
+    lines = []
+    for task in results["tasks"].values():
+        model = statistics.median(task["heads"]["model"]["cpu_seconds"])
+        rows = []
+        for kind, h in task["heads"].items():
+            seconds = statistics.median(h["cpu_seconds"])
+            rows.append([names[kind], f"{seconds * 1e3:.0f} ms ({seconds / model:.2f}x)",
+                         f"{h['full_projections']:.2f}", f"{h['matmul_share']:.0%}", f"{h['loss']:.5f}",
+                         f"{h['max_grad_difference']:.1e}"])  # fmt: skip
+        header = ["LM head + loss", "CPU time (/ model's)", "matmul work, full projections", "time in matmuls"]
+        header += ["loss", "max grad diff"]
+        lines += [f"*{task['description']}*, batch {task['batch']}, {task['labelled_positions']} of "
+                  f"{task['positions']} positions labelled", "", markdown_table(header, rows), ""]  # fmt: skip
+    return "\n".join(lines)
+
+
 def environment() -> dict:
     """Where a run ran: machine, library versions and the commit."""
     import platform
@@ -372,10 +473,11 @@ def mean_of(units: list[dict], name: str, key: str, fmt: Callable[[float], str])
 
 
 def report(results: dict) -> str:
-    """Per task: each method's step peak and step time (medians over steps, means over seeds) as ratios to the
-    fastest baseline of the same units, its last loss and held-out answer perplexity; where measured, the step's
-    peak from the memory timeline and the resident set (``check_peaks``), and the steps and held-out perplexity at
-    the fastest baseline's time (``equal_time``)."""
+    """Per task: each method's step peak (medians over steps, means over seeds) as a ratio to the leanest baseline's
+    (the lowest step peak: the restricted head), its step time as ratios to the leanest and to the fastest baseline
+    of the same units, its last loss and held-out answer perplexity; where measured, the step's peak from the memory
+    timeline and the resident set (``check_peaks``), and the steps and held-out perplexity at the fastest
+    baseline's time (``equal_time``)."""
     lines = []
     by_task: dict[str, list[dict]] = {}
     for unit in results["units"].values():
@@ -385,25 +487,26 @@ def report(results: dict) -> str:
         time_ = {n: statistics.mean(statistics.median(u["runs"][n]["step_cpu_seconds"]) for u in units) for n in names}
         peak = {n: statistics.mean(u["runs"][n]["step_peak_bytes"] for u in units) for n in names}
         baselines = [n for n in names if units[0]["methods"][n]["baseline"]] or names
-        fastest = min(baselines, key=time_.get)
+        fastest, leanest = min(baselines, key=time_.get), min(baselines, key=peak.get)
+        against = [leanest] if leanest == fastest else [leanest, fastest]
         extra = [(key, fmt) for key, (_, fmt) in EXTRA_COLUMNS.items() if key in units[0]["runs"][names[0]]]
         rows = []
         for n in names:
             ppl = [u["runs"][n]["answer_perplexity"] for u in units if u["runs"][n]["answer_perplexity"] is not None]
             rows.append(
-                [
-                    n,
-                    f"{peak[n] / 2**20:.1f} MiB ({peak[n] / peak[fastest]:.2f}x)",
-                    f"{time_[n]:.2f} s ({time_[n] / time_[fastest]:.2f}x)",
+                [n, f"{peak[n] / 2**20:.1f} MiB ({peak[n] / peak[leanest]:.2f}x)", f"{time_[n]:.2f} s"]
+                + [f"{time_[n] / time_[b]:.2f}x" for b in against]
+                + [
                     f"{statistics.mean(u['runs'][n]['losses'][-1] for u in units):.3f}",
                     f"{statistics.mean(ppl):.3f}" if ppl else "-",
                 ]
                 + [mean_of(units, n, key, fmt) for key, fmt in extra]
             )
-        header = ["method", f"step peak (/ {fastest})", f"step time (/ {fastest})", "last loss", "held-out ppl"]
-        header += [EXTRA_COLUMNS[key][0] for key, _ in extra]
+        header = ["method", f"step peak (/ {leanest})", "step time"] + [f"/ {b}" for b in against]
+        header += ["last loss", "held-out ppl"] + [EXTRA_COLUMNS[key][0] for key, _ in extra]
         lines += [
-            f"*{units[0]['description']}*, batch {units[0]['batch']}, seeds {[u['seed'] for u in units]}",
+            f"*{units[0]['description']}*, batch {units[0]['batch']}, seeds {[u['seed'] for u in units]}; "
+            f"leanest baseline {leanest}, fastest {fastest}",
             "",
             markdown_table(header, rows),
             "",
@@ -464,7 +567,10 @@ def main(argv=None) -> dict:
     )
     parser.add_argument("--check-peaks", action="store_true", help="also the timeline and resident-set peaks")
     parser.add_argument("--report", action="store_true", help="no training: the report and plot of <out>")
+    parser.add_argument("--heads", type=int, metavar="REPEATS", help="no training: the baselines' heads alone")
     args = parser.parse_args(argv)
+    if args.heads:
+        return heads_main(args)
     path = os.path.join(args.out, "harness.json")
     if not args.report:
         torch.set_num_threads(1)
@@ -484,6 +590,21 @@ def main(argv=None) -> dict:
     results = load_results(path)
     atomic_write_text(os.path.join(args.out, "harness.md"), report(results))
     plot(results, os.path.join(args.out, "harness.png"))
+    return results
+
+
+def heads_main(args) -> dict:
+    """``--heads``: ``head_times`` on each of ``--tasks`` to ``<out>/heads.json``, rendered to ``heads.md``."""
+    path = os.path.join(args.out, "heads.json")
+    if not args.report:
+        torch.set_num_threads(1)
+        tasks = sft_tasks(0)
+        measured = {t: head_times(tasks[t], args.heads) for t in args.tasks}
+        command = f"python -m benchmarks.harness --heads {args.heads} --tasks {' '.join(args.tasks)} --out {args.out}"
+        results = {"environment": environment(), "command": command, "tasks": measured}
+        atomic_write_text(path, dumps(results) + "\n")
+    results = load_results(path)
+    atomic_write_text(os.path.join(args.out, "heads.md"), heads_markdown(results))
     return results
 
 

@@ -109,3 +109,47 @@ def test_equal_time_trains_the_faster_method_on_to_the_baselines_time(monkeypatc
     assert "| held-out ppl at equal time |" in harness.report({"units": {"a/seed0": unit}}).replace("  ", " ")
     with pytest.raises(ValueError, match="needs a baseline"):
         harness.run_unit(tiny_task("a"), METHODS[1:], 0, 2, tiny_task("a").load(), equal_time=True)
+
+
+def test_equal_time_budget_and_time_ratios_are_the_fastest_baselines(monkeypatch):
+    """Two baselines, the leaner one slower (3 s a step against 2 s), TokenTune 1 s: TokenTune trains on to the
+    faster baseline's 4 s (2 timed steps), and the report gives step peaks against the leaner baseline, step times
+    against both."""
+    clock = [0.0]
+    step = harness.train_step
+    methods = [harness.METHODS[n] for n in ("lora+ckpt+labelled-head", "lora+ckpt", "tokentune")]
+    seconds = {}
+
+    def timed_step(model, *a):
+        seconds.setdefault(id(model), 3.0 - len(seconds))  # in the order first stepped: 3 s, 2 s, 1 s
+        clock[0] += seconds[id(model)]
+        return step(model, *a)
+
+    monkeypatch.setattr(harness, "train_step", timed_step)
+    monkeypatch.setattr(harness.time, "process_time", lambda: clock[0])
+    unit = harness.run_unit(tiny_task("a"), methods, 0, 3, tiny_task("a").load(), equal_time=True)
+    assert unit["runs"]["tokentune"]["equal_time_steps"] == 5
+    for name, peak in zip(unit["runs"], (1 << 20, 4 << 20, 1 << 19)):
+        unit["runs"][name]["step_peak_bytes"] = peak
+    text = harness.report({"units": {"a/seed0": unit}})
+    assert (
+        "| method | step peak (/ lora+ckpt+labelled-head) | step time | / lora+ckpt+labelled-head | / lora+ckpt |"
+        in text
+    )
+    assert "| tokentune | 0.5 MiB (0.50x) | 1.00 s | 0.33x | 0.50x |" in text
+
+
+def test_head_times_count_each_heads_projections():
+    """The heads alone on the tiny task: each gives the model's loss and gradient; TRL's head on a CPU projects
+    every position three times (forward, the backward's recompute, the gradient), the model's own twice (all of
+    its rows, the last position's included), the labelled head twice and TRL's compact head three times, at the
+    labelled positions only."""
+    result = harness.head_times(tiny_task("a"), repeats=1)
+    heads, share = result["heads"], result["labelled_positions"] / result["positions"]
+    rows = result["batch"][0] * result["batch"][1] / result["positions"]
+    expected = {"model": 2 * rows, "trl": 3.0, "trl-compact": 3 * share, "labelled": 2 * share}
+    for kind, projections in expected.items():
+        assert heads[kind]["full_projections"] == pytest.approx(projections), kind
+        assert heads[kind]["loss"] == pytest.approx(heads["model"]["loss"], rel=1e-5)
+        assert heads[kind]["max_grad_difference"] < 1e-6 and len(heads[kind]["cpu_seconds"]) == 1
+    assert "TRL's fused head (on a CPU: every position)" in harness.heads_markdown({"tasks": {"a": result}})
