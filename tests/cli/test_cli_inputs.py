@@ -67,6 +67,11 @@ BAD_CHATS = {
     "no assistant turn": ([USER], "found no assistant message"),
     "assistant turn first": ([ANSWER, USER], "found message 1 with role 'assistant'"),
     "empty conversation": ([], "found"),
+    # The bug: an empty assistant turn's only label was the end of the turn: the model learnt to answer nothing.
+    "empty assistant turn": (
+        [USER, {"role": "assistant", "content": ""}],
+        "found message 2 with role 'assistant' and empty content",
+    ),
 }
 
 
@@ -76,7 +81,7 @@ def test_a_bad_chat_row_is_refused_naming_line_and_message(case, tmp_path, capsy
     path = jsonl(tmp_path / "chat.jsonl", [GOOD_CHAT, GOOD_CHAT, {"messages": messages}])
     err = refused(capsys, path)
     column = "'messages[].content'" if "as on line" in found else "'messages'"
-    assert f"line 4: column {column}: {found}" in err, err
+    assert f"'{path}', line 4: column {column}: {found}" in err, err
 
 
 def test_rows_of_mixed_formats_are_refused(tmp_path, capsys):
@@ -264,14 +269,6 @@ def test_plan_refuses_a_seq_len_beyond_the_models_positions(tmp_path, capsys):
     CONFIG.save_pretrained(tmp_path)
     code = main(["plan", "--model", str(tmp_path), "--batch-size", "1", "--seq-len", "4096"])
     assert code == 2 and "seq_len=4096: longer than the 512 positions" in capsys.readouterr().out
-
-
-def test_an_empty_assistant_turn_is_refused_like_an_empty_completion(tmp_path, capsys):
-    """The bug: its only label was the end of the turn, so the model learnt to answer nothing (exit 0)."""
-    empty = {"messages": [USER, {"role": "assistant", "content": ""}]}
-    path = jsonl(tmp_path / "chat.jsonl", [GOOD_CHAT, GOOD_CHAT, empty])
-    err = refused(capsys, path)
-    assert f"'{path}', line 4: column 'messages': found message 2 with role 'assistant' and empty content" in err
 
 
 def test_a_pandas_csv_is_read_with_its_index_column_named_and_ignored(tmp_path):

@@ -114,97 +114,76 @@ B = ("--batch-size", "1")
 ERROR = "peft-slim plan: error: argument "
 SIZE = "expected a size such as 24GB, 24GiB, 500MB or 1000000."
 BUDGET_RANGE = "expected from 1 byte to 1 PiB (1125899906842624 bytes)."
+
+
+def refused(flag: str, message: str) -> dict:
+    return {"exit": 2, "error": ERROR + f"{flag}: {message}"}
+
+
+def ok(**parsed) -> dict:
+    return {"parsed": parsed}
+
+
 CASES = [
     ((), {"exit": 2, "error": "peft-slim plan: error: the following arguments are required: --batch-size"}),
-    (("--batch-size", "4"), {"parsed": {"batch_size": 4}}),
-    (("--batch-size", "4", "--json"), {"parsed": {"batch_size": 4, "json": True}}),
-    (("--batch", "4"), {"parsed": {"batch_size": 4}}),  # argparse's prefixes
-    (("--batch-size", "65536"), {"parsed": {"batch_size": 65536}}),
-    (
-        ("--batch-size", "0"),
-        {"exit": 2, "error": ERROR + "--batch-size: --batch-size must be an int in [1, 65536], got 0."},
-    ),
-    (
-        ("--batch-size", "65537"),
-        {"exit": 2, "error": ERROR + "--batch-size: --batch-size must be an int in [1, 65536], got 65537."},
-    ),
-    (
-        ("--batch-size", "1.5"),
-        {"exit": 2, "error": ERROR + "--batch-size: --batch-size must be an int in [1, 65536], got '1.5'."},
-    ),
-    (
-        ("--batch-size", "x"),
-        {"exit": 2, "error": ERROR + "--batch-size: --batch-size must be an int in [1, 65536], got 'x'."},
-    ),
-    (("--batch-size",), {"exit": 2, "error": ERROR + "--batch-size: expected one argument"}),
-    ((*B, "--budget", "24GB"), {"parsed": {"budget": 24_000_000_000}}),
-    ((*B, "--budget", "24GiB"), {"parsed": {"budget": 24 * 2**30}}),
-    ((*B, "--budget", "500MB"), {"parsed": {"budget": 500_000_000}}),
-    ((*B, "--budget", "2.4e10"), {"parsed": {"budget": 24_000_000_000}}),
-    ((*B, "--budget", "1000000"), {"parsed": {"budget": 1_000_000}}),
-    ((*B, "--budget", " 1.5 kib "), {"parsed": {"budget": 1536}}),
-    ((*B, "--budget", "1125899906842624"), {"parsed": {"budget": 2**50}}),
-    ((*B, "--budget", "0"), {"exit": 2, "error": ERROR + f"--budget: --budget '0': {BUDGET_RANGE}"}),
-    ((*B, "--budget", "0.5"), {"exit": 2, "error": ERROR + f"--budget: --budget '0.5': {BUDGET_RANGE}"}),
-    ((*B, "--budget", "2PiB"), {"exit": 2, "error": ERROR + f"--budget: '2PiB': {SIZE}"}),
-    ((*B, "--budget", "24TB"), {"exit": 2, "error": ERROR + f"--budget: '24TB': {SIZE}"}),
-    ((*B, "--budget", "abc"), {"exit": 2, "error": ERROR + f"--budget: 'abc': {SIZE}"}),
-    ((*B, "--budget", "nan"), {"exit": 2, "error": ERROR + f"--budget: 'nan': {SIZE}"}),
-    ((*B, "--seq-len", "4096"), {"parsed": {"seq_len": 4096}}),
-    (
-        (*B, "--seq-len", "0"),
-        {"exit": 2, "error": ERROR + "--seq-len: --seq-len must be an int in [1, 16777216], got 0."},
-    ),
-    (
-        (*B, "--seq-len", "4x"),
-        {"exit": 2, "error": ERROR + "--seq-len: --seq-len must be an int in [1, 16777216], got '4x'."},
-    ),
-    ((*B, "--lora-r", "16"), {"parsed": {"lora_r": 16}}),
-    ((*B, "--lora-r", "0"), {"exit": 2, "error": ERROR + "--lora-r: --lora-r must be an int in [1, 65536], got 0."}),
-    (
-        (*B, "--lora-r", "65537"),
-        {"exit": 2, "error": ERROR + "--lora-r: --lora-r must be an int in [1, 65536], got 65537."},
-    ),
-    ((*B, "--optimizer", "sgd"), {"parsed": {"optimizer": "sgd"}}),
-    (
-        (*B, "--optimizer", "adam"),
-        {"exit": 2, "error": ERROR + "--optimizer: invalid choice: 'adam' (choose from 'adamw', 'sgd')"},
-    ),
-    ((*B, "--dtype", "bfloat16"), {"parsed": {"dtype": "bfloat16"}}),
-    (
-        (*B, "--dtype", "float16"),
-        {"exit": 2, "error": ERROR + "--dtype: invalid choice: 'float16' (choose from 'float32', 'bfloat16')"},
-    ),
-    ((*B, "--min-token-ratio", "1"), {"parsed": {"min_token_ratio": 1.0}}),
-    ((*B, "--min-token-ratio", "0.05"), {"parsed": {"min_token_ratio": 0.05}}),
+    (("--batch-size", "4"), ok(batch_size=4)),
+    (("--batch-size", "4", "--json"), ok(batch_size=4, json=True)),
+    (("--batch", "4"), ok(batch_size=4)),  # argparse's prefixes
+    (("--batch-size", "65536"), ok(batch_size=65536)),
+    (("--batch-size", "0"), refused("--batch-size", "--batch-size must be an int in [1, 65536], got 0.")),
+    (("--batch-size", "65537"), refused("--batch-size", "--batch-size must be an int in [1, 65536], got 65537.")),
+    (("--batch-size", "1.5"), refused("--batch-size", "--batch-size must be an int in [1, 65536], got '1.5'.")),
+    (("--batch-size", "x"), refused("--batch-size", "--batch-size must be an int in [1, 65536], got 'x'.")),
+    (("--batch-size",), refused("--batch-size", "expected one argument")),
+    ((*B, "--budget", "24GB"), ok(budget=24_000_000_000)),
+    ((*B, "--budget", "24GiB"), ok(budget=24 * 2**30)),
+    ((*B, "--budget", "500MB"), ok(budget=500_000_000)),
+    ((*B, "--budget", "2.4e10"), ok(budget=24_000_000_000)),
+    ((*B, "--budget", "1000000"), ok(budget=1_000_000)),
+    ((*B, "--budget", " 1.5 kib "), ok(budget=1536)),
+    ((*B, "--budget", "1125899906842624"), ok(budget=2**50)),
+    ((*B, "--budget", "0"), refused("--budget", f"--budget '0': {BUDGET_RANGE}")),
+    ((*B, "--budget", "0.5"), refused("--budget", f"--budget '0.5': {BUDGET_RANGE}")),
+    ((*B, "--budget", "2PiB"), refused("--budget", f"'2PiB': {SIZE}")),
+    ((*B, "--budget", "24TB"), refused("--budget", f"'24TB': {SIZE}")),
+    ((*B, "--budget", "abc"), refused("--budget", f"'abc': {SIZE}")),
+    ((*B, "--budget", "nan"), refused("--budget", f"'nan': {SIZE}")),
+    ((*B, "--seq-len", "4096"), ok(seq_len=4096)),
+    ((*B, "--seq-len", "0"), refused("--seq-len", "--seq-len must be an int in [1, 16777216], got 0.")),
+    ((*B, "--seq-len", "4x"), refused("--seq-len", "--seq-len must be an int in [1, 16777216], got '4x'.")),
+    ((*B, "--lora-r", "16"), ok(lora_r=16)),
+    ((*B, "--lora-r", "0"), refused("--lora-r", "--lora-r must be an int in [1, 65536], got 0.")),
+    ((*B, "--lora-r", "65537"), refused("--lora-r", "--lora-r must be an int in [1, 65536], got 65537.")),
+    ((*B, "--optimizer", "sgd"), ok(optimizer="sgd")),
+    ((*B, "--optimizer", "adam"), refused("--optimizer", "invalid choice: 'adam' (choose from 'adamw', 'sgd')")),
+    ((*B, "--dtype", "bfloat16"), ok(dtype="bfloat16")),
+    ((*B, "--dtype", "float16"), refused("--dtype", "invalid choice: 'float16' (choose from 'float32', 'bfloat16')")),
+    ((*B, "--min-token-ratio", "1"), ok(min_token_ratio=1.0)),
+    ((*B, "--min-token-ratio", "0.05"), ok(min_token_ratio=0.05)),
     (
         (*B, "--min-token-ratio", "0"),
-        {"exit": 2, "error": ERROR + "--min-token-ratio: --min-token-ratio must be a float in (0, 1], got 0.0."},
+        refused("--min-token-ratio", "--min-token-ratio must be a float in (0, 1], got 0.0."),
     ),
     (
         (*B, "--min-token-ratio", "nan"),
-        {"exit": 2, "error": ERROR + "--min-token-ratio: --min-token-ratio must be a float in (0, 1], got nan."},
+        refused("--min-token-ratio", "--min-token-ratio must be a float in (0, 1], got nan."),
     ),
-    ((*B, "--no-checkpointing"), {"parsed": {"no_checkpointing": True}}),
+    ((*B, "--no-checkpointing"), ok(no_checkpointing=True)),
     ((*B, "--no-checkpointing", "x"), {"exit": 2, "error": "peft-slim: error: unrecognized arguments: x"}),
     ((*B, "--checkpointing"), {"exit": 2, "error": "peft-slim: error: unrecognized arguments: --checkpointing"}),
-    ((*B, "--task", "sequence_classification"), {"parsed": {"task": "sequence_classification"}}),
+    ((*B, "--task", "sequence_classification"), ok(task="sequence_classification")),
     (
         (*B, "--task", "seq2seq"),
-        {
-            "exit": 2,
-            "error": ERROR + "--task: invalid choice: 'seq2seq' (choose from 'causal_lm', 'sequence_classification', "
-            "'image_classification')",
-        },
+        refused(
+            "--task",
+            "invalid choice: 'seq2seq' (choose from 'causal_lm', 'sequence_classification', 'image_classification')",
+        ),
     ),
-    ((*B, "--rank", "ladder"), {"parsed": {"rank": "ladder"}}),
-    (
-        (*B, "--rank", "fastest"),
-        {"exit": 2, "error": ERROR + "--rank: invalid choice: 'fastest' (choose from 'measured', 'ladder')"},
-    ),
-    ((*B, "--verbose"), {"parsed": {"verbose": True}}),
-    ((*B, "--model", "m", "--gguf-file", "f.gguf"), {"parsed": {"model": "m", "gguf_file": "f.gguf"}}),
-    ((*B, "--model"), {"exit": 2, "error": ERROR + "--model: expected one argument"}),
+    ((*B, "--rank", "ladder"), ok(rank="ladder")),
+    ((*B, "--rank", "fastest"), refused("--rank", "invalid choice: 'fastest' (choose from 'measured', 'ladder')")),
+    ((*B, "--verbose"), ok(verbose=True)),
+    ((*B, "--model", "m", "--gguf-file", "f.gguf"), ok(model="m", gguf_file="f.gguf")),
+    ((*B, "--model"), refused("--model", "expected one argument")),
     ((*B, "--lora-alpha", "16"), {"exit": 2, "error": "peft-slim: error: unrecognized arguments: --lora-alpha 16"}),
     (
         (
@@ -219,15 +198,7 @@ CASES = [
             "--dtype",
             "bfloat16",
         ),
-        {
-            "parsed": {
-                "model": "path/to/config.json",
-                "budget": 24_000_000_000,
-                "batch_size": 4,
-                "seq_len": 4096,
-                "dtype": "bfloat16",
-            }
-        },
+        ok(model="path/to/config.json", budget=24_000_000_000, batch_size=4, seq_len=4096, dtype="bfloat16"),
     ),
 ]
 

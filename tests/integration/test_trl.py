@@ -34,25 +34,24 @@ from peft_slim import (
 )
 
 trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")  # installed with trl
+
+
+def _lora(**fields) -> LoraConfig:
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS["llama"], **fields)
 
 
 def tokentune(seed: int = 0, **fields):
     fields.setdefault("token_ratio", 0.5)
     fields.setdefault("seed", seed)
-    lora_config = LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS["llama"], init_lora_weights=False
-    )
-    config = TokenTuneConfig(task_type="CAUSAL_LM", lora=lora_config, **fields)
+    config = TokenTuneConfig(task_type="CAUSAL_LM", lora=_lora(init_lora_weights=False), **fields)
     return get_peft_model(build("llama", seed=seed), config)
 
 
 def slimfit_tokentune(seed: int = 0, **selection):
-    lora = LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS["llama"], init_lora_weights=False
-    )
     config = SlimFitConfig(
         task_type="CAUSAL_LM",
-        lora=lora,
+        lora=_lora(init_lora_weights=False),
         freeze_ratio=0.5,
         activation_compression=None,
         token_selection=TokenSelectionConfig(token_ratio=0.5, seed=seed, **selection),
@@ -123,7 +122,7 @@ def test_sft_slimfit_tokentune_is_exact(tmp_path):
 @pytest.mark.parametrize("method", ["tokentune", "slimfit"])
 def test_sft_with_peft_config_builds_the_model(tmp_path, method):
     """TRL accepts any PeftConfig: SFTTrainer(model=base, peft_config=...) wraps the model itself."""
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS["llama"])
+    lora = _lora()
     if method == "tokentune":
         config = TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.5, seed=0, lora=lora)
     else:
@@ -165,9 +164,7 @@ def test_sft_bf16_autocast_on_cpu(tmp_path):
 
 def test_sft_slimfit_without_token_selection_is_trls_own_loss(tmp_path):
     """No token selection: TRL's fused head runs unchanged; its loss is the plain completion-only mean."""
-    lora = LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS["llama"], init_lora_weights=False
-    )
+    lora = _lora(init_lora_weights=False)
     config = SlimFitConfig(task_type="CAUSAL_LM", lora=lora, freeze_ratio=0.5, activation_compression=None, seed=0)
     model = get_peft_model(build("llama", seed=10), config)
     trainer, logged, calls, _, before = run_sft_step(
@@ -256,19 +253,13 @@ def preference_dataset(n: int = 4, seed: int = 0):
     def words(count):
         return " ".join(f"w{int(i)}" for i in torch.randint(6, 90, (count,), generator=generator))
 
-    return trl_cases_datasets().Dataset.from_dict(
+    return datasets.Dataset.from_dict(
         {
             "prompt": [words(4) for _ in range(n)],
             "chosen": [" " + words(3) for _ in range(n)],
             "rejected": [" " + words(3) for _ in range(n)],
         }
     )
-
-
-def trl_cases_datasets():
-    import datasets
-
-    return datasets
 
 
 # TRL's own defaults where trainer_kwargs differs: one micro-batch a step, seed 42.
@@ -301,9 +292,7 @@ def test_dpo_with_a_ready_token_selection_model_is_refused_before_any_update(tmp
 def test_dpo_with_a_ready_slimfit_model_trains_against_its_reference_adapter(tmp_path):
     """A ready SlimFit + LoRA model: TRL's reference adapter 'ref' is a copy of 'default', so at step 0 (policy =
     reference) the DPO loss TRL logs is -log(sigmoid(0)) = log 2, though LoRA B is not zero; 'ref' stays as it was."""
-    lora = LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS["llama"], init_lora_weights=False
-    )
+    lora = _lora(init_lora_weights=False)
     config = SlimFitConfig(task_type="CAUSAL_LM", lora=lora, freeze_ratio=0.5, activation_compression=None, seed=0)
     model = get_peft_model(build("llama", seed=16), config)
     initial = trainable(model)
@@ -339,14 +328,13 @@ def test_dpo_with_token_selection_is_refused_before_any_update(tmp_path):
     before = trainable(trainer.model)
     with pytest.raises(ValueError, match=r"DPOTrainer is not supported with token selection.*plain LoRA adapter"):
         trainer.train()
-    after = trainable(trainer.model)
-    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert all(torch.equal(before[n], value) for n, value in trainable(trainer.model).items())
 
 
 def test_dpo_with_slimfit_and_a_ref_model_runs_trls_own_objective(tmp_path):
     """SlimFit without token selection leaves the forward exact: at step 0 (LoRA B = 0, policy = reference) the
     DPO loss TRL logs is -log(sigmoid(0)) = log 2."""
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS["llama"])
+    lora = _lora()
     config = SlimFitConfig(task_type="CAUSAL_LM", lora=lora, freeze_ratio=0.5, activation_compression=None, seed=0)
     model = get_peft_model(build("llama", seed=16), config)
     trainer = trl.DPOTrainer(
@@ -466,7 +454,7 @@ def _grpo(tmp_path, model, peft_config=None, **overrides):
         model=model,
         reward_funcs=lambda completions, **kwargs: [float(len(c)) for c in completions],
         args=trl.GRPOConfig(**args | overrides),
-        train_dataset=trl_cases_datasets().Dataset.from_dict({"prompt": ["w6 w7 w8", "w9 w10 w11"] * 2}),
+        train_dataset=datasets.Dataset.from_dict({"prompt": ["w6 w7 w8", "w9 w10 w11"] * 2}),
         processing_class=sft_tokenizer(),
         peft_config=peft_config,
         callbacks=[TokenTuneCallback()] if peft_config is not None else None,
@@ -481,8 +469,7 @@ def test_grpo_with_token_selection_is_refused(tmp_path):
     before = trainable(trainer.model)
     with pytest.raises(ValueError, match=r"GRPOTrainer is not supported with token selection"):
         trainer.train()
-    after = trainable(trainer.model)
-    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert all(torch.equal(before[n], value) for n, value in trainable(trainer.model).items())
     # A ready model with a KL term: GRPOTrainer adds a reference copy of the adapter; training is refused the same.
     trainer = _grpo(tmp_path / "b", tokentune(seed=18), beta=0.1)
     assert sorted(trainer.model.peft_config) == ["default", "ref"]

@@ -107,10 +107,7 @@ def test_a_save_keeps_the_folders_links_and_files_it_does_not_write(save, models
     before = _tree(target)
     assert before[os.path.join("wandb", "latest-run")] == ("link", "run-1")
 
-    if save == "plain_lora":
-        peft_slim.save_pretrained(models[64], target, plain_lora=True)
-    else:
-        peft_slim.save_pretrained(models[64], target)
+    peft_slim.save_pretrained(models[64], target, plain_lora=save == "plain_lora")
 
     assert _tree(target) == before
     assert (target / "wandb" / "latest-run" / "files" / "output.log").read_text() == "log"

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import json
 import re
@@ -204,27 +205,23 @@ def test_a_refused_load_adapter_leaves_the_model_as_it_was(saved, name, refusal,
     assert list(model.peft_config) == ["default", "second"]
 
 
-def test_a_refused_add_adapter_leaves_the_model_as_it_was():
-    model = get_peft_model(build("llama"), _config("full_stack"))
+@pytest.mark.parametrize("how", ["add_adapter", "get_peft_model"])
+def test_a_refused_wrap_leaves_the_model_as_it_was(how):
+    if how == "add_adapter":
+        model = get_peft_model(build("llama"), _config("full_stack"))
+        wrap = functools.partial(model.add_adapter, "second")
+    else:
+        model = build("llama")
+        wrap = functools.partial(get_peft_model, model)
     before = _snapshot(model)
     config = _config("full_stack")
     config.units = ["no_such_parameter"]  # refused by SlimFit's set-up, after LoRA is injected
     with pytest.raises(ValueError, match=r"units: regex\(es\) \['no_such_parameter'\] matched no"):
-        model.add_adapter("second", config)
+        wrap(config)
     _assert_same(before, _snapshot(model))
-    assert list(model.peft_config) == ["default"] and model.active_adapters == ["default"]
-    model.add_adapter("second", _config("full_stack"))  # a retry works
-
-
-def test_a_refused_get_peft_model_leaves_the_model_as_it_was():
-    base = build("llama")
-    before = _snapshot(base)
-    config = _config("full_stack")
-    config.units = ["no_such_parameter"]  # refused by SlimFit's set-up, after LoRA is injected
-    with pytest.raises(ValueError, match=r"units: regex\(es\) \['no_such_parameter'\] matched no"):
-        get_peft_model(base, config)
-    _assert_same(before, _snapshot(base))
-    get_peft_model(base, _config("full_stack"))  # and it wraps afterwards
+    if how == "add_adapter":
+        assert list(model.peft_config) == ["default"] and model.active_adapters == ["default"]
+    wrap(_config("full_stack"))  # a retry works
 
 
 # ---------------------------------------------------------------------------------------------- the two config files

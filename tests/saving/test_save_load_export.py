@@ -37,13 +37,7 @@ CASES = {
     "llama_lora_notask": ("llama", None, None),
     "bert_lora": ("bert", "SEQ_CLS", ["classifier"]),
 }
-
-
-AUTO_CLASS = {"llama": AutoModelForCausalLM, "gpt2": AutoModelForCausalLM, "bert": AutoModelForSequenceClassification}
-
-
-def _auto_class(arch):
-    return AUTO_CLASS[arch]
+AUTO_CLASS = {"llama": AutoModelForCausalLM, "bert": AutoModelForSequenceClassification}
 
 
 def _lora_config(arch, task_type):
@@ -167,7 +161,7 @@ _VANILLA_CHILD = IMPORT_BITSANDBYTES + textwrap.dedent(
                 with torch.no_grad():
                     torch.save(auto(**inputs).logits, job["out"] + f".vanilla_auto_{{kind}}.pt")
             report[job["name"] + ":" + kind] = entry
-    report["__slim_imported__"] = "peft_slim" in sys.modules or any(m.startswith("peft_slim") for m in sys.modules)
+    report["__slim_imported__"] = any(m.startswith("peft_slim") for m in sys.modules)
     print("RESULT=" + json.dumps(report))
     """
 )
@@ -215,12 +209,12 @@ class Case:
         peft_slim.save_pretrained(self.model, self.export_dir, plain_lora=True)
 
     def load_base(self):
-        return _auto_class(self.arch).from_pretrained(self.base_dir, attn_implementation="sdpa")
+        return AUTO_CLASS[self.arch].from_pretrained(self.base_dir, attn_implementation="sdpa")
 
     def job(self):
         return {
             "name": self.name,
-            "kind": "causal" if self.arch in ("llama", "gpt2") else "seq_cls",
+            "kind": "causal" if self.arch == "llama" else "seq_cls",
             "base_dir": self.base_dir,
             "adapter_dir": self.adapter_dir,
             "export_dir": self.export_dir,
@@ -236,17 +230,14 @@ def run(tmp_path_factory):
     jobs_path = os.path.join(root, "jobs.json")
     with open(jobs_path, "w") as handle:
         json.dump([case.job() for case in cases.values()], handle)
-    export_jobs_path = os.path.join(root, "export_jobs.json")
-    with open(export_jobs_path, "w") as handle:
-        json.dump([case.job() for case in cases.values()], handle)
     slim = _run_child(_SLIM_CHILD.format(tests=HERE, jobs=jobs_path))
-    return {"cases": cases, "slim": slim, "export_jobs": export_jobs_path}
+    return {"cases": cases, "slim": slim, "jobs": jobs_path}
 
 
 @pytest.fixture(scope="module")
 def vanilla(run):
     """Loads every exported adapter in a process that never imports peft_slim."""
-    return _run_child(_VANILLA_CHILD.format(jobs=run["export_jobs"]))
+    return _run_child(_VANILLA_CHILD.format(jobs=run["jobs"]))
 
 
 # ---------------------------------------------------------------------------------------------- what is saved
@@ -347,8 +338,7 @@ def test_fresh_process_from_pretrained_gives_identical_logits(run, name):
     assert report["tuner_cls"] == "TokenTuneModel"  # peft_slim.from_pretrained: the method
     assert report["plain_tuner_cls"] == "LoraModel"  # PEFT's own loader
     assert report["trainable"] == 0
-    loaded = torch.load(case.out + ".peft.pt")
-    assert torch.equal(loaded, case.logits)
+    assert torch.equal(torch.load(case.out + ".peft.pt"), case.logits)
     assert torch.equal(torch.load(case.out + ".plain.pt"), case.logits)
     # Training changed the outputs, so the comparison above is not trivially satisfied by the base.
     assert not torch.allclose(case.logits, case.base_logits, atol=1e-4)
@@ -358,7 +348,7 @@ def test_fresh_process_from_pretrained_gives_identical_logits(run, name):
 def test_fresh_process_auto_peft_model(run, name):
     case = run["cases"][name]
     report = run["slim"][name]
-    causal = case.arch in ("llama", "gpt2")
+    causal = case.arch == "llama"
     assert report["auto_cls"] == ("PeftModelForCausalLM" if causal else "PeftModelForSequenceClassification")
     assert report["auto_tuner_cls"] == "LoraModel"
     assert report["auto_base_cls"] == type(case.vanilla_base).__name__
@@ -394,9 +384,8 @@ def test_plain_lora_save_is_a_plain_lora_adapter(run, name, tmp_path):
 @pytest.mark.parametrize("kind", ["adapter", "export"])
 def test_saved_and_exported_lora_load_in_vanilla_peft_without_peft_slim_or_a_warning(run, vanilla, name, kind):
     case = run["cases"][name]
-    report = vanilla
-    assert report["__slim_imported__"] is False
-    entry = report[f"{name}:{kind}"]
+    assert vanilla["__slim_imported__"] is False
+    entry = vanilla[f"{name}:{kind}"]
     assert entry["config_cls"] == "LoraConfig"
     assert entry["peft_type"] == "LORA"
     assert entry["tuner_cls"] == "LoraModel"
@@ -528,10 +517,6 @@ def test_push_to_hub_uploads_the_saved_files(run, name, offline_hub, tmp_path):
 # ---------------------------------------------------------------------------------------------- is_trainable
 
 
-def _expected_trainable(case):
-    return {n for n in case.trainable_before}
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_is_trainable_flag(run, name):
     case = run["cases"][name]
@@ -543,7 +528,7 @@ def test_is_trainable_flag(run, name):
     trainable = peft_slim.from_pretrained(case.load_base(), case.adapter_dir, is_trainable=True)
     assert trainable.peft_config["default"].inference_mode is False
     names = _trainable_names(trainable)
-    assert names == _expected_trainable(case)
+    assert names == case.trainable_before
     assert names and all(".lora_" in n or ".modules_to_save." in n for n in names)
     assert any(".lora_A." in n for n in names) and any(".lora_B." in n for n in names)
     # It trains: a step moves the trainable weights and the outputs (with TokenTune active).

@@ -212,11 +212,6 @@ def test_save_pretrained_refuses_the_pissa_conversion_argument(tmp_path):
 # ---------------------------------------------------------------------------------------------- 2. missing keys
 
 
-def _base_of(name: str):
-    arch, _ = MODELS[name]
-    return build(arch)
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 def test_missing_and_unexpected_keys_are_reported_as_peft_reports_them_for_lora(name, tmp_path):
     model = _trained(name)
@@ -227,7 +222,7 @@ def test_missing_and_unexpected_keys_are_reported_as_peft_reports_them_for_lora(
         warnings.simplefilter("error")  # an intact adapter loads without a word
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", category=DeprecationWarning)
-        intact = peft_slim.from_pretrained(_base_of(name), tmp_path)
+        intact = peft_slim.from_pretrained(build(MODELS[name][0]), tmp_path)
         result = intact.load_adapter(tmp_path, "default")
     assert result.missing_keys == [] and result.unexpected_keys == []
 
@@ -239,7 +234,7 @@ def test_missing_and_unexpected_keys_are_reported_as_peft_reports_them_for_lora(
 
     expected = f"Found missing adapter keys while loading the checkpoint: {[_model_key(removed)]}."  # PEFT's words
     with pytest.warns(UserWarning) as record:
-        loaded = peft_slim.from_pretrained(_base_of(name), tmp_path)
+        loaded = peft_slim.from_pretrained(build(MODELS[name][0]), tmp_path)
     messages = [str(w.message) for w in record]
     assert [m for m in messages if m.startswith("Found missing adapter keys")] == [expected]
     assert any("unexpected keys" in m and PREFIX + "bogus.weight" in m for m in messages), messages
@@ -373,6 +368,12 @@ def test_a_bias_missing_from_a_lora_adapter_with_trained_biases_is_reported(tmp_
         loaded.load_adapter(tmp_path, "default")
 
 
+def _lora_with(**fields) -> LoraConfig:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # LoraConfig's own warnings about these fields
+        return LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **fields)
+
+
 @pytest.mark.parametrize("cls", [TokenTuneConfig, SlimFitConfig])
 @pytest.mark.parametrize(
     "field, value",
@@ -382,17 +383,8 @@ def test_a_bias_missing_from_a_lora_adapter_with_trained_biases_is_reported(tmp_
     ],
 )
 def test_lora_fields_a_peft_slim_model_cannot_honour_are_refused(cls, field, value):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # LoraConfig's own warnings about these fields
-        lora = LoraConfig(r=4, target_modules=["q_proj"], **{field: value})
     with pytest.raises(ValueError, match=rf"{cls.__name__}\.lora\.{field}=.* is not supported: "):
-        cls(lora=lora)
-
-
-def _lora_with(**fields) -> LoraConfig:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # LoraConfig's own warnings about these fields
-        return LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **fields)
+        cls(lora=_lora_with(**{field: value}))
 
 
 @pytest.mark.parametrize("field", ["monteclora_config", "kasa_config"])
