@@ -126,60 +126,41 @@ def _fail_card(monkeypatch) -> None:
     monkeypatch.setattr(huggingface_hub.ModelCard, "save", save_half)
 
 
-@pytest.mark.parametrize("fail", [_fail_weights, _fail_config, _fail_card], ids=["weights", "config", "card"])
-@pytest.mark.parametrize("name", list(MODELS))
-def test_a_failed_save_leaves_the_adapter_on_disk_byte_identical(name, fail, tmp_path, monkeypatch):
-    arch, _ = MODELS[name]
-    model = _trained(name)
-    peft_slim.save_pretrained(model, tmp_path / "adapter")
+FAILED_SAVES = [(name, fail, "") for name in MODELS for fail in (_fail_weights, _fail_config, _fail_card)]
+FAILED_SAVES += [("tokentune_lora", _fail_weights, "plain_lora"), ("tokentune_lora", _fail_weights, "subfolder")]
+
+
+@pytest.mark.parametrize(
+    ("name", "fail", "how"), FAILED_SAVES, ids=[f"{n}-{f.__name__[6:]}-{h}" for n, f, h in FAILED_SAVES]
+)
+def test_a_failed_save_leaves_the_adapter_on_disk_byte_identical(name, fail, how, tmp_path, monkeypatch):
+    """Also a plain LoRA save, and an adapter not named "default" (saved in its subfolder)."""
+    arch, make = MODELS[name]
+    if how == "subfolder":
+        lora = LoraConfig(**LLAMA_LORA)
+        model = get_peft_model(build(arch), TokenTuneConfig(task_type="CAUSAL_LM", lora=lora), adapter_name="mine")
+    else:
+        model = make()
+    _train(model, arch)
+    folder, kwargs = ("adapter/mine" if how == "subfolder" else "adapter"), {"plain_lora": how == "plain_lora"}
+    peft_slim.save_pretrained(model, tmp_path / "adapter", **kwargs)
     (tmp_path / "adapter" / "tokenizer.json").write_text("{}")  # another file of the folder: kept
     before = _snapshot(tmp_path)
-    assert {"adapter/adapter_model.safetensors", "adapter/adapter_config.json", "adapter/README.md"} <= set(before)
+    assert {f"{folder}/adapter_model.safetensors", f"{folder}/adapter_config.json", "adapter/README.md"} <= set(before)
+    assert (f"{folder}/peft_slim_config.json" in before) == (how != "plain_lora")
     _train(model, arch, steps=1, seed=7)  # other weights, so that a save would change the files
 
     with monkeypatch.context() as patch:
         fail(patch)
         with pytest.raises(OSError, match="simulated"):
-            peft_slim.save_pretrained(model, tmp_path / "adapter")
+            peft_slim.save_pretrained(model, tmp_path / "adapter", **kwargs)
     assert _snapshot(tmp_path) == before  # every file byte-identical, and no temporary folder left behind
 
-    peft_slim.save_pretrained(model, tmp_path / "adapter")  # a save that succeeds replaces them, nothing else
+    peft_slim.save_pretrained(model, tmp_path / "adapter", **kwargs)  # a save that succeeds replaces them only
     after = _snapshot(tmp_path)
     assert set(after) == set(before)
-    assert after["adapter/adapter_model.safetensors"] != before["adapter/adapter_model.safetensors"]
+    assert after[f"{folder}/adapter_model.safetensors"] != before[f"{folder}/adapter_model.safetensors"]
     assert after["adapter/tokenizer.json"] == b"{}"
-
-
-def test_a_failed_save_into_a_subfolder_adapter_leaves_it_byte_identical(tmp_path, monkeypatch):
-    model = get_peft_model(
-        build("llama"), TokenTuneConfig(task_type="CAUSAL_LM", lora=LoraConfig(**LLAMA_LORA)), adapter_name="mine"
-    )
-    _train(model, "llama", steps=1)
-    peft_slim.save_pretrained(model, tmp_path / "adapter")
-    before = _snapshot(tmp_path)
-    assert {"adapter/mine/adapter_model.safetensors", "adapter/mine/adapter_config.json"} <= set(before)
-    _train(model, "llama", steps=1, seed=3)
-    with monkeypatch.context() as patch:
-        _fail_weights(patch)
-        with pytest.raises(OSError, match="simulated"):
-            peft_slim.save_pretrained(model, tmp_path / "adapter")
-    assert _snapshot(tmp_path) == before
-
-
-def test_a_failed_plain_lora_save_leaves_the_saved_adapter_byte_identical(tmp_path, monkeypatch):
-    model = _trained("tokentune_lora")
-    peft_slim.save_pretrained(model, tmp_path / "export", plain_lora=True)
-    before = _snapshot(tmp_path)
-    assert set(before) == {"export/adapter_model.safetensors", "export/adapter_config.json", "export/README.md"}
-    _train(model, "llama", steps=1, seed=7)
-
-    with monkeypatch.context() as patch:
-        _fail_weights(patch)
-        with pytest.raises(OSError, match="simulated"):
-            peft_slim.save_pretrained(model, tmp_path / "export", plain_lora=True)
-    assert _snapshot(tmp_path) == before
-    peft_slim.save_pretrained(model, tmp_path / "export", plain_lora=True)
-    assert _snapshot(tmp_path)["export/adapter_model.safetensors"] != before["export/adapter_model.safetensors"]
 
 
 class _Wrapper(torch.nn.Module):
@@ -517,16 +498,6 @@ def test_the_card_keeps_the_users_text_and_holds_one_section(tmp_path):
     assert card.text.index("# My adapter") < card.text.index(CARD_START)
     assert "trained with peft_slim's **SlimFit**" in card.text
     assert {"peft_slim", "slimfit"} <= set(card.data.tags)
-
-
-def test_push_to_hub_is_peft_own_and_uploads_a_plain_lora_adapter_with_the_record(offline_hub):
-    model = _trained("tokentune_lora", steps=1)
-    model.push_to_hub("someone/tiny-tokentune", private=True, tags=["mine"], commit_message="first")
-    assert offline_hub["http"] == []
-    assert offline_hub["create_commit"][0][1]["commit_message"] == "first"
-    assert "mine" in huggingface_hub.ModelCard(offline_hub["uploaded"]["README.md"].decode()).data.tags
-    assert json.loads(offline_hub["uploaded"]["adapter_config.json"])["peft_type"] == "LORA"
-    assert json.loads(offline_hub["uploaded"]["peft_slim_config.json"])["peft_type"] == "TOKENTUNE"
 
 
 def test_push_to_hub_of_vanilla_lora_is_transformers_own(offline_hub):

@@ -170,7 +170,13 @@ def test_every_valid_config_round_trips_through_json(tmp_path_factory, ratio, co
     compression = {"bits": bits, "kind_bits": {"activation": 4}}
     for config in (
         TokenTuneConfig(**selection, activation_compression=compression, lora=LoraConfig(r=2)),
-        SlimFitConfig(freeze_ratio=freeze, token_selection=selection, activation_compression=compression, lora=LORA),
+        SlimFitConfig(
+            freeze_ratio=freeze,
+            units=[r".*layers\.(\d+)\..*"],
+            token_selection=selection,
+            activation_compression=compression,
+            lora=LORA,
+        ),
     ):
         folder = str(tmp_path_factory.mktemp("config"))
         config.save_pretrained(folder)
