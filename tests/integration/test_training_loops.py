@@ -231,27 +231,6 @@ def test_plain_pytorch_loop_trains_lora_only_and_loss_decreases():
 # ---------------------------------------------------------------------------------------------- Trainer
 
 
-def test_trainer_with_collator_and_gradient_accumulation(tmp_path):
-    model = tokentune_lora(token_ratio=0.5, seed=0)
-    base_before = frozen(model)
-    lora_before = trainable(model)
-    calls = run_two_steps(tmp_path, model)
-
-    assert any((call["attention_mask"] == 0).any() for call in calls)  # the collator padded
-    assert_tokentune_was_active(calls)
-    for call in calls:
-        # Trainer counted the labelled positions of both micro-batches of the step and passed them on.
-        assert call["num_items_in_batch"] is not None
-    for step in range(2):
-        first, second = calls[2 * step : 2 * step + 2]
-        expected = labelled_count(first["labels"]) + labelled_count(second["labels"])
-        assert int(first["num_items_in_batch"]) == int(second["num_items_in_batch"]) == expected
-    base_after = frozen(model)
-    assert all(torch.equal(base_before[n], base_after[n]) for n in base_before)
-    lora_after = trainable(model)
-    assert all(not torch.equal(lora_before[n], lora_after[n]) for n in lora_before)
-
-
 @pytest.mark.parametrize("selection", ["random", "answer"])
 def test_trainer_logged_loss_and_applied_gradient_are_the_selected_token_mean(tmp_path, selection):
     """Equal-length micro-batches, every position labelled: both micro-batches have the same counts, so the
@@ -323,8 +302,11 @@ def test_trainer_unequal_micro_batches_weight_each_mean_by_its_labelled_share(tm
     before, after, logged, calls, applied = run_one_step(tmp_path, model, dataset)
 
     assert_tokentune_was_active(calls)
+    assert any((call["attention_mask"] == 0).any() for call in calls)  # the collator padded
     counts = [labelled_count(call["labels"]) for call in calls]
     assert counts[0] != counts[1]
+    # Trainer counted the labelled positions of both micro-batches of the step and passed them on.
+    assert all(int(call["num_items_in_batch"]) == sum(counts) for call in calls)
     weights = [count / sum(counts) for count in counts]
     load_trainable(model, before)
     means = selected_means(model, calls)
@@ -360,12 +342,13 @@ def _fixed_mask(batch, seed=0):
     return mask
 
 
-@pytest.mark.parametrize("as_tensor", [True, False])
-def test_two_simulated_processes_do_not_double_the_loss(as_tensor):
+@pytest.mark.parametrize(("as_tensor", "task_type"), [(True, "CAUSAL_LM"), (False, "CAUSAL_LM"), (True, None)])
+def test_two_simulated_processes_do_not_double_the_loss(as_tensor, task_type):
     """Trainer with 2 processes passes num_items_in_batch counted over both and multiplies the loss by 2;
     DDP then averages the gradients. With identical counts on both processes the logged loss and the
-    gradient must be the local selected-token mean, not twice it."""
-    model = tokentune_lora(token_ratio=0.5, seed=7)
+    gradient must be the local selected-token mean, not twice it. Also without a task type (PEFT's plain
+    PeftModel calls the base model directly)."""
+    model = tokentune_lora(token_ratio=0.5, seed=7, task_type=task_type)
     batch = make_batch("llama", batch=3, length=10, seed=8)
     mask = _fixed_mask(batch)
     mean, mean_grad = _selected_mean_and_grad(model, batch, mask)
@@ -403,18 +386,6 @@ def test_without_num_items_the_loss_is_exactly_the_selected_token_mean():
     model.zero_grad(set_to_none=True)
     out = model(**batch, token_mask=mask, num_items_in_batch=torch.tensor(labelled_count(batch["labels"])))
     torch.testing.assert_close(out.loss.detach(), mean, rtol=1e-6, atol=1e-6)
-
-
-def test_selected_token_mean_without_task_type():
-    """PEFT's plain PeftModel (no task_type) calls the base model directly; the loss is the same."""
-    model = tokentune_lora(token_ratio=0.5, seed=11, task_type=None)
-    batch = make_batch("llama", batch=3, length=10, seed=12)
-    mask = _fixed_mask(batch, seed=2)
-    mean, _ = _selected_mean_and_grad(model, batch, mask)
-    model.train()
-    local = labelled_count(batch["labels"])
-    out = model(**batch, token_mask=mask, num_items_in_batch=torch.tensor(2 * local))
-    torch.testing.assert_close(2 * out.loss.detach(), mean, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------- bf16
