@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -20,6 +18,7 @@ import peft.peft_model
 import pytest
 import safetensors.torch
 import torch
+from helpers.adapter_cases import eval_logits, vanilla_loads, without_peft_slim
 from helpers.slimfit_cases import slimfit_model
 from helpers.slimfit_cases import train as slimfit_train
 from helpers.tiny_models import TEXT_SIZES, build, make_batch
@@ -311,29 +310,12 @@ def test_plain_lora_save_and_save_pretrained_round_trip_the_lora_fields(variant,
 
 
 def test_export_with_trained_biases_loads_in_a_process_without_peft_slim(tmp_path):
-    arch = LORA_VARIANTS["bias_all_gpt2"][0]
     model = _ours("bias_all_gpt2", "tokentune")
-    _train(model, arch, steps=2)
+    _train(model, "gpt2", steps=2)
     peft_slim.save_pretrained(model, tmp_path / "export", plain_lora=True)
-    torch.save({k: v for k, v in make_batch(arch, seed=5).items() if k != "labels"}, tmp_path / "batch.pt")
-    torch.save(_logits(model, arch), tmp_path / "expected.pt")
-    script = f"""
-        import sys, torch
-        sys.path.insert(0, {HERE!r})
-        from peft import PeftModel
-        from helpers.tiny_models import build
-        model = PeftModel.from_pretrained(build({arch!r}), {str(tmp_path / "export")!r}).eval()
-        assert model.peft_config["default"].bias == "all"
-        with torch.no_grad():
-            logits = model(**torch.load({str(tmp_path / "batch.pt")!r})).logits
-        assert "peft_slim" not in sys.modules
-        print("EQUAL" if torch.equal(logits, torch.load({str(tmp_path / "expected.pt")!r})) else "DIFFERENT")
-    """
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, cwd="/", check=False
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.strip().endswith("EQUAL")
+    report = vanilla_loads({"export": str(tmp_path / "export")}, tmp_path, arch="gpt2")
+    assert report == {"export": {"config": "LoraConfig", "tuner": "LoraModel", "warnings": []}, "imported": False}
+    assert torch.equal(torch.load(tmp_path / "export.vanilla.pt"), eval_logits(model, "gpt2"))
 
 
 def test_a_bias_missing_from_a_lora_adapter_with_trained_biases_is_reported(tmp_path):
@@ -437,17 +419,6 @@ print("RESULT=" + json.dumps({{
 """
 
 
-def _child(script: str, pythonpath: str | None = None) -> str:
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    if pythonpath is not None:
-        env["PYTHONPATH"] = pythonpath
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, cwd="/", env=env, check=False
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result.stdout
-
-
 def test_the_model_card_names_peft_slim_and_the_import_and_its_snippet_loads(tmp_path):
     base_dir, adapter_dir = str(tmp_path / "base"), str(tmp_path / "adapter")
     build("llama").save_pretrained(base_dir)
@@ -460,8 +431,8 @@ def test_the_model_card_names_peft_slim_and_the_import_and_its_snippet_loads(tmp
     torch.save(_logits(model, "llama"), tmp_path / "expected.pt")
 
     # A fresh process that never imports peft_slim reads the card and loads the adapter (a plain LoRA adapter).
-    out = _child(_CARD_CHILD.format(card=os.path.join(adapter_dir, "README.md"), base=base_dir, adapter=adapter_dir))
-    report = json.loads(out.split("RESULT=")[-1])
+    card = os.path.join(adapter_dir, "README.md")
+    report = without_peft_slim(_CARD_CHILD.format(card=card, base=base_dir, adapter=adapter_dir))
     assert report["imported"] is False
     assert report["error"] is None
     assert {"lora", "peft_slim", "tokentune"} <= set(report["tags"]) and report["library_name"] == "peft"
@@ -481,10 +452,10 @@ def test_the_model_card_names_peft_slim_and_the_import_and_its_snippet_loads(tmp
         batch = make_batch("llama", seed=5)
         with torch.no_grad():
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        print("EQUAL" if torch.equal(logits, torch.load({str(tmp_path / "expected.pt")!r})) else "DIFFERENT")
+        equal = torch.equal(logits, torch.load({str(tmp_path / "expected.pt")!r}))
+        print("RESULT=" + str([equal, any(m.startswith("peft_slim") for m in sys.modules)]).lower())
     """)
-    snippet += "\nassert not any(m.startswith('peft_slim') for m in sys.modules)\n"
-    assert _child(snippet).strip().endswith("EQUAL")
+    assert without_peft_slim(snippet) == [True, False]  # the trained logits, and peft_slim never imported
 
 
 def test_the_card_keeps_the_users_text_and_holds_one_section(tmp_path):
