@@ -14,9 +14,9 @@ import torch
 from helpers.reference import reference_forward, selected_causal_lm_loss
 from helpers.tiny_models import LORA_TARGETS, ONE_SGD_STEP, build, make_batch
 from helpers.tokentune_cases import train_on_one_batch
-from helpers.trainer_cases import make_dataset, make_tokenizer, training_args
+from helpers.trainer_cases import AppliedGradient, load, make_dataset, make_tokenizer, trainable, training_args
 from peft import LoraConfig, get_peft_model
-from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback
+from transformers import DataCollatorForLanguageModeling, Trainer
 
 from peft_slim import TokenTuneConfig
 
@@ -79,32 +79,8 @@ class Recorder:
             handle.remove()
 
 
-class GradientCapture(TrainerCallback):
-    """The gradients Trainer is about to apply, read just before each optimizer step."""
-
-    def __init__(self, peft_model):
-        self.peft_model = peft_model
-        self.steps: list[dict[str, torch.Tensor]] = []
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.steps.append(
-            {n: p.grad.detach().clone() for n, p in self.peft_model.named_parameters() if p.requires_grad}
-        )
-
-
-def trainable(peft_model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
-
-
 def frozen(peft_model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in peft_model.named_parameters() if not p.requires_grad}
-
-
-def load_trainable(peft_model, values: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if name in values:
-                param.copy_(values[name])
 
 
 def labelled_count(labels: torch.Tensor) -> int:
@@ -156,7 +132,7 @@ def assert_tokentune_was_active(calls: list[dict]) -> None:
 def run_one_step(tmp_path, peft_model, dataset, **args):
     """One optimizer step of Trainer (SGD, lr=1, no clipping, no decay) over 2 micro-batches of 2."""
     recorder = Recorder(peft_model)
-    capture = GradientCapture(peft_model)
+    capture = AppliedGradient(peft_model)
     before = trainable(peft_model)
     trainer = Trainer(
         model=peft_model,
@@ -245,7 +221,7 @@ def test_trainer_logged_loss_and_applied_gradient_are_the_selected_token_mean(tm
     selected = [int((call["mask"][:, :-1] & (call["labels"][:, 1:] != -100)).sum()) for call in calls]
     assert selected[0] == selected[1]
 
-    load_trainable(model, before)
+    load(model, before)
     means = selected_means(model, calls)
     expected = (means[0] + means[1]) / 2
     assert logged == pytest.approx(expected, rel=1e-5, abs=1e-6)
@@ -275,7 +251,7 @@ def test_trainer_all_tokens_selected_matches_the_token_mean_of_the_accumulated_b
     for call in calls:
         assert torch.equal(call["mask"], call["attention_mask"].bool())
 
-    load_trainable(model, before)
+    load(model, before)
     model.eval()
     total_ce = 0.0
     for call in calls:
@@ -308,7 +284,7 @@ def test_trainer_unequal_micro_batches_weight_each_mean_by_its_labelled_share(tm
     # Trainer counted the labelled positions of both micro-batches of the step and passed them on.
     assert all(int(call["num_items_in_batch"]) == sum(counts) for call in calls)
     weights = [count / sum(counts) for count in counts]
-    load_trainable(model, before)
+    load(model, before)
     means = selected_means(model, calls)
     assert logged == pytest.approx(sum(w * m for w, m in zip(weights, means)), rel=1e-5)
     _, reference_grad = reference_step(model, calls, weights)
