@@ -225,21 +225,18 @@ def trained(tiny_model, datasets_dir, tmp_path_factory) -> dict[str, tuple[Path,
 
 @pytest.mark.parametrize("name", list(METHOD_FLAGS))
 def test_each_method_reports_and_ends_with_the_saved_path(name, trained):
+    """Token selection runs also say how much of the first batch's loss they keep."""
     output, lines = trained[name]
     assert lines[-1] == str(output.resolve())
     assert any("steps/s" in line for line in lines)
-    if name in ("tokentune-lora", "lora"):  # bf16 autocast, compression of LoRA: measure_memory has neither
-        assert any(line.startswith("peak memory of one training step: not measured") for line in lines)
-        return
-    assert any(line.startswith("peak memory of one training step") and "MiB" in line for line in lines)
-    assert any(line.startswith("the same step of LoRA") and "ratio" in line for line in lines)
-
-
-@pytest.mark.parametrize("name", list(METHOD_FLAGS))
-def test_token_selection_runs_say_how_much_of_the_first_batchs_loss_they_keep(name, trained):
-    selecting = [line for line in trained[name][1] if line.startswith("token selection on the first batch")]
+    selecting = [line for line in lines if line.startswith("token selection on the first batch")]
     assert len(selecting) == (1 if name in ("tokentune-lora", "tokentune-base", "slimfit-lora") else 0)
     assert all("labelled positions" in line and "carry the loss" in line for line in selecting)
+    if name in ("tokentune-lora", "lora"):  # bf16 autocast, compression of LoRA: measure_memory has neither
+        assert any(line.startswith("peak memory of one training step: not measured") for line in lines)
+    else:
+        assert any(line.startswith("peak memory of one training step") and "MiB" in line for line in lines)
+        assert any(line.startswith("the same step of LoRA") and "ratio" in line for line in lines)
 
 
 def _selected(positions: dict[int, list[int]], shape=(2, 10)) -> torch.Tensor:
