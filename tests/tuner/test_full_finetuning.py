@@ -22,16 +22,6 @@ def transform(model, method, fields):
     return model, peft_slim.slimfit_(model, SlimFitConfig(**fields))
 
 
-@pytest.fixture
-def one_thread():
-    """The reference was recorded with one intra-op thread: with more, torch sums a batch's gradients (LayerNorm's,
-    a bias's) in another order, and the last bits differ on the same code."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bit_identical_to_the_standalone_types(case, one_thread):
     model_and_handle = {}
