@@ -45,13 +45,16 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _recording(context):
-    """Record (saved tensor, what the pack hook stored for it) for every tensor autograd saves in ``context``."""
+    """Record (saved tensor, what the pack hook stored for it, its kind, the innermost module) for every tensor
+    autograd saves in ``context``."""
     calls = []
     pack = context.pack_hook
 
     def recording_pack(tensor):
-        saved = pack(tensor)
-        calls.append((tensor.detach(), saved.value))  # the stored form (a tensor or a CompressedTensor)
+        module = context._modules.innermost
+        saved = pack(tensor)  # the stored form: a tensor or a CompressedTensor
+        kind = "other" if module is None else module_kind(type(module))
+        calls.append((tensor.detach(), saved.value, kind, module))
         return saved
 
     context.pack_hook = recording_pack
@@ -108,10 +111,10 @@ def test_weights_and_their_views_and_casts_are_never_compressed(autocast):
                     return True
         return False
 
-    seen = [packed for tensor, packed in calls if is_weight_copy(tensor)]
+    seen = [packed for tensor, packed, *_ in calls if is_weight_copy(tensor)]
     assert seen  # frozen base weights (as views, or autocast's bf16 copies) are saved for the input gradient
     assert not any(isinstance(packed, CompressedTensor) for packed in seen)
-    assert any(isinstance(packed, CompressedTensor) for _, packed in calls)
+    assert any(isinstance(packed, CompressedTensor) for _, packed, *_ in calls)
     assert all(torch.equal(w, b) for w, b in zip(weights, before))
 
 
@@ -125,12 +128,12 @@ def test_integer_boolean_and_small_tensors_are_left_alone():
         h = x * 2
         out = torch.where(mask, h, h * 3)[index].sum() + (h[:2, :2] ** 2).sum()
     out.backward()
-    for tensor, packed in calls:
+    for tensor, packed, *_ in calls:
         compressed = isinstance(packed, CompressedTensor)
         assert compressed == (tensor.is_floating_point() and tensor.numel() >= 1000), tensor.shape
         if not compressed:
             assert packed.data_ptr() == tensor.data_ptr()  # the tensor itself, not a copy
-    dtypes = {tensor.dtype for tensor, _ in calls}
+    dtypes = {tensor.dtype for tensor, *_ in calls}
     assert {torch.bool, torch.int64, torch.float32} <= dtypes
 
 
@@ -183,15 +186,15 @@ def test_pruning_applies_to_its_kinds_only():
     model = _model("llama", lora=False)
     batch = make_batch("llama", batch=4, length=32)
     context = compress_activations(bits=None, prune_ratio=0.5, prune_kinds=["norm"], **TINY)
-    calls = _recording_kinds(context)
+    calls = _recording(context)
     gradients = _grads(model, batch, context)
-    pruned = [packed for _, _, packed in calls if isinstance(packed, CompressedTensor)]
+    pruned = [packed for _, packed, *_ in calls if isinstance(packed, CompressedTensor)]
     assert pruned and all(packed.positions is not None for packed in pruned)
     assert len({id(p) for p in pruned}) == context.stats.compressed
     # only what norms save is pruned; the other kinds' (floating-point, large enough) activations are kept as they are
-    assert {kind for kind, _, packed in calls if isinstance(packed, CompressedTensor)} == {"norm"}
+    assert {kind for _, packed, kind, _ in calls if isinstance(packed, CompressedTensor)} == {"norm"}
     kept = {
-        kind for kind, _, packed in calls if not isinstance(packed, CompressedTensor) and packed.is_floating_point()
+        kind for _, packed, kind, _ in calls if not isinstance(packed, CompressedTensor) and packed.is_floating_point()
     }
     assert {"attention", "activation", "linear"} <= kept
     assert torch.isfinite(gradients).all()
@@ -282,21 +285,6 @@ def test_kind_bits_store_each_kind_at_its_width():
     assert stored["mixed"] < stored["uniform"]
 
 
-def _recording_kinds(context):
-    """Record (kind, module, what the pack hook stored) for every tensor autograd saves in ``context``."""
-    calls = []
-    pack = context.pack_hook
-
-    def recording_pack(tensor):
-        module = context._modules.innermost
-        saved = pack(tensor)
-        calls.append(("other" if module is None else module_kind(type(module)), module, saved.value))
-        return saved
-
-    context.pack_hook = recording_pack
-    return calls
-
-
 def test_kind_bits_apply_per_kind_even_outside_kinds():
     model = _model("llama", lora=True)
     batch = make_batch("llama", batch=4, length=32)
@@ -304,10 +292,10 @@ def test_kind_bits_apply_per_kind_even_outside_kinds():
         bits=8, kinds=["attention", "norm"], kind_bits={"activation": 4, "norm": None}, **TINY
     )
     context = compress_activations(config)
-    calls = _recording_kinds(context)
+    calls = _recording(context)
     _grads(model, batch, context)
     widths = {}
-    for kind, _, packed in calls:
+    for _, packed, kind, _ in calls:
         if isinstance(packed, CompressedTensor):
             widths.setdefault(kind, set()).add(packed.values.bits)
             # codes at the kind's width plus an fp32 scale and minimum per group of 32
@@ -323,9 +311,9 @@ def test_prune_frozen_only_leaves_trainable_norms_exact():
     frozen_norm.weight.requires_grad_(False)
     batch = make_batch("llama", batch=4, length=32)
     context = compress_activations(bits=None, prune_ratio=0.1, prune_frozen_only=True, **TINY)
-    calls = _recording_kinds(context)
+    calls = _recording(context)
     _grads(model, batch, context)
-    norms = [(module, packed) for kind, module, packed in calls if kind == "norm"]
+    norms = [(module, packed) for _, packed, kind, module in calls if kind == "norm"]
     pruned = [module for module, packed in norms if isinstance(packed, CompressedTensor)]
     assert pruned and all(module is frozen_norm for module in pruned)
     assert all(packed.positions is not None for _, packed in norms if isinstance(packed, CompressedTensor))
@@ -333,9 +321,9 @@ def test_prune_frozen_only_leaves_trainable_norms_exact():
     assert trainable and not any(isinstance(packed, CompressedTensor) for packed in trainable)
     # without the restriction every norm is pruned
     context = compress_activations(bits=None, prune_ratio=0.1, **TINY)
-    calls = _recording_kinds(context)
+    calls = _recording(context)
     _grads(model, batch, context)
-    assert {module for kind, module, packed in calls if isinstance(packed, CompressedTensor)} > {frozen_norm}
+    assert {module for _, packed, _, module in calls if isinstance(packed, CompressedTensor)} > {frozen_norm}
 
 
 # ---------------------------------------------------------------- one thread and one context only
@@ -471,7 +459,7 @@ def test_a_model_runs_modules_that_are_not_its_submodules():
     model = _CallsAModuleItDoesNotHold()
     assert all(module is not _SHARED_GELU for module in model.modules())
     context = compress_activations(ActivationCompressionConfig(bits=None))
-    calls = _recording_kinds(context)
+    calls = _recording(context)
     with context:
         model(torch.randn(4, 8, requires_grad=True)).sum().backward()
-    assert any(module is _SHARED_GELU for _, module, _ in calls)  # gelu saves its input inside _SHARED_GELU
+    assert any(module is _SHARED_GELU for *_, module in calls)  # gelu saves its input inside _SHARED_GELU

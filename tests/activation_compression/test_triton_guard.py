@@ -9,38 +9,26 @@ the failures at the kernel launch: a launch that raises (as a compile error woul
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
 import torch
 from helpers.tiny_models import LORA_TARGETS, build, make_batch
+from helpers.triton_interpreter import HAS_TRITON, INTERPRETED, only_interpreted, run_file, runs_the_file
 from peft import LoraConfig, get_peft_model
 
 from peft_slim import compress_activations
 from peft_slim.compression import quant
 from peft_slim.planner.fake import fake_tensor_mode
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(
-    not (INTERPRETED and HAS_TRITON), reason="run by test_guard_under_the_interpreter (TRITON_INTERPRET=1)"
-)
+interpreted = only_interpreted("test_guard_under_the_interpreter")
 CPU = torch.device("cpu")
 WARNING = "Triton compression kernels"
 
 
-@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="the subprocess itself, or no Triton")
+@runs_the_file
 def test_guard_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    command = [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", "-m", "not cuda"]
-    command += ["-W", "ignore::RuntimeWarning", __file__]  # numpy's overflow warnings inside the interpreter
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "run by test_guard_under" not in result.stdout, result.stdout[-2000:]
+    run_file(__file__)
 
 
 @pytest.fixture

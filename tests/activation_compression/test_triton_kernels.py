@@ -1,43 +1,29 @@
 """The Triton compression kernels produce the torch path's codes, scales, minima and decoded values bit for bit.
 
-Triton's interpreter runs the kernels on CPU tensors, but only when ``TRITON_INTERPRET=1`` is set before Triton is
-first imported: ``test_kernels_under_the_interpreter`` runs the interpreted tests of this file in a subprocess with
-it set (they skip themselves otherwise). The reference is ``quant._quantize_packed`` / ``quant.dequantize``, the
-path CUDA tensors took before the kernels (the CPU path stays the only one on CPU). The ``cuda`` tests check the
-compiled kernels on a GPU.
+``test_kernels_under_the_interpreter`` runs the interpreted tests of this file on CPU tensors under Triton's
+interpreter (tests/helpers/triton_interpreter.py). The reference is ``quant._quantize_packed`` /
+``quant.dequantize``, the path CUDA tensors took before the kernels (the CPU path stays the only one on CPU). The
+``cuda`` tests check the compiled kernels on a GPU.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from helpers.triton_interpreter import HAS_TRITON, INTERPRETED, only_interpreted, run_file, runs_the_file
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from peft_slim.compression import quant
 from peft_slim.compression.quant import _quantize_packed, dequantize
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(
-    not (INTERPRETED and HAS_TRITON), reason="run by test_kernels_under_the_interpreter (TRITON_INTERPRET=1)"
-)
+interpreted = only_interpreted("test_kernels_under_the_interpreter")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="the subprocess itself, or no Triton")
+@runs_the_file
 def test_kernels_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    command = [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", "-m", "not cuda"]
-    command += ["-W", "ignore::RuntimeWarning", __file__]  # numpy's overflow warnings inside the interpreter
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout, result.stdout[-2000:]
+    run_file(__file__)
 
 
 def test_the_cpu_path_never_uses_the_kernels():

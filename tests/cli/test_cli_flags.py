@@ -145,6 +145,27 @@ REFUSED = [
     (["--load_in_4bit"], "--load-in-4bit True: not used"),
     (["--method", "nope"], "argument --method: invalid choice"),
     (["--batch-size", "x"], "argument --per_device_train_batch_size/--per-device-train-batch-size/--batch-size"),
+    (["--batch-size", "2.5"], "--batch-size: invalid int value: '2.5'"),
+    (["--method", "lora", "--freeze-ratio", "0.5"], "--freeze-ratio applies to method 'slimfit' only"),
+    (["--method", "tokentune", "--catch-up", "none"], "--catch-up applies to method 'slimfit' only"),
+    (["--method", "full", "--selection", "random"], "--selection needs token selection"),
+    (["--method", "slimfit", "--selection", "random"], "--selection needs token selection"),
+    (["--method", "lora", "--lora-r", "0"], "--lora-r=0 with method 'lora' trains nothing"),
+    (["--method", "tokentune", "--lora-r", "0", "--lora-alpha", "16"], "--lora-alpha needs LoRA"),
+    (["--gguf-file", "x.gguf"], "--gguf-file needs --model"),
+    (["--lora-target-modules", " , "], "--lora-target-modules ' , ' names no module"),
+    (["--freeze-ratio", "1"], "--freeze-ratio must be a float in [0, 1)"),
+    (["--max-length", "1000000000"], "--max-length must be an int in [2, 16777216]"),
+    (["--max-length", "1e9"], "--max-length: invalid int value: '1e9'"),
+    (["--batch-size", "10000000"], "--batch-size must be an int in [1, 65536]"),
+    (["--lora-r", "10000000"], "--lora-r must be an int in [0, 65536]"),
+    (["--max-steps", "1000000000000"], "--max-steps must be an int in [1, 1000000000]"),
+    (["--gradient-accumulation-steps", "-1"], "--gradient-accumulation-steps must be an int in [1, 1000000000]"),
+    (["--seed", str(2**40)], "--seed must be an int in [0, 4294967295]"),
+    (["--num-epochs", "inf"], "--num-epochs must be a float in (0, 1e+06], got inf"),
+    (["--num-epochs", "1e30"], "--num-epochs must be a float in (0, 1e+06], got 1e+30"),
+    (["--learning-rate", "inf"], "--learning-rate must be a finite float > 0, got inf"),
+    (["--lora-alpha", "nan"], "--lora-alpha must be a finite float > 0 or None, got nan"),
 ]
 
 
@@ -169,5 +190,9 @@ def test_help_lists_both_groups_and_shows_each_default_once(capsys, monkeypatch)
     entries = " ".join(text.split()).split(" --")
     twice = [entry for entry in entries if entry.lower().count("default") > 1 and "(default: " in entry]
     assert not twice, twice
-    for flag in ("--token-ratio", "--batch-size", "--output", "--model", "--dataset", "--config"):
-        assert flag in text
+    assert [flag for flag in HELP_FLAGS.split() if flag not in text] == []
+
+
+HELP_FLAGS = """--model --gguf-file --dataset --method --token-ratio --selection --freeze-ratio --catch-up --lora-r
+--lora-alpha --lora-target-modules --compression-bits --gradient-checkpointing --max-length --max-steps --num-epochs
+--batch-size --gradient-accumulation-steps --learning-rate --bf16 --seed --output --config"""

@@ -149,6 +149,21 @@ CASES = [
     ((*B, "--budget", "abc"), refused("--budget", f"'abc': {SIZE}")),
     ((*B, "--budget", "nan"), refused("--budget", f"'nan': {SIZE}")),
     ((*B, "--seq-len", "4096"), ok(seq_len=4096)),
+    (
+        (*B, "--seq-len", "1000000000"),
+        refused("--seq-len", "--seq-len must be an int in [1, 16777216], got 1000000000."),
+    ),
+    (
+        ("--batch-size", "10000000"),
+        refused("--batch-size", "--batch-size must be an int in [1, 65536], got 10000000."),
+    ),
+    (("--batch-size", "-3"), refused("--batch-size", "--batch-size must be an int in [1, 65536], got -3.")),
+    ((*B, "--budget", "1e30"), refused("--budget", f"--budget '1e30': {BUDGET_RANGE}")),
+    ((*B, "--lora-r", "100000000"), refused("--lora-r", "--lora-r must be an int in [1, 65536], got 100000000.")),
+    (
+        (*B, "--min-token-ratio", "2"),
+        refused("--min-token-ratio", "--min-token-ratio must be a float in (0, 1], got 2.0."),
+    ),
     ((*B, "--seq-len", "0"), refused("--seq-len", "--seq-len must be an int in [1, 16777216], got 0.")),
     ((*B, "--seq-len", "4x"), refused("--seq-len", "--seq-len must be an int in [1, 16777216], got '4x'.")),
     ((*B, "--lora-r", "16"), ok(lora_r=16)),

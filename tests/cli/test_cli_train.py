@@ -2,7 +2,7 @@
 
 Labels are checked against an independent definition (the answer's tokens, found by tokenising the answer text
 alone); each method trains a few steps and its adapter loads with ``PeftModel.from_pretrained`` in a fresh
-process; every refused flag combination names the flag.
+process; data and output refusals name the flag (refused flag values: tests/cli/test_cli_flags.py).
 """
 
 from __future__ import annotations
@@ -225,21 +225,18 @@ def trained(tiny_model, datasets_dir, tmp_path_factory) -> dict[str, tuple[Path,
 
 @pytest.mark.parametrize("name", list(METHOD_FLAGS))
 def test_each_method_reports_and_ends_with_the_saved_path(name, trained):
+    """Token selection runs also say how much of the first batch's loss they keep."""
     output, lines = trained[name]
     assert lines[-1] == str(output.resolve())
     assert any("steps/s" in line for line in lines)
-    if name in ("tokentune-lora", "lora"):  # bf16 autocast, compression of LoRA: measure_memory has neither
-        assert any(line.startswith("peak memory of one training step: not measured") for line in lines)
-        return
-    assert any(line.startswith("peak memory of one training step") and "MiB" in line for line in lines)
-    assert any(line.startswith("the same step of LoRA") and "ratio" in line for line in lines)
-
-
-@pytest.mark.parametrize("name", list(METHOD_FLAGS))
-def test_token_selection_runs_say_how_much_of_the_first_batchs_loss_they_keep(name, trained):
-    selecting = [line for line in trained[name][1] if line.startswith("token selection on the first batch")]
+    selecting = [line for line in lines if line.startswith("token selection on the first batch")]
     assert len(selecting) == (1 if name in ("tokentune-lora", "tokentune-base", "slimfit-lora") else 0)
     assert all("labelled positions" in line and "carry the loss" in line for line in selecting)
+    if name in ("tokentune-lora", "lora"):  # bf16 autocast, compression of LoRA: measure_memory has neither
+        assert any(line.startswith("peak memory of one training step: not measured") for line in lines)
+    else:
+        assert any(line.startswith("peak memory of one training step") and "MiB" in line for line in lines)
+        assert any(line.startswith("the same step of LoRA") and "ratio" in line for line in lines)
 
 
 def _selected(positions: dict[int, list[int]], shape=(2, 10)) -> torch.Tensor:
@@ -381,40 +378,7 @@ def test_other_formats_train(data_format, tiny_model, datasets_dir, tmp_path, ca
 
 
 # ------------------------------------------------------------------------------------------------- refusals
-REFUSED = [
-    (["--method", "lora", "--freeze-ratio", "0.5"], "--freeze-ratio"),
-    (["--method", "lora", "--token-ratio", "0.5"], "--token-ratio"),
-    (["--method", "tokentune", "--catch-up", "none"], "--catch-up"),
-    (["--method", "full", "--selection", "random"], "--selection"),
-    (["--method", "slimfit", "--selection", "random"], "--selection"),
-    (["--method", "full", "--lora-r", "8"], "--lora-r"),
-    (["--method", "lora", "--lora-r", "0"], "--lora-r"),
-    (["--method", "tokentune", "--lora-r", "0", "--lora-alpha", "16"], "--lora-alpha"),
-    (["--max-steps", "2", "--num-epochs", "1"], "--num-epochs"),
-    (["--gguf-file", "x.gguf"], "--gguf-file"),
-    (["--lora-target-modules", " , "], "--lora-target-modules ' , ' names no module"),
-]
-
-
-@pytest.mark.parametrize(("flags", "named"), REFUSED)
-def test_contradicting_flags_are_refused_naming_the_flag(flags, named, tmp_path, capsys):
-    # A model path that does not exist: flags let through would fail at loading, naming --model instead.
-    model = [] if "--gguf-file" in flags else ["--model", str(tmp_path / "no-model")]
-    assert main(["train", *model, *flags]) == 2
-    assert named in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    ("flags", "named"),
-    [
-        (["--token-ratio", "0"], "--token-ratio"),
-        (["--freeze-ratio", "1"], "--freeze-ratio"),
-        (["--method", "x"], "--method"),
-    ],
-)
-def test_out_of_range_values_are_refused_naming_the_flag(flags, named, capsys):
-    assert main(["train", *flags]) == 2
-    assert named in capsys.readouterr().err
+# (flag values refused before anything loads: tests/cli/test_cli_flags.py)
 
 
 def test_data_errors_name_the_flag(tiny_model, tmp_path, capsys):
@@ -623,18 +587,6 @@ def test_lora_target_modules_are_checked_before_the_model_loads(
     err = capsys.readouterr().err
     assert f"--lora-target-modules '{targets}': {message}" in err, err
     assert "such as down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj, or all-linear" in err
-
-
-HELP_FLAGS = """--model --gguf-file --dataset --method --token-ratio --selection --freeze-ratio --catch-up --lora-r
---lora-alpha --lora-target-modules --compression-bits --gradient-checkpointing --max-length --max-steps --num-epochs
---batch-size --gradient-accumulation-steps --learning-rate --bf16 --seed --output"""
-
-
-def test_help_documents_every_flag(capsys):
-    with pytest.raises(SystemExit):
-        main(["train", "--help"])
-    text = capsys.readouterr().out
-    assert [flag for flag in HELP_FLAGS.split() if flag not in text] == []
 
 
 @pytest.mark.slow

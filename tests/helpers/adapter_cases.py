@@ -44,16 +44,16 @@ def bert_dora_config(seed: int = 0) -> SlimFitConfig:
     )
 
 
-def eval_inputs() -> dict:
-    """The tiny Llama's batch of seed 9, without its labels."""
-    return {k: v for k, v in make_batch("llama", seed=9).items() if k != "labels"}
+def eval_inputs(arch: str = "llama") -> dict:
+    """The tiny model's batch of seed 9, without its labels."""
+    return {k: v for k, v in make_batch(arch, seed=9).items() if k != "labels"}
 
 
-def eval_logits(model) -> torch.Tensor:
-    """``model``'s logits on ``eval_inputs()``, in eval mode."""
+def eval_logits(model, arch: str = "llama") -> torch.Tensor:
+    """``model``'s logits on ``eval_inputs(arch)``, in eval mode."""
     model.eval()
     with torch.no_grad():
-        return model(**eval_inputs()).logits
+        return model(**eval_inputs(arch)).logits
 
 
 # A process that never imports peft_slim: PEFT's own loader on each folder, every warning recorded.
@@ -69,7 +69,7 @@ for name, folder in json.loads({folders!r}).items():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         config = PeftConfig.from_pretrained(folder)
-        model = PeftModel.from_pretrained(build("llama"), folder).eval()
+        model = PeftModel.from_pretrained(build({arch!r}), folder).eval()
     with torch.no_grad():
         torch.save(model(**torch.load({inputs!r})).logits, folder + ".vanilla.pt")
     # PeftModel.__init__ reads transformers' deprecated `is_gradient_checkpointing` for every adapter type.
@@ -91,9 +91,10 @@ def without_peft_slim(script: str) -> dict:
     return json.loads(done.stdout.split("RESULT=")[-1])
 
 
-def vanilla_loads(folders: dict, root) -> dict:
-    """Load each adapter folder of ``folders`` (name: path) with vanilla PEFT in one process that never imports
-    peft_slim; by name, its config and tuner class and the warnings of the load; the logits on ``eval_inputs()``
-    go to ``<folder>.vanilla.pt``, and ``imported`` says whether peft_slim was imported."""
-    torch.save(eval_inputs(), root / "inputs.pt")
-    return without_peft_slim(VANILLA.format(tests=TESTS, folders=json.dumps(folders), inputs=str(root / "inputs.pt")))
+def vanilla_loads(folders: dict, root, arch: str = "llama") -> dict:
+    """Load each adapter folder of ``folders`` (name: path) on the tiny ``arch`` with vanilla PEFT in one process
+    that never imports peft_slim; by name, its config and tuner class and the warnings of the load; the logits on
+    ``eval_inputs(arch)`` go to ``<folder>.vanilla.pt``, and ``imported`` says whether peft_slim was imported."""
+    torch.save(eval_inputs(arch), root / "inputs.pt")
+    folders = json.dumps(folders)
+    return without_peft_slim(VANILLA.format(tests=TESTS, folders=folders, inputs=str(root / "inputs.pt"), arch=arch))

@@ -7,7 +7,13 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast, Trainer, TrainingArguments
+from transformers import (
+    DataCollatorForLanguageModeling,
+    PreTrainedTokenizerFast,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 from helpers.tiny_models import LORA_TARGETS, VOCAB, FullFineTuned, build, trainer_kwargs
 from peft_slim import SlimFitCallback, TokenTuneConfig
@@ -95,3 +101,27 @@ def slimfit_trainer(tmp_path, model, steps: int, callbacks=(), evaluate: bool = 
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
         callbacks=[SlimFitCallback(), *callbacks],
     )
+
+
+class AppliedGradient(TrainerCallback):
+    """The gradients Trainer is about to apply, read just before the optimizer step."""
+
+    def __init__(self, peft_model):
+        self.peft_model = peft_model
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.steps.append(
+            {n: p.grad.detach().clone() for n, p in self.peft_model.named_parameters() if p.grad is not None}
+        )
+
+
+def trainable(peft_model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+
+
+def load(peft_model, values: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if name in values:
+                param.copy_(values[name])

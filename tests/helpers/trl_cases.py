@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, TrainerCallback
+from transformers import PreTrainedTokenizerFast
 
 from helpers.reference import reference_forward
 from helpers.tiny_models import ONE_SGD_STEP, VOCAB, trainer_kwargs
+from helpers.trainer_cases import AppliedGradient, load, trainable  # noqa: F401 (the TRL tests import them here)
 from peft_slim import SlimFitCallback, SlimFitConfig, TokenTuneCallback
 from peft_slim.slimfit import find_slimfit
 from peft_slim.tokentune import find_token_selector
@@ -95,30 +96,6 @@ class ForwardRecorder:
 
     def remove(self):
         self.handle.remove()
-
-
-class AppliedGradient(TrainerCallback):
-    """The gradients Trainer is about to apply, read just before the optimizer step."""
-
-    def __init__(self, peft_model):
-        self.peft_model = peft_model
-        self.steps: list[dict[str, torch.Tensor]] = []
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.steps.append(
-            {n: p.grad.detach().clone() for n, p in self.peft_model.named_parameters() if p.grad is not None}
-        )
-
-
-def trainable(peft_model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
-
-
-def load(peft_model, values: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if name in values:
-                param.copy_(values[name])
 
 
 def documents(inputs: dict) -> list[tuple[int, slice]]:

@@ -14,9 +14,9 @@ import torch
 from helpers.reference import reference_forward, selected_causal_lm_loss
 from helpers.tiny_models import LORA_TARGETS, ONE_SGD_STEP, build, make_batch
 from helpers.tokentune_cases import train_on_one_batch
-from helpers.trainer_cases import make_dataset, make_tokenizer, training_args
+from helpers.trainer_cases import AppliedGradient, load, make_dataset, make_tokenizer, trainable, training_args
 from peft import LoraConfig, get_peft_model
-from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback
+from transformers import DataCollatorForLanguageModeling, Trainer
 
 from peft_slim import TokenTuneConfig
 
@@ -79,32 +79,8 @@ class Recorder:
             handle.remove()
 
 
-class GradientCapture(TrainerCallback):
-    """The gradients Trainer is about to apply, read just before each optimizer step."""
-
-    def __init__(self, peft_model):
-        self.peft_model = peft_model
-        self.steps: list[dict[str, torch.Tensor]] = []
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.steps.append(
-            {n: p.grad.detach().clone() for n, p in self.peft_model.named_parameters() if p.requires_grad}
-        )
-
-
-def trainable(peft_model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
-
-
 def frozen(peft_model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in peft_model.named_parameters() if not p.requires_grad}
-
-
-def load_trainable(peft_model, values: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if name in values:
-                param.copy_(values[name])
 
 
 def labelled_count(labels: torch.Tensor) -> int:
@@ -156,7 +132,7 @@ def assert_tokentune_was_active(calls: list[dict]) -> None:
 def run_one_step(tmp_path, peft_model, dataset, **args):
     """One optimizer step of Trainer (SGD, lr=1, no clipping, no decay) over 2 micro-batches of 2."""
     recorder = Recorder(peft_model)
-    capture = GradientCapture(peft_model)
+    capture = AppliedGradient(peft_model)
     before = trainable(peft_model)
     trainer = Trainer(
         model=peft_model,
@@ -231,27 +207,6 @@ def test_plain_pytorch_loop_trains_lora_only_and_loss_decreases():
 # ---------------------------------------------------------------------------------------------- Trainer
 
 
-def test_trainer_with_collator_and_gradient_accumulation(tmp_path):
-    model = tokentune_lora(token_ratio=0.5, seed=0)
-    base_before = frozen(model)
-    lora_before = trainable(model)
-    calls = run_two_steps(tmp_path, model)
-
-    assert any((call["attention_mask"] == 0).any() for call in calls)  # the collator padded
-    assert_tokentune_was_active(calls)
-    for call in calls:
-        # Trainer counted the labelled positions of both micro-batches of the step and passed them on.
-        assert call["num_items_in_batch"] is not None
-    for step in range(2):
-        first, second = calls[2 * step : 2 * step + 2]
-        expected = labelled_count(first["labels"]) + labelled_count(second["labels"])
-        assert int(first["num_items_in_batch"]) == int(second["num_items_in_batch"]) == expected
-    base_after = frozen(model)
-    assert all(torch.equal(base_before[n], base_after[n]) for n in base_before)
-    lora_after = trainable(model)
-    assert all(not torch.equal(lora_before[n], lora_after[n]) for n in lora_before)
-
-
 @pytest.mark.parametrize("selection", ["random", "answer"])
 def test_trainer_logged_loss_and_applied_gradient_are_the_selected_token_mean(tmp_path, selection):
     """Equal-length micro-batches, every position labelled: both micro-batches have the same counts, so the
@@ -266,7 +221,7 @@ def test_trainer_logged_loss_and_applied_gradient_are_the_selected_token_mean(tm
     selected = [int((call["mask"][:, :-1] & (call["labels"][:, 1:] != -100)).sum()) for call in calls]
     assert selected[0] == selected[1]
 
-    load_trainable(model, before)
+    load(model, before)
     means = selected_means(model, calls)
     expected = (means[0] + means[1]) / 2
     assert logged == pytest.approx(expected, rel=1e-5, abs=1e-6)
@@ -296,7 +251,7 @@ def test_trainer_all_tokens_selected_matches_the_token_mean_of_the_accumulated_b
     for call in calls:
         assert torch.equal(call["mask"], call["attention_mask"].bool())
 
-    load_trainable(model, before)
+    load(model, before)
     model.eval()
     total_ce = 0.0
     for call in calls:
@@ -323,10 +278,13 @@ def test_trainer_unequal_micro_batches_weight_each_mean_by_its_labelled_share(tm
     before, after, logged, calls, applied = run_one_step(tmp_path, model, dataset)
 
     assert_tokentune_was_active(calls)
+    assert any((call["attention_mask"] == 0).any() for call in calls)  # the collator padded
     counts = [labelled_count(call["labels"]) for call in calls]
     assert counts[0] != counts[1]
+    # Trainer counted the labelled positions of both micro-batches of the step and passed them on.
+    assert all(int(call["num_items_in_batch"]) == sum(counts) for call in calls)
     weights = [count / sum(counts) for count in counts]
-    load_trainable(model, before)
+    load(model, before)
     means = selected_means(model, calls)
     assert logged == pytest.approx(sum(w * m for w, m in zip(weights, means)), rel=1e-5)
     _, reference_grad = reference_step(model, calls, weights)
@@ -360,12 +318,13 @@ def _fixed_mask(batch, seed=0):
     return mask
 
 
-@pytest.mark.parametrize("as_tensor", [True, False])
-def test_two_simulated_processes_do_not_double_the_loss(as_tensor):
+@pytest.mark.parametrize(("as_tensor", "task_type"), [(True, "CAUSAL_LM"), (False, "CAUSAL_LM"), (True, None)])
+def test_two_simulated_processes_do_not_double_the_loss(as_tensor, task_type):
     """Trainer with 2 processes passes num_items_in_batch counted over both and multiplies the loss by 2;
     DDP then averages the gradients. With identical counts on both processes the logged loss and the
-    gradient must be the local selected-token mean, not twice it."""
-    model = tokentune_lora(token_ratio=0.5, seed=7)
+    gradient must be the local selected-token mean, not twice it. Also without a task type (PEFT's plain
+    PeftModel calls the base model directly)."""
+    model = tokentune_lora(token_ratio=0.5, seed=7, task_type=task_type)
     batch = make_batch("llama", batch=3, length=10, seed=8)
     mask = _fixed_mask(batch)
     mean, mean_grad = _selected_mean_and_grad(model, batch, mask)
@@ -403,18 +362,6 @@ def test_without_num_items_the_loss_is_exactly_the_selected_token_mean():
     model.zero_grad(set_to_none=True)
     out = model(**batch, token_mask=mask, num_items_in_batch=torch.tensor(labelled_count(batch["labels"])))
     torch.testing.assert_close(out.loss.detach(), mean, rtol=1e-6, atol=1e-6)
-
-
-def test_selected_token_mean_without_task_type():
-    """PEFT's plain PeftModel (no task_type) calls the base model directly; the loss is the same."""
-    model = tokentune_lora(token_ratio=0.5, seed=11, task_type=None)
-    batch = make_batch("llama", batch=3, length=10, seed=12)
-    mask = _fixed_mask(batch, seed=2)
-    mean, _ = _selected_mean_and_grad(model, batch, mask)
-    model.train()
-    local = labelled_count(batch["labels"])
-    out = model(**batch, token_mask=mask, num_items_in_batch=torch.tensor(2 * local))
-    torch.testing.assert_close(2 * out.loss.detach(), mean, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------- bf16

@@ -271,20 +271,26 @@ def dpo_args(tmp_path, **overrides):
     return trl.DPOConfig(**args | overrides)
 
 
-@pytest.mark.parametrize("make", [tokentune, slimfit_tokentune], ids=["tokentune", "slimfit_tokentune"])
-def test_dpo_with_a_ready_token_selection_model_is_refused_before_any_update(tmp_path, make):
-    """DPOTrainer adds a reference copy ('ref') of a ready PeftModel's adapter (a second adapter of the same method);
-    the first training forward then refuses token selection, as with peft_config=."""
+@pytest.mark.parametrize("how", ["tokentune", "slimfit_tokentune", "peft_config"])
+def test_dpo_with_token_selection_is_refused_before_any_update(tmp_path, how):
+    """DPOTrainer adds a reference copy ('ref') of a ready PeftModel's adapter (a second adapter of the same method),
+    none with peft_config=: either way the first training forward refuses token selection, saying why."""
+    if how == "peft_config":
+        lora = LoraConfig(r=4, target_modules=LORA_TARGETS["llama"])
+        model, config = build("llama", seed=15), TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.5, lora=lora)
+    else:
+        model, config = {"tokentune": tokentune, "slimfit_tokentune": slimfit_tokentune}[how](seed=14), None
     trainer = trl.DPOTrainer(
-        model=make(seed=14),
+        model=model,
         args=dpo_args(tmp_path),
         train_dataset=preference_dataset(seed=14),
         processing_class=sft_tokenizer(),
-        callbacks=[TokenTuneCallback()],
+        peft_config=config,
+        callbacks=[TokenTuneCallback()],  # tells the model which trainer trains it
     )
-    assert sorted(trainer.model.peft_config) == ["default", "ref"]
+    assert sorted(trainer.model.peft_config) == (["default"] if config else ["default", "ref"])
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    with pytest.raises(ValueError, match=r"DPOTrainer is not supported with token selection"):
+    with pytest.raises(ValueError, match=r"DPOTrainer is not supported with token selection.*plain LoRA adapter"):
         trainer.train()
     assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
 
@@ -310,25 +316,6 @@ def test_dpo_with_a_ready_slimfit_model_trains_against_its_reference_adapter(tmp
     for name, value in initial.items():
         assert torch.equal(weights[name.replace(".default.", ".ref.")], value)  # the reference never trains
     assert any(not torch.equal(weights[name], value) for name, value in initial.items())  # the policy did
-
-
-def test_dpo_with_token_selection_is_refused_before_any_update(tmp_path):
-    """With peft_config= (no reference copy) or ref_model=, the first training forward refuses, saying why."""
-    config = TokenTuneConfig(
-        task_type="CAUSAL_LM", token_ratio=0.5, lora=LoraConfig(r=4, target_modules=LORA_TARGETS["llama"])
-    )
-    trainer = trl.DPOTrainer(
-        model=build("llama", seed=15),
-        args=dpo_args(tmp_path),
-        train_dataset=preference_dataset(seed=15),
-        processing_class=sft_tokenizer(),
-        peft_config=config,
-        callbacks=[TokenTuneCallback()],  # tells the model which trainer trains it
-    )
-    before = trainable(trainer.model)
-    with pytest.raises(ValueError, match=r"DPOTrainer is not supported with token selection.*plain LoRA adapter"):
-        trainer.train()
-    assert all(torch.equal(before[n], value) for n, value in trainable(trainer.model).items())
 
 
 def test_dpo_with_slimfit_and_a_ref_model_runs_trls_own_objective(tmp_path):

@@ -8,33 +8,21 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers.tiny_models import VOCAB, build
 
 from benchmarks import harness
 from peft_slim.recipe import Recipe
 
-VOCAB = 61
-
 
 def tiny_task(name: str) -> harness.Task:
     def load():
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
         rng = random.Random(0)
         examples = []
         for _ in range(12):
             ids = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(10, 20))]
             answer = rng.randrange(3, 6)  # a prompt, then a short answer
             examples.append({"input_ids": ids, "labels": [-100] * (len(ids) - answer) + ids[-answer:]})
-        return LlamaForCausalLM(config), examples[:8], examples[8:], 0, f"{name}: random tokens, short answers"
+        return build("llama"), examples[:8], examples[8:], 0, f"{name}: random tokens, short answers"
 
     return harness.Task(name, load, batch_size=2)
 

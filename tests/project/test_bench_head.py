@@ -6,31 +6,17 @@ import copy
 
 import pytest
 import torch
+from helpers.tiny_models import VOCAB, build
 from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.harness import add_labelled_head
 
 IGNORE = -100
 
 
-def tiny_lora(seed: int = 0):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config)
-
-
 def batch_with_prompts() -> dict:
     torch.manual_seed(1)
-    ids = torch.randint(0, 97, (3, 12))
+    ids = torch.randint(0, VOCAB, (3, 12))
     labels = ids.clone()
     labels[0, :5] = IGNORE  # a prompt
     labels[1, :9] = IGNORE
@@ -42,7 +28,7 @@ def batch_with_prompts() -> dict:
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_labelled_head_gives_the_models_loss_and_gradients(checkpointing):
-    base = tiny_lora()
+    base = build("llama")
     if checkpointing:
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
@@ -67,7 +53,7 @@ def test_labelled_head_gives_the_models_loss_and_gradients(checkpointing):
 
 
 def test_without_labels_the_forward_is_the_models_own():
-    base = tiny_lora()
+    base = build("llama")
     patched = copy.deepcopy(base)
     add_labelled_head(patched)
     batch = batch_with_prompts()

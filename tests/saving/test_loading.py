@@ -19,33 +19,23 @@ import shutil
 
 import pytest
 import torch
+from helpers.adapter_cases import method_config
 from helpers.slimfit_cases import step_hook_counts
 from helpers.tiny_models import build, make_batch
-from peft import LoraConfig, get_peft_model
+from peft import get_peft_model
 from safetensors import SafetensorError
 
 import peft_slim
-from peft_slim import ActivationCompressionConfig, SlimFitConfig, TokenSelectionConfig, TokenTuneConfig
 
-LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 REFUSED = (ValueError, OSError, SafetensorError)  # what the refused loads below raise
 
 
 def _config(name: str):
+    """``method_config(name)``, TokenTune selecting a quarter of the tokens."""
+    config = method_config(name)
     if name == "tokentune_lora":
-        return TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.25, seed=0, lora=LoraConfig(**LORA))
-    if name == "slimfit_lora":
-        return SlimFitConfig(task_type="CAUSAL_LM", freeze_ratio=0.5, seed=0, lora=LoraConfig(**LORA))
-    if name == "full_stack":
-        return SlimFitConfig(
-            task_type="CAUSAL_LM",
-            freeze_ratio=0.5,
-            seed=0,
-            lora=LoraConfig(**LORA),
-            token_selection=TokenSelectionConfig(token_ratio=0.5, seed=0),
-            activation_compression=ActivationCompressionConfig(bits=4, min_numel=0),
-        )
-    raise KeyError(name)
+        config.token_ratio = 0.25
+    return config
 
 
 def _wide_llama():

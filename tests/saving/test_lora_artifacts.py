@@ -1,8 +1,8 @@
 """What a LoRA-stacked run leaves behind is a standard LoRA adapter, and `import peft_slim` replaces nothing of PEFT.
 
-* In a process that never imports peft_slim, vanilla PEFT loads what `save_pretrained` and `push_to_hub` write for
-  TokenTune + LoRA, SlimFit + LoRA and the full stack (SlimFit + token selection + LoRA + compression), and a
-  Trainer checkpoint, without a warning, to the trained model's eval logits. (`peft-slim train`:
+* In a process that never imports peft_slim, vanilla PEFT loads what `save_pretrained` (also with `plain_lora=True`)
+  and `push_to_hub` write for TokenTune + LoRA, SlimFit + LoRA and the full stack (SlimFit + token selection + LoRA
+  + compression), and a Trainer checkpoint, without a warning, to the trained model's eval logits. (`peft-slim train`:
   tests/cli/test_cli_train.py; resuming from such checkpoints: tests/tokentune/test_tokentune_resume.py.)
 * The method and its settings come back from `peft_slim_config.json`.
 * Every attribute of PEFT's model and config classes is the same object before and after `import peft_slim`.
@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 
+import huggingface_hub
 import pytest
 import torch
 from helpers.adapter_cases import METHODS, eval_logits, method_config, vanilla_loads
@@ -60,7 +61,8 @@ def saved(tmp_path_factory):
     models = {name: _trained(name) for name in METHODS}
     for name, model in models.items():
         model.save_pretrained(root / name)
-    folders = {name: str(root / name) for name in METHODS}
+        peft_slim.save_pretrained(model, root / f"{name}_plain", plain_lora=True)
+    folders = {f"{name}{kind}": str(root / f"{name}{kind}") for name in METHODS for kind in ("", "_plain")}
     return {"root": root, "models": models, "folders": folders, "vanilla": vanilla_loads(folders, root)}
 
 
@@ -73,24 +75,33 @@ def _assert_vanilla_load(report: dict, folder: str, model) -> None:
         assert json.load(handle)["peft_type"] == "LORA"
 
 
+@pytest.mark.parametrize("kind", ["", "_plain"], ids=["save_pretrained", "plain_lora"])
 @pytest.mark.parametrize("name", METHODS)
-def test_vanilla_peft_loads_what_save_pretrained_wrote_without_peft_slim_or_a_warning(saved, name):
+def test_vanilla_peft_loads_what_save_pretrained_wrote_without_peft_slim_or_a_warning(saved, name, kind):
     assert saved["vanilla"]["imported"] is False
-    _assert_vanilla_load(saved["vanilla"][name], saved["folders"][name], saved["models"][name])
+    _assert_vanilla_load(saved["vanilla"][name + kind], saved["folders"][name + kind], saved["models"][name])
 
 
 def test_vanilla_peft_loads_what_push_to_hub_uploaded_without_peft_slim_or_a_warning(saved, offline_hub, tmp_path):
     folders = {}
     for name, model in saved["models"].items():
         offline_hub["uploaded"].clear()
-        model.push_to_hub(f"someone/{name}", private=True)
+        model.push_to_hub(f"someone/{name}", private=True, tags=["mine"], commit_message=f"first {name}")
+        assert offline_hub["create_repo"][-1][0] == f"someone/{name}"
+        assert offline_hub["create_commit"][-1][1]["commit_message"] == f"first {name}"
+        card = huggingface_hub.ModelCard(offline_hub["uploaded"]["README.md"].decode())
+        assert "mine" in card.data.tags
         folder = folders[name] = str(tmp_path / name)
         os.mkdir(folder)
         for path, data in offline_hub["uploaded"].items():  # the repository's files, as a download gives them
             with open(os.path.join(folder, path), "wb") as handle:
                 handle.write(data)
         assert {"adapter_config.json", "adapter_model.safetensors", "peft_slim_config.json"} <= set(os.listdir(folder))
-    assert offline_hub["http"] == []
+        saved_folder = saved["folders"][name]  # the files save_pretrained wrote for the same model
+        assert set(os.listdir(folder)) == set(os.listdir(saved_folder))
+        with open(os.path.join(saved_folder, "adapter_model.safetensors"), "rb") as handle:
+            assert offline_hub["uploaded"]["adapter_model.safetensors"] == handle.read()
+    assert offline_hub["http"] == [] and len(offline_hub["create_commit"]) == len(folders)  # one commit a push
     report = vanilla_loads(folders, tmp_path)
     assert report.pop("imported") is False
     for name, folder in folders.items():
@@ -98,6 +109,7 @@ def test_vanilla_peft_loads_what_push_to_hub_uploaded_without_peft_slim_or_a_war
         # ...and peft_slim continues from the pushed files with the method.
         loaded = peft_slim.from_pretrained(build("llama"), folder)
         assert type(loaded.base_model) is type(saved["models"][name].base_model)
+        assert type(loaded.peft_config["default"]) is type(saved["models"][name].peft_config["default"])
 
 
 def test_a_trainer_checkpoint_is_a_plain_lora_adapter_with_the_record(tmp_path):

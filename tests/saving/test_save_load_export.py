@@ -1,4 +1,5 @@
-"""save_pretrained / from_pretrained (fresh processes), the plain LoRA save, merge/unload, push_to_hub, is_trainable.
+"""save_pretrained / from_pretrained (fresh processes), the plain LoRA save, merge/unload, is_trainable. (push_to_hub:
+tests/saving/test_lora_artifacts.py.)
 
 One module-scoped fixture trains and saves every case once and runs two child processes over all of
 them: one that imports peft_slim and loads the adapters (with the method, through peft_slim.from_pretrained,
@@ -485,33 +486,6 @@ def test_unload_gives_the_base_without_lora(run, name):
     assert torch.equal(_eval_logits(base, case.batch), _eval_logits(vanilla, case.batch))
     # LoRA's effect is gone: the output differs from the adapted model's wherever LoRA changed it.
     assert not torch.allclose(_eval_logits(base, case.batch), case.logits, atol=1e-6)
-
-
-# ---------------------------------------------------------------------------------------------- push_to_hub
-
-
-@pytest.mark.parametrize("name", ["llama_lora", "bert_lora"])
-def test_push_to_hub_uploads_the_saved_files(run, name, offline_hub, tmp_path):
-    case = run["cases"][name]
-    case.model.push_to_hub("someone/tiny-tokentune", private=True)
-    assert offline_hub["http"] == []
-    assert [repo for repo, _ in offline_hub["create_repo"]] == ["someone/tiny-tokentune"]
-    assert len(offline_hub["create_commit"]) == 1
-    uploaded = offline_hub["uploaded"]
-
-    case.model.save_pretrained(tmp_path)
-    saved_files = set(os.listdir(tmp_path))
-    assert set(uploaded) == saved_files
-    assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= saved_files
-    with open(tmp_path / "adapter_model.safetensors", "rb") as handle:
-        assert uploaded["adapter_model.safetensors"] == handle.read()
-    with open(tmp_path / "adapter_config.json") as handle:
-        assert json.loads(uploaded["adapter_config.json"]) == json.load(handle)
-    assert json.loads(uploaded["adapter_config.json"])["peft_type"] == "LORA"
-    assert "peft_slim_config.json" in uploaded
-    # ...and they are the files the first save wrote.
-    with open(os.path.join(case.adapter_dir, "adapter_model.safetensors"), "rb") as handle:
-        assert uploaded["adapter_model.safetensors"] == handle.read()
 
 
 # ---------------------------------------------------------------------------------------------- is_trainable

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -20,6 +18,7 @@ import peft.peft_model
 import pytest
 import safetensors.torch
 import torch
+from helpers.adapter_cases import eval_logits, vanilla_loads, without_peft_slim
 from helpers.slimfit_cases import slimfit_model
 from helpers.slimfit_cases import train as slimfit_train
 from helpers.tiny_models import TEXT_SIZES, build, make_batch
@@ -126,60 +125,41 @@ def _fail_card(monkeypatch) -> None:
     monkeypatch.setattr(huggingface_hub.ModelCard, "save", save_half)
 
 
-@pytest.mark.parametrize("fail", [_fail_weights, _fail_config, _fail_card], ids=["weights", "config", "card"])
-@pytest.mark.parametrize("name", list(MODELS))
-def test_a_failed_save_leaves_the_adapter_on_disk_byte_identical(name, fail, tmp_path, monkeypatch):
-    arch, _ = MODELS[name]
-    model = _trained(name)
-    peft_slim.save_pretrained(model, tmp_path / "adapter")
+FAILED_SAVES = [(name, fail, "") for name in MODELS for fail in (_fail_weights, _fail_config, _fail_card)]
+FAILED_SAVES += [("tokentune_lora", _fail_weights, "plain_lora"), ("tokentune_lora", _fail_weights, "subfolder")]
+
+
+@pytest.mark.parametrize(
+    ("name", "fail", "how"), FAILED_SAVES, ids=[f"{n}-{f.__name__[6:]}-{h}" for n, f, h in FAILED_SAVES]
+)
+def test_a_failed_save_leaves_the_adapter_on_disk_byte_identical(name, fail, how, tmp_path, monkeypatch):
+    """Also a plain LoRA save, and an adapter not named "default" (saved in its subfolder)."""
+    arch, make = MODELS[name]
+    if how == "subfolder":
+        lora = LoraConfig(**LLAMA_LORA)
+        model = get_peft_model(build(arch), TokenTuneConfig(task_type="CAUSAL_LM", lora=lora), adapter_name="mine")
+    else:
+        model = make()
+    _train(model, arch)
+    folder, kwargs = ("adapter/mine" if how == "subfolder" else "adapter"), {"plain_lora": how == "plain_lora"}
+    peft_slim.save_pretrained(model, tmp_path / "adapter", **kwargs)
     (tmp_path / "adapter" / "tokenizer.json").write_text("{}")  # another file of the folder: kept
     before = _snapshot(tmp_path)
-    assert {"adapter/adapter_model.safetensors", "adapter/adapter_config.json", "adapter/README.md"} <= set(before)
+    assert {f"{folder}/adapter_model.safetensors", f"{folder}/adapter_config.json", "adapter/README.md"} <= set(before)
+    assert (f"{folder}/peft_slim_config.json" in before) == (how != "plain_lora")
     _train(model, arch, steps=1, seed=7)  # other weights, so that a save would change the files
 
     with monkeypatch.context() as patch:
         fail(patch)
         with pytest.raises(OSError, match="simulated"):
-            peft_slim.save_pretrained(model, tmp_path / "adapter")
+            peft_slim.save_pretrained(model, tmp_path / "adapter", **kwargs)
     assert _snapshot(tmp_path) == before  # every file byte-identical, and no temporary folder left behind
 
-    peft_slim.save_pretrained(model, tmp_path / "adapter")  # a save that succeeds replaces them, nothing else
+    peft_slim.save_pretrained(model, tmp_path / "adapter", **kwargs)  # a save that succeeds replaces them only
     after = _snapshot(tmp_path)
     assert set(after) == set(before)
-    assert after["adapter/adapter_model.safetensors"] != before["adapter/adapter_model.safetensors"]
+    assert after[f"{folder}/adapter_model.safetensors"] != before[f"{folder}/adapter_model.safetensors"]
     assert after["adapter/tokenizer.json"] == b"{}"
-
-
-def test_a_failed_save_into_a_subfolder_adapter_leaves_it_byte_identical(tmp_path, monkeypatch):
-    model = get_peft_model(
-        build("llama"), TokenTuneConfig(task_type="CAUSAL_LM", lora=LoraConfig(**LLAMA_LORA)), adapter_name="mine"
-    )
-    _train(model, "llama", steps=1)
-    peft_slim.save_pretrained(model, tmp_path / "adapter")
-    before = _snapshot(tmp_path)
-    assert {"adapter/mine/adapter_model.safetensors", "adapter/mine/adapter_config.json"} <= set(before)
-    _train(model, "llama", steps=1, seed=3)
-    with monkeypatch.context() as patch:
-        _fail_weights(patch)
-        with pytest.raises(OSError, match="simulated"):
-            peft_slim.save_pretrained(model, tmp_path / "adapter")
-    assert _snapshot(tmp_path) == before
-
-
-def test_a_failed_plain_lora_save_leaves_the_saved_adapter_byte_identical(tmp_path, monkeypatch):
-    model = _trained("tokentune_lora")
-    peft_slim.save_pretrained(model, tmp_path / "export", plain_lora=True)
-    before = _snapshot(tmp_path)
-    assert set(before) == {"export/adapter_model.safetensors", "export/adapter_config.json", "export/README.md"}
-    _train(model, "llama", steps=1, seed=7)
-
-    with monkeypatch.context() as patch:
-        _fail_weights(patch)
-        with pytest.raises(OSError, match="simulated"):
-            peft_slim.save_pretrained(model, tmp_path / "export", plain_lora=True)
-    assert _snapshot(tmp_path) == before
-    peft_slim.save_pretrained(model, tmp_path / "export", plain_lora=True)
-    assert _snapshot(tmp_path)["export/adapter_model.safetensors"] != before["export/adapter_model.safetensors"]
 
 
 class _Wrapper(torch.nn.Module):
@@ -330,29 +310,12 @@ def test_plain_lora_save_and_save_pretrained_round_trip_the_lora_fields(variant,
 
 
 def test_export_with_trained_biases_loads_in_a_process_without_peft_slim(tmp_path):
-    arch = LORA_VARIANTS["bias_all_gpt2"][0]
     model = _ours("bias_all_gpt2", "tokentune")
-    _train(model, arch, steps=2)
+    _train(model, "gpt2", steps=2)
     peft_slim.save_pretrained(model, tmp_path / "export", plain_lora=True)
-    torch.save({k: v for k, v in make_batch(arch, seed=5).items() if k != "labels"}, tmp_path / "batch.pt")
-    torch.save(_logits(model, arch), tmp_path / "expected.pt")
-    script = f"""
-        import sys, torch
-        sys.path.insert(0, {HERE!r})
-        from peft import PeftModel
-        from helpers.tiny_models import build
-        model = PeftModel.from_pretrained(build({arch!r}), {str(tmp_path / "export")!r}).eval()
-        assert model.peft_config["default"].bias == "all"
-        with torch.no_grad():
-            logits = model(**torch.load({str(tmp_path / "batch.pt")!r})).logits
-        assert "peft_slim" not in sys.modules
-        print("EQUAL" if torch.equal(logits, torch.load({str(tmp_path / "expected.pt")!r})) else "DIFFERENT")
-    """
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, cwd="/", check=False
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.strip().endswith("EQUAL")
+    report = vanilla_loads({"export": str(tmp_path / "export")}, tmp_path, arch="gpt2")
+    assert report == {"export": {"config": "LoraConfig", "tuner": "LoraModel", "warnings": []}, "imported": False}
+    assert torch.equal(torch.load(tmp_path / "export.vanilla.pt"), eval_logits(model, "gpt2"))
 
 
 def test_a_bias_missing_from_a_lora_adapter_with_trained_biases_is_reported(tmp_path):
@@ -456,17 +419,6 @@ print("RESULT=" + json.dumps({{
 """
 
 
-def _child(script: str, pythonpath: str | None = None) -> str:
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    if pythonpath is not None:
-        env["PYTHONPATH"] = pythonpath
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, cwd="/", env=env, check=False
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result.stdout
-
-
 def test_the_model_card_names_peft_slim_and_the_import_and_its_snippet_loads(tmp_path):
     base_dir, adapter_dir = str(tmp_path / "base"), str(tmp_path / "adapter")
     build("llama").save_pretrained(base_dir)
@@ -479,8 +431,8 @@ def test_the_model_card_names_peft_slim_and_the_import_and_its_snippet_loads(tmp
     torch.save(_logits(model, "llama"), tmp_path / "expected.pt")
 
     # A fresh process that never imports peft_slim reads the card and loads the adapter (a plain LoRA adapter).
-    out = _child(_CARD_CHILD.format(card=os.path.join(adapter_dir, "README.md"), base=base_dir, adapter=adapter_dir))
-    report = json.loads(out.split("RESULT=")[-1])
+    card = os.path.join(adapter_dir, "README.md")
+    report = without_peft_slim(_CARD_CHILD.format(card=card, base=base_dir, adapter=adapter_dir))
     assert report["imported"] is False
     assert report["error"] is None
     assert {"lora", "peft_slim", "tokentune"} <= set(report["tags"]) and report["library_name"] == "peft"
@@ -500,10 +452,10 @@ def test_the_model_card_names_peft_slim_and_the_import_and_its_snippet_loads(tmp
         batch = make_batch("llama", seed=5)
         with torch.no_grad():
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        print("EQUAL" if torch.equal(logits, torch.load({str(tmp_path / "expected.pt")!r})) else "DIFFERENT")
+        equal = torch.equal(logits, torch.load({str(tmp_path / "expected.pt")!r}))
+        print("RESULT=" + str([equal, any(m.startswith("peft_slim") for m in sys.modules)]).lower())
     """)
-    snippet += "\nassert not any(m.startswith('peft_slim') for m in sys.modules)\n"
-    assert _child(snippet).strip().endswith("EQUAL")
+    assert without_peft_slim(snippet) == [True, False]  # the trained logits, and peft_slim never imported
 
 
 def test_the_card_keeps_the_users_text_and_holds_one_section(tmp_path):
@@ -517,16 +469,6 @@ def test_the_card_keeps_the_users_text_and_holds_one_section(tmp_path):
     assert card.text.index("# My adapter") < card.text.index(CARD_START)
     assert "trained with peft_slim's **SlimFit**" in card.text
     assert {"peft_slim", "slimfit"} <= set(card.data.tags)
-
-
-def test_push_to_hub_is_peft_own_and_uploads_a_plain_lora_adapter_with_the_record(offline_hub):
-    model = _trained("tokentune_lora", steps=1)
-    model.push_to_hub("someone/tiny-tokentune", private=True, tags=["mine"], commit_message="first")
-    assert offline_hub["http"] == []
-    assert offline_hub["create_commit"][0][1]["commit_message"] == "first"
-    assert "mine" in huggingface_hub.ModelCard(offline_hub["uploaded"]["README.md"].decode()).data.tags
-    assert json.loads(offline_hub["uploaded"]["adapter_config.json"])["peft_type"] == "LORA"
-    assert json.loads(offline_hub["uploaded"]["peft_slim_config.json"])["peft_type"] == "TOKENTUNE"
 
 
 def test_push_to_hub_of_vanilla_lora_is_transformers_own(offline_hub):

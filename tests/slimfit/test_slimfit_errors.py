@@ -32,6 +32,11 @@ from peft_slim import SlimFitConfig, TokenTuneConfig, slimfit_
         ({"token_selection": 0.3}, "token_selection must be a peft_slim.TokenSelectionConfig"),
         ({"token_selection": TokenTuneConfig(lora=LoraConfig(r=2))}, "set them on the SlimFitConfig instead"),
         ({"token_selection": TokenTuneConfig(activation_compression={"bits": 8})}, "set them on the SlimFitConfig"),
+        ({"freeze_by": "units"}, r"SlimFitConfig\.freeze_by must be one of \('bytes', 'count'\)"),
+        ({"catch_up": "yes"}, r"SlimFitConfig\.catch_up must be one of \('sqrt', 'linear', 'none'\), got 'yes'"),
+        ({"catch_up": 1}, r"SlimFitConfig\.catch_up must be one of .*, got 1\."),
+        ({"catch_up": True}, r"SlimFitConfig\.catch_up must be one of .*, got True\."),
+        ({"always_train_norms": 2}, r"SlimFitConfig\.always_train_norms must be True or False, got 2"),
     ],
 )
 def test_bad_config_fields(fields, message):

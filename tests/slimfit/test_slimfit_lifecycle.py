@@ -1,5 +1,6 @@
-"""SlimFit around the training loop: disable_adapter(), the optimizer hooks' lifetime, several optimizers, the
-order of slimfit_step(), pausing the schedule, a second Trainer, and load_best_model_at_end."""
+"""SlimFit around the training loop: eval outputs before training, disable_adapter() and merge_and_unload(), the
+optimizer hooks' lifetime, several optimizers, the order of slimfit_step(), pausing the schedule, a second Trainer,
+and load_best_model_at_end."""
 
 from __future__ import annotations
 
@@ -42,15 +43,21 @@ def no_automatic_gc():
 # ---------------------------------------------------------------------------------------------- disable_adapter
 
 
-def test_disable_adapter_with_lora_is_peft_s():
+def test_untrained_equals_the_base_and_disable_adapter_and_merge_and_unload_are_peft_s():
+    for arch in ("bert", "llama"):  # before training, eval outputs are the base model's (full and LoRA)
+        base = _eval_logits(build(arch), arch)
+        assert torch.equal(_eval_logits(slimfit_model(arch), arch), base)
+        assert torch.equal(_eval_logits(slimfit_model(arch, lora=True), arch), base)
     model = slimfit_model("llama", lora=True, freeze_ratio=0.5)
     train(model, "llama", steps=3)
     tuned = _eval_logits(model, "llama")
-    base = _eval_logits(build("llama"), "llama")
     assert not torch.equal(tuned, base)
     with model.disable_adapter():
         assert torch.equal(_eval_logits(model, "llama"), base)
     assert torch.equal(_eval_logits(model, "llama"), tuned)
+    merged = model.merge_and_unload()
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    assert torch.allclose(_eval_logits(merged, "llama"), tuned, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------- hook lifetime

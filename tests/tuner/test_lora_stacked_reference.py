@@ -60,14 +60,6 @@ def run(name: str) -> dict[str, str]:
     return out
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("name", sorted(_configs()))
 def test_bit_identical_to_the_recorded_steps(name, one_thread):
     record = load_recorded(RECORD)

@@ -1,4 +1,5 @@
-"""`import peft_slim` makes TokenTune a first-class PEFT type, idempotently, and its config round-trips."""
+"""`import peft_slim` makes TokenTune and SlimFit first-class PEFT types, idempotently, and the config round-trips.
+(Which class each loader gives for a saved adapter: tests/saving/test_save_load_export.py.)"""
 
 from __future__ import annotations
 
@@ -13,14 +14,13 @@ import textwrap
 import peft
 import peft.mapping
 import pytest
-import torch
 from helpers.tiny_models import build, make_batch
-from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftConfig, get_peft_model
 from peft.utils.peft_types import PeftType
 
 import peft_slim
 import peft_slim.registry
-from peft_slim import TokenTuneConfig, TokenTuneModel
+from peft_slim import SlimFitConfig, SlimFitModel, TokenTuneConfig, TokenTuneModel
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where the helpers package is
 REPO = os.path.dirname(HERE)
@@ -40,30 +40,37 @@ def _mapping_snapshot() -> dict:
 # ---------------------------------------------------------------------------------------------- registration
 
 
-def test_tokentune_is_a_peft_type_and_registered():
-    member = PeftType.TOKENTUNE
+@pytest.mark.parametrize(
+    ("name", "config_cls", "model_cls"),
+    [("TOKENTUNE", TokenTuneConfig, TokenTuneModel), ("SLIMFIT", SlimFitConfig, SlimFitModel)],
+)
+def test_each_method_is_a_peft_type_and_registered(name, config_cls, model_cls):
+    member = getattr(PeftType, name)
     assert isinstance(member, PeftType)
     assert isinstance(member, str)
-    assert member.value == "TOKENTUNE" and member.name == "TOKENTUNE"
-    assert member == "TOKENTUNE"
+    assert member.value == name and member.name == name
+    assert member == name
     # Every lookup path of the enum finds the same member.
-    assert PeftType("TOKENTUNE") is member
-    assert PeftType["TOKENTUNE"] is member
+    assert PeftType(name) is member
+    assert PeftType[name] is member
     assert member in list(PeftType)
-    assert "TOKENTUNE" in PeftType.__members__
-    assert PeftType._member_names_.count("TOKENTUNE") == 1
+    assert name in PeftType.__members__
+    assert PeftType._member_names_.count(name) == 1
     # Existing members are untouched.
     assert PeftType("LORA") is PeftType.LORA
     # Registered through PEFT's own mappings.
-    assert peft.mapping.PEFT_TYPE_TO_CONFIG_MAPPING[member] is TokenTuneConfig
-    assert peft.mapping.PEFT_TYPE_TO_TUNER_MAPPING[member] is TokenTuneModel
-    assert peft.mapping.PEFT_TYPE_TO_PREFIX_MAPPING[member] == TokenTuneModel.prefix == "lora_"  # LoRA's model class
+    assert peft.mapping.PEFT_TYPE_TO_CONFIG_MAPPING[member] is config_cls
+    assert peft.mapping.PEFT_TYPE_TO_TUNER_MAPPING[member] is model_cls
+    assert peft.mapping.PEFT_TYPE_TO_PREFIX_MAPPING[member] == model_cls.prefix == "lora_"  # LoRA's model class
     # PEFT looks configs up by the JSON string, which must hit the same entry.
-    assert peft.mapping.PEFT_TYPE_TO_CONFIG_MAPPING["TOKENTUNE"] is TokenTuneConfig
-    assert TokenTuneConfig().peft_type is member
+    assert peft.mapping.PEFT_TYPE_TO_CONFIG_MAPPING[name] is config_cls
+    assert config_cls().peft_type is member
     # The public API of the package.
-    assert peft_slim.TokenTuneConfig is TokenTuneConfig
+    assert getattr(peft_slim, config_cls.__name__) is config_cls
     assert callable(peft_slim.save_pretrained)
+    # get_peft_model routes the type to our tuner through PEFT's mappings.
+    lora = LoraConfig(r=2, target_modules=["q_proj"])
+    assert type(get_peft_model(build("llama"), config_cls(lora=lora)).base_model) is model_cls
 
 
 def test_import_twice_reload_and_reregister_are_harmless():
@@ -269,29 +276,3 @@ def test_config_round_trip(tmp_path, name):
     direct.save_pretrained(tmp_path / "again")
     with open(tmp_path / "again" / record_name) as handle:
         assert json.load(handle) == raw
-
-
-def test_peft_model_from_pretrained_dispatches_to_tokentune(tmp_path):
-    """`get_peft_model` routes TOKENTUNE to our tuner via PEFT's mappings; `PeftModel.from_pretrained` loads the
-    saved LoRA-stacked adapter as plain LoRA, `peft_slim.from_pretrained` (PEFT's loader with the saved record) as
-    TokenTune."""
-    config = TokenTuneConfig(token_ratio=0.5, seed=0, lora=LoraConfig(r=2, target_modules=["q_proj"]))
-    model = get_peft_model(build("llama"), config)
-    assert isinstance(model.base_model, TokenTuneModel)
-    model.save_pretrained(tmp_path)
-    assert type(PeftModel.from_pretrained(build("llama"), tmp_path).base_model).__name__ == "LoraModel"
-    loaded = peft_slim.from_pretrained(build("llama"), tmp_path)
-    assert isinstance(loaded.base_model, TokenTuneModel)
-    assert isinstance(loaded.peft_config["default"], TokenTuneConfig)
-    assert loaded.peft_config["default"].lora.target_modules == {"q_proj"}
-    assert torch.is_tensor(loaded.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight)
-
-
-def test_slimfit_is_registered():
-    import peft
-
-    from peft_slim import SlimFitConfig, SlimFitModel
-
-    assert PeftType.SLIMFIT == "SLIMFIT"
-    assert peft.mapping.PEFT_TYPE_TO_CONFIG_MAPPING["SLIMFIT"] is SlimFitConfig
-    assert peft.mapping.PEFT_TYPE_TO_TUNER_MAPPING["SLIMFIT"] is SlimFitModel
