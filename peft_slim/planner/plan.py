@@ -161,11 +161,14 @@ def _estimate_all(jobs: list[tuple], processes: int, progress: bool) -> list[Mem
         order.sort(key=lambda i: not isinstance(jobs[i][1], SlimFitConfig))
     # The objects alive now (the imported modules' hundreds of thousands) are left out of the garbage collector's
     # passes until the estimates are made, and, forked, are not copied into each process by those passes: a trace
-    # makes and frees many objects, and each full pass would walk them all. No tensor of a trace is among them.
-    gc.freeze()
-    pool = multiprocessing.get_context("fork").Pool(processes, initializer=_one_thread) if forked else None
+    # makes and frees many objects, and each full pass would walk them all. No tensor of a trace is among them. (Not
+    # where the caller has frozen objects itself: unfreezing would undo that.)
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
     estimates: list[MemoryEstimate | None] = [None] * len(jobs)
     try:
+        pool = multiprocessing.get_context("fork").Pool(processes, initializer=_one_thread) if forked else None
         with (
             tqdm(total=len(jobs), desc="estimating", unit="setting", disable=not progress) as bar,
             pool or nullcontext(),
@@ -175,5 +178,6 @@ def _estimate_all(jobs: list[tuple], processes: int, progress: bool) -> list[Mem
                 estimates[index] = estimate
                 bar.update()
     finally:
-        gc.unfreeze()
+        if freeze:
+            gc.unfreeze()
     return estimates
