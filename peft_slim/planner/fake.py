@@ -1,6 +1,7 @@
 """The planner's private torch APIs (fake tensors, a hook on every operator) and one transformers internal that
 reads tensor values (``one_sequence_per_row``); ``tests/project/test_compat.py`` tests each, as for
-``peft_slim.compat``."""
+``peft_slim.compat``. Also where a meta trace builds TokenTune's causal mask (``selected_masks_on_meta``, tested in
+``tests/planner/test_meta_results.py``)."""
 
 from __future__ import annotations
 
