@@ -8,6 +8,7 @@ settings that fit are then ranked by the equal-budget benchmark's measurements (
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import sys
@@ -158,11 +159,25 @@ def _estimate_all(jobs: list[tuple], processes: int, progress: bool) -> list[Mem
     order = list(range(len(jobs)))
     if forked:  # the slowest first (SlimFit traces every block), so that neither process is left with it at the end
         order.sort(key=lambda i: not isinstance(jobs[i][1], SlimFitConfig))
-    pool = multiprocessing.get_context("fork").Pool(processes, initializer=_one_thread) if forked else None
+    # The objects alive now (the imported modules' hundreds of thousands) are left out of the garbage collector's
+    # passes until the estimates are made, and, forked, are not copied into each process by those passes: a trace
+    # makes and frees many objects, and each full pass would walk them all. No tensor of a trace is among them. (Not
+    # where the caller has frozen objects itself: unfreezing would undo that.)
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
     estimates: list[MemoryEstimate | None] = [None] * len(jobs)
-    with tqdm(total=len(jobs), desc="estimating", unit="setting", disable=not progress) as bar, pool or nullcontext():
-        found = (pool.imap if forked else map)(_estimate, [jobs[i] for i in order])
-        for index, estimate in zip(order, found):
-            estimates[index] = estimate
-            bar.update()
+    try:
+        pool = multiprocessing.get_context("fork").Pool(processes, initializer=_one_thread) if forked else None
+        with (
+            tqdm(total=len(jobs), desc="estimating", unit="setting", disable=not progress) as bar,
+            pool or nullcontext(),
+        ):
+            found = (pool.imap if forked else map)(_estimate, [jobs[i] for i in order])
+            for index, estimate in zip(order, found):
+                estimates[index] = estimate
+                bar.update()
+    finally:
+        if freeze:
+            gc.unfreeze()
     return estimates

@@ -29,8 +29,15 @@ class LiveBytes(TorchDispatchMode):
         self.on_meta = on_meta
         # storage key -> [bytes, tensors using it, meta copies holding it, the entry it holds (a meta copy's)]
         self._live: dict[int, list] = {}
+        self._refs: dict[int, tuple] = {}  # id of a weak reference to a tracked tensor -> (the reference, storage key)
         self.total = 0
         self.peak = 0
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False: no wrapper keeping ``torch.compile`` out of ``__torch_dispatch__`` at every call (private torch
+        API, read when the class is made); nothing compiles inside the planner's modes."""
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is PRIM_DEVICE:  # a tensor's device, asked more often than any operator: nothing allocated
@@ -48,9 +55,7 @@ class LiveBytes(TorchDispatchMode):
             out = META_RESULTS.run(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
-        flags = _FLAGS.get(func)
-        if flags is None:
-            flags = _FLAGS[func] = (func.is_view, torch.Tag.pointwise in func.tags)
+        flags = operator_flags(func)
         inputs = None
         results = [out] if isinstance(out, torch.Tensor) else tensors_in(out) if isinstance(out, tuple | list) else ()
         for tensor in results:
@@ -88,7 +93,11 @@ class LiveBytes(TorchDispatchMode):
             self.total += entry[0]
             self.peak = max(self.peak, self.total)
         entry[1] += 1
-        weakref.finalize(tensor, self._release, key)
+        ref = weakref.ref(tensor, self._released)  # called when the tensor dies, as a finalizer is
+        self._refs[id(ref)] = (ref, key)
+
+    def _released(self, ref: weakref.ref) -> None:
+        self._release(self._refs.pop(id(ref))[1])
 
     def _release(self, key: int) -> None:
         entry = self._live[key]
@@ -105,7 +114,16 @@ class LiveBytes(TorchDispatchMode):
                 self._drop(entry[3])
 
 
-_FLAGS: dict = {}  # operator -> (a view?, pointwise?)
+_FLAGS: dict[int, tuple] = {}  # id of an operator -> (a view?, pointwise?, what MetaResults may remember, operator)
+
+
+def operator_flags(func) -> tuple:
+    """``func``'s (a view?, pointwise?, ``_kind``), found once per operator (operators hash in Python: by their id
+    here, each kept alive by its entry so that its id stays its own)."""
+    flags = _FLAGS.get(id(func))
+    if flags is None:
+        flags = _FLAGS[id(func)] = (func.is_view, torch.Tag.pointwise in func.tags, _kind(func), func)
+    return flags
 
 
 def tensors_in(args: tuple | list, kwargs: dict | None = None) -> list[torch.Tensor]:
@@ -163,13 +181,10 @@ class MetaResults:
 
     def __init__(self):
         self._results: dict[tuple, tuple | None] = {}  # key -> (single result?, (shape, stride, dtype) each) or None
-        self._kinds: dict = {}  # operator -> NEW, IN_PLACE or None (never remembered)
 
     def run(self, func, args: tuple, kwargs: dict):
         """``func(*args, **kwargs)``, remembered where it may be."""
-        kind = self._kinds.get(func, False)
-        if kind is False:
-            kind = self._kinds[func] = _kind(func)
+        kind = operator_flags(func)[2]
         key = None if kind is None else _key(func, args, kwargs)
         if key is None:
             return func(*args, **kwargs)
@@ -193,6 +208,12 @@ META_RESULTS = MetaResults()
 class Remembered(TorchDispatchMode):
     """Inside it, operators run through ``META_RESULTS`` (those on meta tensors that may be remembered), nothing
     counted: a model built on the meta device, its optimizer state created."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False: no wrapper keeping ``torch.compile`` out of ``__torch_dispatch__`` at every call (private torch
+        API, read when the class is made); nothing compiles inside the planner's modes."""
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return META_RESULTS.run(func, args, kwargs or {})
@@ -231,7 +252,7 @@ def _key(func, args: tuple, kwargs: dict) -> tuple | None:
     """What ``func``'s meta kernel reads of its arguments: each tensor's shape, strides, offset and dtype (every one
     on the meta device), each other argument with its type (``1``, ``1.0`` and ``True`` promote differently), the
     keyword arguments' names; None where an argument is of another kind."""
-    parts = [func, torch.get_default_dtype(), len(args)]
+    parts = [id(func), torch.get_default_dtype(), len(args)]  # (``operator_flags`` keeps each operator alive)
     if not _describe(args, parts):
         return None
     if kwargs:

@@ -104,3 +104,22 @@ def test_a_model_without_weights_is_built_without_drawing_values():
         assert torch.nn.Linear(4, 4).weight.shape == (4, 4)
     torch.nn.init.kaiming_uniform_(tensor, a=5**0.5)
     assert tensor.any()
+
+
+def test_the_selected_queries_causal_mask_is_built_on_meta_with_the_same_estimate(monkeypatch):
+    """In a meta trace TokenTune's causal mask of the selected queries is built on the meta device (its values are
+    not computed), a tensor like the real one, and the step's estimate is the one with the mask built for real."""
+    from peft_slim.planner import fake
+    from peft_slim.token_selection.selection import TokenSelection
+
+    selection = TokenSelection.from_mask(torch.tensor([[True, False, True, True], [False, True, True, False]]))
+    real = selection.causal_mask(4)
+    with fake.selected_masks_on_meta():
+        on_meta = TokenSelection(selection.mask, selection.index, selection.valid).causal_mask(4)
+    assert on_meta.is_meta and described(on_meta) == described(real) and not selection.index.is_meta
+    config = llama_config(num_hidden_layers=2)
+    tokentune = peft_slim.TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.3)
+    step = (tokentune, 2, 64, "adamw", "bfloat16", None, False)
+    built = estimate.traced(config, step)
+    monkeypatch.setattr(estimate, "selected_masks_on_meta", fake.contextlib.nullcontext)
+    assert estimate.traced(config, step) == built

@@ -4,6 +4,7 @@ allocated, plan's ordering and budget, the ``peft-slim plan`` command, and its e
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import re
 import shlex
@@ -174,8 +175,14 @@ def test_plan_fits_the_budget_in_ladder_order():
     assert fitting and all(c.estimate.peak <= budget for c in fitting)
     kept = [c for c in everything if c.estimate.peak <= budget]
     assert [(c.name, c.estimate) for c in fitting] == [(c.name, c.estimate) for c in kept]
+    assert gc.get_freeze_count() == 0  # the garbage collector's freezing while estimating undone
     tiny_ladder = {**options, "min_token_ratio": 1.0}  # nothing fits 1000 bytes; fewer rungs keep the test short
-    assert plan(config, 1000, 2, 64, **tiny_ladder, checkpointing=False) == []
+    gc.freeze()  # objects the caller froze stay frozen
+    try:
+        assert plan(config, 1000, 2, 64, **tiny_ladder, checkpointing=False) == []
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
     checkpointed = [c for c in everything if c.gradient_checkpointing]
     assert checkpointed  # kept only where checkpointing lowers the peak of the same setting
     for candidate in checkpointed:
