@@ -19,7 +19,7 @@ from peft import PeftConfig
 from ..quiet import warning_silenced
 from ..slimfit import SlimFitConfig
 from ..tokentune import TokenTuneConfig
-from .fake import attention_as_on_cpu, fake_tensor_mode, one_sequence_per_row, selected_masks_on_meta
+from .fake import attention_as_on_cpu, fake_tensor_mode, one_sequence_per_row
 from .setup import (
     gradient_bytes,
     make_optimizer,
@@ -138,8 +138,7 @@ def traced(model, step: tuple) -> MemoryEstimate:
             _create_optimizer_state(trained, optimizer)
         live = LiveBytes(on_meta=meta)
         silenced = warning_silenced(Warning, "SlimFit: an optimizer stepped twice")
-        masks = selected_masks_on_meta() if meta else contextlib.nullcontext()
-        with live, one_sequence_per_row(), attention_as_on_cpu(), masks, silenced:
+        with live, one_sequence_per_row(), attention_as_on_cpu(), silenced:
             loss = trained(**inputs).loss
             activations = live.total
             loss.backward()

@@ -1,7 +1,6 @@
 """The planner's private torch APIs (fake tensors, a hook on every operator) and one transformers internal that
 reads tensor values (``one_sequence_per_row``); ``tests/project/test_compat.py`` tests each, as for
-``peft_slim.compat``. Also where a meta trace builds TokenTune's causal mask (``selected_masks_on_meta``, tested in
-``tests/planner/test_meta_results.py``)."""
+``peft_slim.compat``."""
 
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ from torch.utils._pytree import tree_leaves as tree_leaves
 from torch.utils._pytree import tree_map_only as tree_map_only
 
 from ..compat import is_fake_tensor
-from ..token_selection.selection import TokenSelection
 
 # The operator a tensor's ``.device`` dispatches to inside a mode (``torch.ops``: the operator registry).
 PRIM_DEVICE = torch.ops.prim.device.default
@@ -106,30 +104,3 @@ def attention_as_on_cpu() -> Iterator[None]:
     finally:
         module.scaled_dot_product_attention = sdpa
 
-
-@contextlib.contextmanager
-def selected_masks_on_meta() -> Iterator[None]:
-    """Inside it, TokenTune's causal mask of the selected queries (``TokenSelection.causal_mask``: ``[B, 1, n, L]``
-    booleans, from the selection's index) is built on the meta device, from the index moved there, in a trace on
-    meta tensors.
-
-    The index is drawn for real, so the mask would be computed for real: tens of milliseconds per trace at 4 x 4,096
-    tokens, for values that only mask an attention on meta tensors. On the meta device the same operators make
-    tensors of the same shapes, strides and dtypes, in the same order, which ``LiveBytes`` counts alike; a value read
-    of one raises (a meta tensor has none) instead of giving another answer.
-    """
-    causal_mask = TokenSelection.causal_mask
-
-    def on_meta(self, key_length: int) -> torch.Tensor:
-        index = self.index
-        self.index = index.to("meta")
-        try:
-            return causal_mask(self, key_length)
-        finally:
-            self.index = index
-
-    TokenSelection.causal_mask = on_meta
-    try:
-        yield
-    finally:
-        TokenSelection.causal_mask = causal_mask

@@ -142,7 +142,7 @@ def _make_attention(implementation: str) -> Callable:
         key = selection.scatter(block_pass.key, key, dim=2)
         value = selection.scatter(block_pass.value, value, dim=2)
         if attention_mask is None and _causal_without_mask(module, implementation, kwargs):
-            attention_mask = selection.causal_mask(key.shape[2])
+            attention_mask = selection.causal_mask(key)
         if implementation == "sdpa" and not any(kwargs.get(name) is not None for name in _SDPA_EXTRAS):
             return _sdpa_selected(module, query, key, value, attention_mask, selection, kwargs)
         kwargs["is_causal"] = False

@@ -78,10 +78,15 @@ class TokenSelection:
             source = torch.where(valid, source, full.gather(dim, index))
         return full.scatter(dim, index, source)
 
-    def causal_mask(self, key_length: int) -> torch.Tensor:
-        """Boolean causal mask [B, 1, n, key_length] for the slots' queries."""
-        keys = torch.arange(key_length, device=self.index.device)
-        return self.memo(("causal", key_length), lambda: (keys[None, None, :] <= self.index[:, :, None]).unsqueeze(1))
+    def causal_mask(self, key: torch.Tensor) -> torch.Tensor:
+        """Boolean causal mask [B, 1, n, L] for the slots' queries over ``key``'s L positions, on ``key``'s device
+        (the index's in training; the planner's meta trace gets a meta mask instead of computing its values)."""
+
+        def make() -> torch.Tensor:
+            positions = torch.arange(key.shape[2], device=key.device)
+            return (positions[None, None, :] <= self.index.to(key.device)[:, :, None]).unsqueeze(1)
+
+        return self.memo(("causal", key.shape[2], key.device), make)
 
     def memo(self, key: Any, make: Callable[[], torch.Tensor], source: Any = None) -> torch.Tensor:
         """``make()``, once per selection (one forward) and shared by every block, so autograd saves one copy of the

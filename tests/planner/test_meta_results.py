@@ -107,19 +107,26 @@ def test_a_model_without_weights_is_built_without_drawing_values():
 
 
 def test_the_selected_queries_causal_mask_is_built_on_meta_with_the_same_estimate(monkeypatch):
-    """In a meta trace TokenTune's causal mask of the selected queries is built on the meta device (its values are
-    not computed), a tensor like the real one, and the step's estimate is the one with the mask built for real."""
-    from peft_slim.planner import fake
+    """In a meta trace TokenTune's causal mask of the selected queries is built on the keys' meta device (its values
+    are not computed), a tensor like the real one, and the step's estimate is the one with the mask built for real."""
     from peft_slim.token_selection.selection import TokenSelection
 
     selection = TokenSelection.from_mask(torch.tensor([[True, False, True, True], [False, True, True, False]]))
-    real = selection.causal_mask(4)
-    with fake.selected_masks_on_meta():
-        on_meta = TokenSelection(selection.mask, selection.index, selection.valid).causal_mask(4)
+    real = selection.causal_mask(torch.zeros(2, 1, 4, 8))
+    on_meta = TokenSelection(selection.mask, selection.index, selection.valid).causal_mask(
+        torch.zeros(2, 1, 4, 8, device="meta")
+    )
     assert on_meta.is_meta and described(on_meta) == described(real) and not selection.index.is_meta
+    assert real.equal(torch.arange(4)[None, None, :] <= selection.index[:, None, :, None])
     config = llama_config(num_hidden_layers=2)
     tokentune = peft_slim.TokenTuneConfig(task_type="CAUSAL_LM", token_ratio=0.3)
     step = (tokentune, 2, 64, "adamw", "bfloat16", None, False)
     built = estimate.traced(config, step)
-    monkeypatch.setattr(estimate, "selected_masks_on_meta", fake.contextlib.nullcontext)
+    on_index_device = TokenSelection.causal_mask
+
+    def with_values(self, key):  # the mask computed for real, on the index's device, then moved to the keys'
+        stand_in = torch.empty(0, 0, key.shape[2], 0, device=self.index.device)  # the length, on the index's device
+        return on_index_device(self, stand_in).to(key.device)
+
+    monkeypatch.setattr(TokenSelection, "causal_mask", with_values)
     assert estimate.traced(config, step) == built
