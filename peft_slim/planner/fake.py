@@ -103,4 +103,3 @@ def attention_as_on_cpu() -> Iterator[None]:
         yield
     finally:
         module.scaled_dot_product_attention = sdpa
-
