@@ -84,9 +84,9 @@ def _chunk_logits_gradient(logits: torch.Tensor, targets: torch.Tensor, grad_tot
     backward kernel), written over the log-probabilities. ``logits``' values are overwritten in fp32: the head's
     backward does not read them (a head whose backward does fails autograd's in-place check, loudly)."""
     log_probs = _log_probabilities(logits.detach())
-    grad = torch.zeros_like(log_probs)
-    scored = (targets != IGNORE_INDEX).nonzero().squeeze(1)
-    grad[scored, targets[scored]] = -grad_total.to(grad.dtype)
+    grad = torch.zeros_like(log_probs)  # written without data-dependent shapes: the planner traces it on fake tensors
+    at_target = torch.where(targets != IGNORE_INDEX, -grad_total.to(grad.dtype), 0.0)
+    grad.scatter_(1, targets.clamp(min=0).unsqueeze(1), at_target.unsqueeze(1))
     gradient = torch._log_softmax_backward_data(grad, log_probs, -1, log_probs.dtype, out=log_probs)
     del grad
     return gradient.to(logits.dtype)
