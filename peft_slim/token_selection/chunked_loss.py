@@ -6,6 +6,12 @@ blocks. The forward computes each chunk's summed cross-entropy and drops its log
 through the head module itself (so LoRA on the head, tied embeddings, hooks and autocast behave as in the forward),
 under the forward's RNG state (a LoRA head's dropout draws the same mask). The gradient equals the materialised one:
 the same operations per row, the head's parameter gradients summed over chunks in fp32 and rounded once.
+
+Each chunk's fp32 logits are turned into log-probabilities in place, and in backward into their gradient in place
+(PyTorch's own log-softmax and its backward, writing over their input): the forward holds one vocabulary-sized row
+per row of the chunk instead of two, the backward two instead of three. The forward runs twice the backward's rows
+a chunk (the same bytes; the head reads its weight once per chunk): its chunks set only the loss's summation order,
+the backward's chunks its gradients.
 """
 
 from __future__ import annotations
@@ -54,9 +60,36 @@ def chunked_head_loss(
     return _ChunkedHeadLoss.apply(head, rows, hidden, targets, *parameters)
 
 
+# The forward's rows a chunk over the backward's: its chunk holds one fp32 vocabulary-sized row per row (the
+# log-probabilities written over the logits), the backward's two (those and the gradient of the loss in them).
+FORWARD_CHUNK_FACTOR = 2
+
+
+def _log_probabilities(logits: torch.Tensor) -> torch.Tensor:
+    """The fp32 log-softmax of ``logits`` over the vocabulary, written over ``logits.float()`` (a new tensor when
+    the logits are of a lower precision, the logits themselves in fp32): what ``F.cross_entropy`` computes first."""
+    scores = logits.float()
+    return torch._log_softmax(scores, -1, False, out=scores)
+
+
 def _chunk_loss(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden)
-    return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    """The summed cross-entropy of one chunk without grad: ``F.cross_entropy``'s log-softmax and NLL loss, the
+    log-softmax written over the logits (nothing else holds them: the head ran inside this function)."""
+    return F.nll_loss(_log_probabilities(head(hidden)), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _chunk_logits_gradient(logits: torch.Tensor, targets: torch.Tensor, grad_total: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``grad_total * cross_entropy(logits.float(), targets, reduction="sum")`` in ``logits``, as
+    autograd computes it (the NLL loss's backward: ``-grad_total`` at each row's target; then the log-softmax's
+    backward kernel), written over the log-probabilities. ``logits``' values are overwritten in fp32: the head's
+    backward does not read them (a head whose backward does fails autograd's in-place check, loudly)."""
+    log_probs = _log_probabilities(logits.detach())
+    grad = torch.zeros_like(log_probs)  # written without data-dependent shapes: the planner traces it on fake tensors
+    at_target = torch.where(targets != IGNORE_INDEX, -grad_total.to(grad.dtype), 0.0)
+    grad.scatter_(1, targets.clamp(min=0).unsqueeze(1), at_target.unsqueeze(1))
+    gradient = torch._log_softmax_backward_data(grad, log_probs, -1, log_probs.dtype, out=log_probs)
+    del grad
+    return gradient.to(logits.dtype)
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -69,8 +102,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         ctx.rng = torch.get_rng_state(), torch.cuda.get_rng_state(hidden.device) if device == "cuda" else None
         ctx.save_for_backward(hidden, targets, *parameters)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.shape[0], rows):
-            total += _chunk_loss(head, hidden[start : start + rows], targets[start : start + rows])
+        step = rows * FORWARD_CHUNK_FACTOR
+        for start in range(0, hidden.shape[0], step):
+            total += _chunk_loss(head, hidden[start : start + step], targets[start : start + step])
         return total
 
     @staticmethod
@@ -89,9 +123,11 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             for start in range(0, hidden.shape[0], ctx.rows):
                 chunk = hidden[start : start + ctx.rows].detach().requires_grad_(wants_hidden)
                 with torch.autocast(kind, dtype=dtype, enabled=enabled):
-                    loss = _chunk_loss(ctx.head, chunk, targets[start : start + ctx.rows])
+                    logits = ctx.head(chunk)
+                gradient = _chunk_logits_gradient(logits, targets[start : start + ctx.rows], grad_total)
                 inputs = ([chunk] if wants_hidden else []) + [parameters[i] for i in trained]
-                grads = torch.autograd.grad(loss, inputs, grad_total, allow_unused=True)
+                grads = torch.autograd.grad(logits, inputs, gradient, allow_unused=True)
+                del logits, gradient
                 if wants_hidden:
                     grad_hidden[start : start + ctx.rows] = grads[0] if grads[0] is not None else 0
                 for i, grad in zip(trained, grads[wants_hidden:]):

@@ -214,17 +214,15 @@ def test_the_head_runs_only_on_labelled_selected_positions(small_chunks):
     model = _model(False, False, chunked=True)
     rows_seen = []
     hook = model.get_base_model().lm_head.register_forward_pre_hook(
-        lambda m, args: rows_seen.append(args[0][..., 0].numel())
+        lambda m, args: rows_seen.append((torch.is_grad_enabled(), args[0][..., 0].numel()))
     )
     output, mask, _ = training_step(model, batch)
     hook.remove()
     labels = batch["labels"]
     scored = mask[:, :-1] & (labels[:, 1:] != -100)
-    forward_rows, backward_rows = (
-        sum(rows_seen[1 : len(rows_seen) // 2 + 1]),
-        sum(rows_seen[len(rows_seen) // 2 + 1 :]),
-    )
-    assert rows_seen[0] == 0  # the model's own call: no position (the loss runs the head itself)
+    assert rows_seen[0] == (True, 0)  # the model's own call: no position (the loss runs the head itself)
+    forward_rows = sum(rows for grad, rows in rows_seen[1:] if not grad)  # the loss's chunks run without grad
+    backward_rows = sum(rows for grad, rows in rows_seen[1:] if grad)  # their recomputation with it
     assert forward_rows == backward_rows == int(scored.sum()) < int(mask.sum())
 
 
@@ -349,3 +347,20 @@ def test_on_cuda_gradients_match_and_the_peak_is_lower():
     for name, grad in results[False][1].items():
         torch.testing.assert_close(results[True][1][name], grad, rtol=3e-2, atol=1e-3 * grad.abs().max().item())
     assert results[True][0] < results[False][0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_in_place_is_autograds_bit_for_bit(dtype):
+    """The logits' gradient written over the log-probabilities is, bit for bit, what autograd computes through
+    ``F.cross_entropy(logits.float(), ..., reduction="sum")`` (ignored rows included), and the logits are not
+    needed after it."""
+    torch.manual_seed(0)
+    logits = (torch.randn(9, 301) * 4).to(dtype).requires_grad_(True)
+    targets = torch.randint(0, 301, (9,))
+    targets[[2, 5]] = -100
+    grad_total = torch.tensor(0.0371)
+    loss = F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
+    (expected,) = torch.autograd.grad(loss, logits, grad_total)
+    gradient = chunked_loss._chunk_logits_gradient(logits.detach().clone(), targets, grad_total)
+    assert gradient.dtype == dtype and torch.equal(gradient, expected)
+    assert torch.equal(chunked_loss._chunk_loss(torch.nn.Identity(), logits.detach().clone(), targets), loss.detach())
