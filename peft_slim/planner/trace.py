@@ -174,10 +174,10 @@ class MetaResults:
 
     Remembered are two kinds of operators, by their schema: those that return new tensors (no alias in the schema),
     where each result is a tensor of its own storage, of the bytes its shape and strides span, from offset 0 (what
-    ``torch.empty_strided`` makes; checked on the first run); and those that change their first argument in place
-    and return it, leaving its shape and strides as they were (checked on the first run). None that views, writes
-    into another argument, changes a shape in place, draws random numbers or returns a shape that depends on
-    values."""
+    ``torch.empty_strided`` makes; checked on the first run); and those that change their first argument, or their
+    one ``out=`` argument, in place and return it, leaving its shape and strides as they were (checked on the first
+    run). None that views, writes into several arguments, changes a shape in place, draws random numbers or returns
+    a shape that depends on values."""
 
     def __init__(self):
         self._results: dict[tuple, tuple | None] = {}  # key -> (single result?, (shape, stride, dtype) each) or None
@@ -190,13 +190,24 @@ class MetaResults:
             return func(*args, **kwargs)
         found = self._results.get(key, False)
         if found is False:
+            if kind is NEW:
+                out = func(*args, **kwargs)
+                self._results[key] = _made_alike(out, args, kwargs)
+                return out
+            target = args[0] if kind is IN_PLACE else kwargs.get("out")
+            if target is None:
+                return func(*args, **kwargs)
+            before = target.shape, target.stride()
             out = func(*args, **kwargs)
-            self._results[key] = _made_alike(out, args, kwargs) if kind is NEW else _in_place(out, args, key)
+            unchanged = out is target and (target.shape, target.stride()) == before
+            self._results[key] = (True, ()) if unchanged else None
             return out
         if found is None:  # results that are not made alike
             return func(*args, **kwargs)
         if kind is IN_PLACE:
             return args[0]
+        if kind is OUT:
+            return kwargs["out"]
         single, specs = found
         made = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in specs]
         return made[0] if single else tuple(made)
@@ -219,7 +230,7 @@ class Remembered(TorchDispatchMode):
         return META_RESULTS.run(func, args, kwargs or {})
 
 
-NEW, IN_PLACE = "new", "in place"
+NEW, IN_PLACE, OUT = "new", "in place", "into out"
 _SKIPPED_TAGS = (
     torch.Tag.nondeterministic_seeded,
     torch.Tag.dynamic_output_shape,
@@ -229,7 +240,8 @@ _SKIPPED_TAGS = (
 
 
 def _kind(func) -> str | None:
-    """NEW: ``func`` returns new tensors; IN_PLACE: it writes into its first argument and returns it; else None."""
+    """NEW: ``func`` returns new tensors; IN_PLACE: it writes into its first argument and returns it; OUT: it writes
+    into its one ``out=`` argument (the only one aliased) and returns it; else None."""
     schema = func._schema
     if func.is_view or any(tag in func.tags for tag in _SKIPPED_TAGS):
         return None
@@ -238,11 +250,17 @@ def _kind(func) -> str | None:
     arguments, returns = schema.arguments, schema.returns
     if not any(a.alias_info is not None for a in (*arguments, *returns)):
         return NEW
-    first, back = arguments[0].alias_info, returns[0].alias_info
-    if len(returns) > 1 or first is None or back is None or any(a.alias_info for a in arguments[1:]):
+    aliased = [a for a in arguments if a.alias_info is not None]
+    back = returns[0].alias_info
+    if len(returns) > 1 or len(aliased) != 1 or back is None:
         return None
-    same = back.before_set == first.before_set and back.after_set == first.after_set
-    return IN_PLACE if first.is_write and back.is_write and same else None
+    written = aliased[0].alias_info
+    same = back.before_set == written.before_set and back.after_set == written.after_set
+    if not (written.is_write and back.is_write and same):
+        return None
+    if aliased[0] is arguments[0]:
+        return IN_PLACE
+    return OUT if aliased[0].name == "out" and aliased[0].kwarg_only else None
 
 
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
@@ -303,14 +321,3 @@ def _made_alike(out, args: tuple, kwargs: dict) -> tuple | None:
             return None
         specs.append((shape, stride, dtype))
     return single, tuple(specs)
-
-
-def _in_place(out, args: tuple, key: tuple) -> tuple | None:
-    """An in-place operator's entry where it returned its first argument with the shape and strides it had (its
-    description at ``key[3]``, after the operator, the default dtype and the arguments' count), else None."""
-    target = args[0] if args else None
-    if out is not target or type(target) not in (torch.Tensor, torch.nn.Parameter):
-        return None
-    parts = []
-    _describe((target,), parts)
-    return (True, ()) if parts == [key[3]] else None

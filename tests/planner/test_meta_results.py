@@ -74,13 +74,26 @@ def test_an_in_place_operator_returns_its_target_and_views_are_never_remembered(
     target = meta(4, 4)
     for _ in range(2):
         assert results.run(aten.add_.Tensor, (target, meta(4)), {}) is target
-    assert trace._kind(aten.view.default) is None and trace._kind(aten.add.out) is None
+    assert trace._kind(aten.view.default) is None and trace._kind(aten.add.out) == trace.OUT
     assert trace._kind(aten.unsqueeze_.default) is None  # changes its target's shape
     assert trace._kind(aten._unsafe_view.default) == trace.NEW  # returns its input's storage: found on its first run
     viewed = meta(2, 6)
     results.run(aten._unsafe_view.default, (viewed, [3, 4]), {})
     again = results.run(aten._unsafe_view.default, (viewed, [3, 4]), {})
     assert storage_key(again) == storage_key(viewed)
+
+
+def test_an_out_operator_returns_its_out_and_one_that_resizes_it_is_not_remembered():
+    results = trace.MetaResults()
+    scores = meta(3, 5)
+    for _ in range(2):  # the chunked loss's log-softmax, written over its input
+        assert results.run(aten._log_softmax.out, (scores, -1, False), {"out": scores}) is scores
+    assert described(scores) == described(meta(3, 5)) and list(results._results.values()) == [(True, ())]
+    for _ in range(2):  # an out of another shape is resized by the kernel: its result is the kernel's every time
+        out = meta(0)
+        assert results.run(aten.add.out, (meta(2, 3), meta(3)), {"out": out}) is out and out.shape == (2, 3)
+    assert list(results._results.values())[1] is None
+    assert trace._kind(aten.split_with_sizes_copy.out) is None  # writes several tensors: never remembered
 
 
 def test_a_traced_step_is_estimated_alike_with_and_without_remembered_results(monkeypatch):
