@@ -13,4 +13,4 @@ def test_the_docs_quote_the_recorded_times():
     text = " ".join((ROOT / "docs" / "planner.md").read_text().split())
     for run in runs.values():
         assert f"{run['seconds']:.0f} s ({run['cpu_seconds']:.0f} CPU seconds)" in text
-    assert f"load average about {runs['example']['load_average'][0]:.0f};" in text
+    assert f"load average {runs['example']['load_average'][0]:.1f};" in text
