@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.adapter_cases import without_peft_slim
 from helpers.full_finetuning_cases import CASES, recorded, run_case
 from helpers.tiny_models import build, make_batch, trainer_kwargs
 from peft import LoraConfig, get_peft_model
@@ -70,7 +71,15 @@ def test_saves_a_plain_checkpoint(arch, method, fields, tmp_path):
         {"config.json", "model.safetensors"} <= names <= {"config.json", "model.safetensors", "generation_config.json"}
     )
     assert "peft_slim" not in (tmp_path / "config.json").read_text()
-    loaded, untrained = type(model).from_pretrained(tmp_path).state_dict(), build(arch).state_dict()
+    # transformers alone, in a fresh process that never imports peft_slim, loads it
+    report = without_peft_slim(
+        "import sys, torch, transformers\n"
+        f"model = transformers.{type(model).__name__}.from_pretrained({str(tmp_path)!r})\n"
+        f"torch.save(model.state_dict(), {str(tmp_path / 'loaded.pt')!r})\n"
+        "print('RESULT=' + str(any(m.startswith('peft_slim') for m in sys.modules)).lower())"
+    )
+    assert report is False
+    loaded, untrained = torch.load(tmp_path / "loaded.pt"), build(arch).state_dict()
     assert any(not torch.equal(value, untrained[name]) for name, value in loaded.items())  # training changed it
     for name, value in loaded.items():
         assert torch.equal(value, model.state_dict()[name]), name
