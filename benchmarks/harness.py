@@ -20,7 +20,7 @@ The step table (``results/step``: the three baselines, TokenTune's defaults and 
 alone (``results/step/heads.*``):
 
     python -m benchmarks.harness --tasks qa pydocs --methods lora+ckpt+trl-head lora+ckpt lora+ckpt+labelled-head \
-        tokentune tokentune-0.5 --steps 4 --seeds 0 1 --out benchmarks/results/step
+        tokentune tokentune-0.5-fill --steps 4 --seeds 0 1 --out benchmarks/results/step
     python -m benchmarks.harness --heads 7 --tasks qa pydocs longqa --out benchmarks/results/step
 
 The chunk-rule comparison (``results/chunk_rule/<group>``: TokenTune's chunked loss at 16 to 256 least rows a chunk
@@ -109,7 +109,11 @@ METHODS = {
         Method("lora+ckpt+trl-head", Recipe("lora", **LORA, gradient_checkpointing=True), "trl", True),
         Method("lora+ckpt+labelled-head", Recipe("lora", **LORA, gradient_checkpointing=True), "labelled", True),
         Method("tokentune", Recipe("tokentune", **LORA)),  # the library's defaults
-        Method("tokentune-0.5", Recipe("tokentune", **LORA, token_ratio=0.5)),
+        # a fixed share of every row, answer tokens first and the rest filled with prompt tokens (prompt ratio 1):
+        # the library's default before the prompt ratio (at 0.3), and at 0.5
+        Method("tokentune-0.3-fill", Recipe("tokentune", **LORA, token_ratio=0.3, prompt_ratio=1.0)),
+        Method("tokentune-0.5-fill", Recipe("tokentune", **LORA, token_ratio=0.5, prompt_ratio=1.0)),
+        Method("tokentune-prompt0.1", Recipe("tokentune", **LORA, prompt_ratio=0.1)),
         # the chunk-rule comparison: TokenTune's defaults with other least rows per chunk ("-one": one chunk)
         *(Method(f"tokentune-rows{r}", Recipe("tokentune", **LORA), min_chunk_rows=r) for r in (16, 64, 128, 256)),
         Method("tokentune-one-chunk", Recipe("tokentune", **LORA), min_chunk_rows=2**62),

@@ -16,7 +16,7 @@ from .configuration import check_bool, check_choice, check_float, check_int, che
 from .slimfit import SlimFitConfig, slimfit_
 from .slimfit.config import CATCH_UP
 from .token_selection import TokenSelectionConfig
-from .token_selection.config import DEFAULT_TOKEN_RATIO, SELECTION_RULES
+from .token_selection.config import DEFAULT_PROMPT_RATIO, DEFAULT_TOKEN_RATIO, SELECTION_RULES
 from .tokentune import TokenTuneConfig, tokentune_
 from .tuner import MethodConfig
 from .tuner.transform import MethodTransform
@@ -76,11 +76,24 @@ class Recipe:
     token_ratio: float | None = field(
         default=None,
         metadata={
-            "help": f"tokentune, slimfit: fraction in (0, 1] of each sequence's tokens that get gradients. None: "
-            f"{DEFAULT_TOKEN_RATIO} with tokentune, every token with slimfit.",
+            "help": f"tokentune, slimfit: fraction in (0, 1] of each sequence's tokens that get gradients, at most "
+            f"(the memory budget). None: {DEFAULT_TOKEN_RATIO} with tokentune, every token with slimfit.",
             "flag": {
-                "help": "tokentune, slimfit: fraction of each sequence's tokens that get gradients (tokentune "
-                f"default {DEFAULT_TOKEN_RATIO}; slimfit: none, all tokens, unless given)."
+                "help": "tokentune, slimfit: the most of each sequence's tokens that get gradients, as a fraction "
+                f"(tokentune default {DEFAULT_TOKEN_RATIO}; slimfit: none, all tokens, unless given)."
+            },
+        },
+    )
+    prompt_ratio: float | None = field(
+        default=None,
+        metadata={
+            "help": f"With selection {LABEL_FIRST!r}: fraction in [0, 1] of each sequence's unlabelled tokens (the "
+            "prompt) that get gradients beside every labelled one, within the token ratio. None: "
+            f"{DEFAULT_PROMPT_RATIO}.",
+            "flag": {
+                "help": f"tokentune, slimfit with selection {LABEL_FIRST!r}: share of the prompt's tokens that get "
+                f"gradients beside every answer token, within --token-ratio (default {DEFAULT_PROMPT_RATIO}; 1: fill "
+                "--token-ratio)."
             },
         },
     )
@@ -141,6 +154,7 @@ class Recipe:
             # the ranges of the configs' own fields, with None allowed: the method's default
             "token_ratio": check_float("Recipe.token_ratio", self.token_ratio, 0.0, 1.0, low_open=True, optional=True),
             "selection": check_choice("Recipe.selection", self.selection, SELECTION_RULES, optional=True),
+            "prompt_ratio": check_float("Recipe.prompt_ratio", self.prompt_ratio, 0.0, 1.0, optional=True),
             "freeze_ratio": check_float(
                 "Recipe.freeze_ratio", self.freeze_ratio, 0.0, 1.0, high_open=True, optional=True
             ),
@@ -160,6 +174,8 @@ class Recipe:
             defaults["token_ratio"] = DEFAULT_TOKEN_RATIO
         if self.selects:
             defaults["selection"] = LABEL_FIRST
+            if self.selection in (None, LABEL_FIRST):
+                defaults["prompt_ratio"] = DEFAULT_PROMPT_RATIO
         if self.method == "slimfit":
             defaults |= {"freeze_ratio": SLIMFIT_DEFAULTS.freeze_ratio, "catch_up": SLIMFIT_DEFAULTS.catch_up}
         for name, value in defaults.items():
@@ -173,6 +189,11 @@ class Recipe:
         if self.selection is not None and not self.selects:
             raise ValueError(
                 "Recipe.selection needs token selection: method 'tokentune', or 'slimfit' with a token_ratio."
+            )
+        if self.prompt_ratio is not None and (not self.selects or self.selection not in (None, LABEL_FIRST)):
+            raise ValueError(
+                f"Recipe.prompt_ratio applies to selection {LABEL_FIRST!r} (method 'tokentune', or 'slimfit' with a "
+                f"token_ratio), not method {method!r} with selection {self.selection!r}."
             )
         for name in ("freeze_ratio", "catch_up"):
             if getattr(self, name) is not None and method != "slimfit":
@@ -227,7 +248,7 @@ class Recipe:
         common = {"task_type": task_type, "lora": self.lora_config(task_type) if self.uses_lora else None, **seeded}
         if self.method == "tokentune" or self.compression_bits is not None:  # None: SlimFit's own default
             common["activation_compression"] = self.activation_compression()
-        selecting = {"token_ratio": self.token_ratio, "selection": self.selection}
+        selecting = {"token_ratio": self.token_ratio, "selection": self.selection, "prompt_ratio": self.prompt_ratio}
         if self.method == "tokentune":
             return TokenTuneConfig(**common, **selecting)
         selection = TokenSelectionConfig(**selecting, **seeded) if self.token_ratio is not None else None
@@ -262,8 +283,8 @@ class Recipe:
                     "comma-separated names."
                 )
             flags += ["--lora-target-modules", ",".join(targets)]
-        defaults = {"selection": LABEL_FIRST, "catch_up": SLIMFIT_DEFAULTS.catch_up}
-        for name in ("token_ratio", "selection", "freeze_ratio", "catch_up", "compression_bits"):
+        defaults = {"selection": LABEL_FIRST, "prompt_ratio": DEFAULT_PROMPT_RATIO, "catch_up": SLIMFIT_DEFAULTS.catch_up}
+        for name in ("token_ratio", "selection", "prompt_ratio", "freeze_ratio", "catch_up", "compression_bits"):
             value = getattr(self, name)
             if value is not None and value != defaults.get(name):
                 flags += ["--" + name.replace("_", "-"), value if isinstance(value, str) else _number(value)]
@@ -274,7 +295,7 @@ class Recipe:
     @property
     def key(self) -> dict[str, Any]:
         """What decides how the recipe trains, not the LoRA's size: the key of ``planner/measured.json``."""
-        names = ("method", "token_ratio", "selection", "compression_bits", "freeze_ratio", "catch_up")
+        names = ("method", "token_ratio", "selection", "prompt_ratio", "compression_bits", "freeze_ratio", "catch_up")
         key = {name: getattr(self, name) for name in names}  # freeze_ratio, catch_up: None but with slimfit
         bits, own = self.compression_bits, "slimfit default" if self.method == "slimfit" else None
         key["compression_bits"] = {None: own, "none": None}.get(bits, bits)

@@ -94,6 +94,7 @@ class MethodArguments:
     method: Literal[METHODS] = _arg("tokentune", _recipe_help("method"))
     token_ratio: float | None = _arg(None, _recipe_help("token_ratio"))
     selection: Literal[SELECTION_RULES] | None = _arg(None, _recipe_help("selection"))
+    prompt_ratio: float | None = _arg(None, _recipe_help("prompt_ratio"))
     freeze_ratio: float | None = _arg(None, _recipe_help("freeze_ratio"))
     catch_up: Literal[CATCH_UP] | None = _arg(None, _recipe_help("catch_up"))
     compression_bits: Literal["none", "8", "4", "2"] | None = _arg(None, _recipe_help("compression_bits"))

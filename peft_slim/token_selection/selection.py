@@ -153,9 +153,10 @@ def draw_selection(
 
     ``real`` marks non-padding positions, ``forced`` those always selected (a head reads them, padding or not),
     ``labelled`` those with a loss label (for ``selection="answer"``). The count is over real tokens (at least the
-    forced real ones), forced padding on top. Each candidate scores a uniform draw plus its tier (forced > labelled,
-    under "answer" > other): the highest ``wanted`` are selected, so each tier is a uniform subset once the budget
-    runs short.
+    forced real ones), forced padding on top: the budget (``token_ratio`` or ``num_tokens``), or under "answer" with
+    labels, fewer where every labelled position and ``prompt_ratio`` of the others fit in it. Each candidate scores
+    a uniform draw plus its tier (forced > labelled, under "answer" > other): the highest ``wanted`` are selected,
+    so each tier is a uniform subset once the count runs short.
     """
     n_real = real.sum(dim=1)
     if config.num_tokens is not None:
@@ -163,12 +164,17 @@ def draw_selection(
     else:
         wanted = torch.ceil(n_real.to(torch.float64) * config.token_ratio).to(n_real.dtype)
         wanted = torch.minimum(torch.clamp(wanted, min=1), n_real)
+    answer = config.selection == "answer" and labelled is not None
+    if answer and config.prompt_ratio < 1.0:
+        first = ((labelled | forced) & real).sum(dim=1)  # labelled and forced real positions: all of them train
+        prompt = torch.ceil((n_real - first).to(torch.float64) * config.prompt_ratio).to(n_real.dtype)
+        wanted = torch.minimum(wanted, first + prompt)
     wanted = torch.maximum(wanted, (forced & real).sum(dim=1)) + (forced & ~real).sum(dim=1)
 
     candidates = real | forced
     draw = torch.rand(real.shape, generator=generator, device=generator.device).to(real.device)
     tier = torch.full(real.shape, _OTHER, device=real.device)
-    if config.selection == "answer" and labelled is not None:
+    if answer:
         tier = torch.where(labelled & real, _LABELLED, tier)
     tier = torch.where(forced, _FORCED, tier)
     score = torch.where(candidates, tier + draw, -math.inf)

@@ -18,6 +18,7 @@ from .._version import __version__
 from ..compression import ActivationCompressionConfig
 from ..configuration import VERSION_KEY, atomic_write_text, check_names, nested, saved_fields, to_json_value
 from ..nested_lora import check_lora_fields, merged_modules_to_save
+from ..token_selection.config import saved_selection
 from ..registry import add_peft_type
 
 METHOD_CONFIG_NAME = "peft_slim_config.json"  # a LoRA-stacked adapter's method and its own settings
@@ -199,6 +200,10 @@ def load_config(model_id: str, subfolder: str | None = None, **hub_kwargs) -> An
     own = saved_fields(
         config_cls, {k: v for k, v in values.items() if k not in _PEFT_FIELDS}, version, config_cls.nested_types
     )
+    if "selection" in own:  # TokenTune's own selection fields
+        own = saved_selection(own)
+    if isinstance(own.get("token_selection"), dict):  # SlimFit's
+        own["token_selection"] = saved_selection(own["token_selection"])
     common = {
         key: peft_fields.get(key) for key in ("task_type", "base_model_name_or_path", "revision", "auto_mapping")
     }
