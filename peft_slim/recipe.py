@@ -283,7 +283,8 @@ class Recipe:
                     "comma-separated names."
                 )
             flags += ["--lora-target-modules", ",".join(targets)]
-        defaults = {"selection": LABEL_FIRST, "prompt_ratio": DEFAULT_PROMPT_RATIO, "catch_up": SLIMFIT_DEFAULTS.catch_up}
+        defaults = {"selection": LABEL_FIRST, "prompt_ratio": DEFAULT_PROMPT_RATIO}
+        defaults["catch_up"] = SLIMFIT_DEFAULTS.catch_up
         for name in ("token_ratio", "selection", "prompt_ratio", "freeze_ratio", "catch_up", "compression_bits"):
             value = getattr(self, name)
             if value is not None and value != defaults.get(name):
@@ -294,8 +295,9 @@ class Recipe:
 
     @property
     def key(self) -> dict[str, Any]:
-        """What decides how the recipe trains, not the LoRA's size: the key of ``planner/measured.json``."""
-        names = ("method", "token_ratio", "selection", "prompt_ratio", "compression_bits", "freeze_ratio", "catch_up")
+        """What decides how the recipe trains, not the LoRA's size nor the prompt ratio (the evidence names those it
+        was measured with): the key of ``planner/measured.json``."""
+        names = ("method", "token_ratio", "selection", "compression_bits", "freeze_ratio", "catch_up")
         key = {name: getattr(self, name) for name in names}  # freeze_ratio, catch_up: None but with slimfit
         bits, own = self.compression_bits, "slimfit default" if self.method == "slimfit" else None
         key["compression_bits"] = {None: own, "none": None}.get(bits, bits)

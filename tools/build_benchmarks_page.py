@@ -145,6 +145,16 @@ def _task_means(report: dict, name: str) -> dict:
     return tasks
 
 
+def earlier_rule(flags: list[str]) -> list[str]:
+    """The flags of an equal-budget run, which ran before ``--prompt-ratio`` existed: one that selected answer tokens
+    first filled its whole token ratio (``--prompt-ratio 1``)."""
+    method = flags[flags.index("--method") + 1] if "--method" in flags else "tokentune"  # the command's default
+    selects = method == "tokentune" or "--token-ratio" in flags
+    if selects and "--prompt-ratio" not in flags and "random" not in flags:
+        return [*flags, "--prompt-ratio", "1"]
+    return flags
+
+
 def measured(report: dict, trl_head: dict[str, dict] | None = None) -> dict:
     """What ``peft_slim.planner`` ranks by: per method of ``report`` (budget.json), its ``peft-slim train``
     setting and, per task, the mean over seeds of its ratios against LoRA + checkpointing, with the provenance.
@@ -162,6 +172,7 @@ def measured(report: dict, trl_head: dict[str, dict] | None = None) -> dict:
     for name, flags in report["methods"].items():
         if name in report.get("probes", {}):  # a benchmark probe chose its tokens: no train flags reach it
             continue
+        flags = earlier_rule(flags)
         args = parse_flags(flags)
         tasks = _task_means(report, name)
         if tasks:
@@ -170,6 +181,8 @@ def measured(report: dict, trl_head: dict[str, dict] | None = None) -> dict:
                 lora |= {"alpha": args.lora_alpha or 2 * args.lora_r}
                 lora |= {"target_modules": args.lora_target_modules or "all-linear"}
             methods[name] = {"flags": flags, "setting": Recipe.from_train_args(args).key, "lora": lora, "tasks": tasks}
+            if args.prompt_ratio is not None:
+                methods[name]["prompt_ratio"] = args.prompt_ratio
             stronger, reports = {}, []
             for folder, run in (trl_head or {}).items():
                 means = _task_means(run, name) if name != run["budget_method"] else {}

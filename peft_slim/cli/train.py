@@ -117,16 +117,19 @@ def check_lora_targets(config, recipe: Recipe) -> None:
 
 
 def loss_kept(model, batch: dict) -> str | None:
-    """What the latest training forward's token selection of ``batch`` kept of its loss (and, answer first, the lowest
-    ratio keeping every labelled position); None without selection."""
+    """What the latest training forward's token selection of ``batch`` trained and kept of its loss (and, answer
+    first, the lowest ratio keeping every labelled position); None without selection."""
     selector = find_token_selector(model)  # the PEFT tuner's, or the transform's (--lora-r 0)
     if selector is None or selector.last_token_mask is None:
         return None
     config, mask = selector.config, selector.last_token_mask.cpu()
     labelled = labelled_positions(batch["labels"], causal=True)
     kept, total = int((mask & labelled).sum()), int(labelled.sum())
-    rule = "answer tokens first" if config.selection == "answer" else config.selection
-    head = f"token selection on the first batch (token ratio {config.token_ratio}, {rule}): "
+    real = batch["attention_mask"].bool()
+    trained, tokens = int((mask & real).sum()), int(real.sum())
+    rule = f"answer tokens first, prompt ratio {config.prompt_ratio:g}" if config.selection == "answer" else "random"
+    head = f"token selection on the first batch (token ratio {config.token_ratio:g}, {rule}): "
+    head += f"{trained} of {tokens} tokens train ({trained / tokens:.0%}); "
     if kept == total:
         return f"{head}all {total} labelled positions carry the loss"
     text = f"{head}{kept} of {total} labelled positions ({kept / total:.0%}) carry the loss, the rest are left out"
@@ -238,6 +241,7 @@ def parse_flags(argv: list[str]) -> argparse.Namespace:
     values = {spec.name: getattr(part, spec.name) for part in arguments for spec in dataclasses.fields(part)}
     data, training, model, _ = arguments
     values |= {name: getattr(recipe, name) for name in ("method", "lora_r", "token_ratio", "selection")}
+    values |= {"prompt_ratio": recipe.prompt_ratio}
     values |= {name: getattr(recipe, name) for name in ("freeze_ratio", "catch_up", "gradient_checkpointing")}
     values |= {"model": model.model_name_or_path, "dataset": data.dataset_name, "output": training.output_dir}
     values |= {"batch_size": training.per_device_train_batch_size, "num_epochs": training.num_train_epochs}

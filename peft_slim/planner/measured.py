@@ -5,7 +5,8 @@
 the benchmark ran it holds the key (``Recipe.key``) of the recipe its ``peft-slim train`` flags give, and per task
 the mean over seeds of its ratios against LoRA + gradient checkpointing of the same seed. A planner setting gets a
 measurement only where its recipe has the same key (method, token ratio and selection rule, compression, SlimFit's
-freezing, checkpointing); the LoRA rank and targets may differ, and the evidence line says which were measured.
+freezing, checkpointing); the LoRA rank and targets and the prompt ratio may differ, and the evidence line says
+which were measured.
 A method the later runs against LoRA + checkpointing with TRL's fused LM head (``budget_trl`` and the long-prompt
 ``budget_trl_longqa``) also measured carries those ratios too (``against_trl_head``, their tasks together); the
 ranking uses the first run's, one baseline for all.
@@ -32,6 +33,7 @@ class Measurement:
     lora: dict  # the LoRA it was measured with: {"r", "alpha", "target_modules"}
     source: dict  # the file's provenance (model, machine, report, command)
     against_trl_head: dict | None = None  # {"report", "tasks"}: ratios against LoRA + ckpt with TRL's fused head
+    prompt_ratio: float | None = None  # the prompt ratio it was measured with (answer-first token selection)
 
     def sort_key(self) -> tuple:
         """Those that reach LoRA's final perplexity (within 2%) in the time budget in every seed of every task first,
@@ -56,6 +58,8 @@ class Measurement:
         """The measured numbers and where they come from, against LoRA + checkpointing and, where that run has
         this setting, against LoRA + checkpointing with TRL's fused LM head (the baseline a TRL user has)."""
         lora = f"LoRA r={self.lora['r']} on {self.lora['target_modules']}"
+        if self.prompt_ratio is not None:
+            lora += f", prompt ratio {self.prompt_ratio:g}"
         where = f"{self.source['model']}, {lora}; {_tasks(self.tasks)}; {self.source['hardware']}; "
         text = f"measured: {_numbers(self.tasks, 'LoRA + checkpointing')} ({where}{self.source['report']})"
         if self.against_trl_head:
@@ -104,10 +108,13 @@ def _data() -> dict:
 
 
 def measurement_for(candidate, data: dict | None = None) -> Measurement | None:
-    """The measurement of exactly ``candidate``'s setting, or None (never a near one)."""
+    """The measurement of exactly ``candidate``'s setting (but its LoRA and prompt ratio), or None (never a near
+    one)."""
     data = _data() if data is None else data
     wanted = candidate.recipe.key
     for name, m in data["methods"].items():
         if m["setting"] == wanted:
-            return Measurement(name, m["tasks"], m["lora"], data["source"], m.get("against_trl_head"))
+            return Measurement(
+                name, m["tasks"], m["lora"], data["source"], m.get("against_trl_head"), m.get("prompt_ratio")
+            )
     return None

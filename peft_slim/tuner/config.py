@@ -18,8 +18,8 @@ from .._version import __version__
 from ..compression import ActivationCompressionConfig
 from ..configuration import VERSION_KEY, atomic_write_text, check_names, nested, saved_fields, to_json_value
 from ..nested_lora import check_lora_fields, merged_modules_to_save
-from ..token_selection.config import saved_selection
 from ..registry import add_peft_type
+from ..token_selection.config import saved_selection
 
 METHOD_CONFIG_NAME = "peft_slim_config.json"  # a LoRA-stacked adapter's method and its own settings
 _HUB_KEYWORDS = ("revision", "cache_dir", "token", "local_files_only", "force_download")

@@ -53,6 +53,7 @@ EARLIER_FLAGS = [
     (["--lora-target-modules", "q_proj,v_proj"], "lora_target_modules", "q_proj,v_proj"),
     (["--token-ratio", "0.5"], "token_ratio", 0.5),
     (["--selection", "random"], "selection", "random"),
+    (["--prompt-ratio", "0.1"], "prompt_ratio", 0.1),
     (["--method", "slimfit", "--freeze-ratio", "0.5"], "freeze_ratio", 0.5),
     (["--method", "slimfit", "--catch-up", "none"], "catch_up", "none"),
     (["--compression-bits", "8"], "compression_bits", "8"),
@@ -134,6 +135,8 @@ REFUSED = [
     (["--seed", "-1"], "--seed"),
     (["--learning-rate", "0"], "--learning-rate"),
     (["--method", "lora", "--token-ratio", "0.3"], "--token-ratio applies"),
+    (["--prompt-ratio", "1.5"], "--prompt-ratio must be a float in [0, 1]"),
+    (["--selection", "random", "--prompt-ratio", "0.3"], "--prompt-ratio applies to selection 'answer'"),
     (["--method", "tokentune", "--freeze-ratio", "0.5"], "--freeze-ratio applies"),
     (["--method", "full", "--lora-r", "8"], "--lora-r must be 0"),
     (["--method", "full", "--lora-alpha", "4"], "--lora-alpha needs LoRA"),
@@ -193,6 +196,6 @@ def test_help_lists_both_groups_and_shows_each_default_once(capsys, monkeypatch)
     assert [flag for flag in HELP_FLAGS.split() if flag not in text] == []
 
 
-HELP_FLAGS = """--model --gguf-file --dataset --method --token-ratio --selection --freeze-ratio --catch-up --lora-r
+HELP_FLAGS = """--model --gguf-file --dataset --method --token-ratio --prompt-ratio --selection --freeze-ratio --catch-up --lora-r
 --lora-alpha --lora-target-modules --compression-bits --gradient-checkpointing --max-length --max-steps --num-epochs
 --batch-size --gradient-accumulation-steps --learning-rate --bf16 --seed --output --config"""

@@ -267,9 +267,10 @@ def test_loss_kept_counts_the_selected_labelled_positions_and_the_ratio_keeping_
     model = SimpleNamespace()
     monkeypatch.setattr(train, "find_token_selector", lambda given: selector if given is model else None)
     text = loss_kept(model, {"attention_mask": attention_mask, "labels": labels})
-    rule = "answer tokens first" if selection == "answer" else "random"
+    rule = "answer tokens first, prompt ratio 0.3" if selection == "answer" else "random"
     head = f"token selection on the first batch (token ratio 0.3, {rule}): "
-    assert text.startswith(f"{head}8 of 12 labelled positions (67%) carry the loss, the rest are left out")
+    assert text.startswith(f"{head}12 of 18 tokens train (67%); 8 of 12 labelled positions (67%) carry the loss, ")
+    assert "the rest are left out" in text
     # Keeping all: row 0 needs positions 0, 3-6 and its last real token 7 (6 of 8 = 0.75); row 1 needs 0-8 and 9 (1.0).
     assert text.endswith("; --token-ratio 1 or more keeps all of them") == (selection == "answer")
     labels[1, 2:] = -100  # row 1 unlabelled: row 0 decides
@@ -281,7 +282,7 @@ def test_loss_kept_counts_the_selected_labelled_positions_and_the_ratio_keeping_
     selector.last_token_mask = _selected({0: [0, 3, 4, 5, 6, 7], 1: [0, 8, 9]})
     assert (
         loss_kept(model, {"attention_mask": attention_mask, "labels": labels})
-        == f"{head}all 5 labelled positions carry the loss"
+        == f"{head}9 of 18 tokens train (50%); all 5 labelled positions carry the loss"
     )
     assert loss_kept(SimpleNamespace(), {"attention_mask": attention_mask, "labels": labels}) is None  # no selector
 

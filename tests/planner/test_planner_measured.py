@@ -176,6 +176,11 @@ def test_the_evidence_gives_the_measured_numbers_and_their_source(everything):
         assert source["model"] in text and "benchmarks/results/budget/budget.md" in text and "LoRA r=8" in text
         for task, numbers in tasks.items():
             assert f"{task} ({len(numbers['seeds'])} seed" in text
+        prompt_ratio = PACKAGED["methods"][benchmark_name(candidate)].get("prompt_ratio")
+        if candidate.method == "tokentune":  # measured before the prompt ratio: the budget filled from the prompt
+            assert prompt_ratio == 1.0 and "prompt ratio 1;" in text
+        else:
+            assert prompt_ratio is None and "prompt ratio" not in text
         if all(t["seeds_reaching_reference"] == len(t["seeds"]) for t in tasks.values()):
             time = statistics.mean(t["time_to_reference_ratio"] for t in tasks.values())
             assert f"in {time:.2f}x the time of LoRA + checkpointing" in text

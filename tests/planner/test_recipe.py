@@ -44,6 +44,8 @@ def recipes(draw) -> Recipe:
         fields["token_ratio"] = draw(st.none() | st.floats(0.0, 1.0, exclude_min=True))
         if method == "tokentune" or fields["token_ratio"] is not None:
             fields["selection"] = draw(st.none() | st.sampled_from(SELECTION_RULES))
+            if fields["selection"] in (None, "answer"):
+                fields["prompt_ratio"] = draw(st.none() | st.floats(0.0, 1.0))
     if method == "slimfit":
         fields["freeze_ratio"] = draw(st.none() | st.floats(0.0, 1.0, exclude_max=True))
         fields["catch_up"] = draw(st.none() | st.sampled_from(CATCH_UP))
@@ -76,13 +78,16 @@ def train_config(args: argparse.Namespace):
             task_type="CAUSAL_LM",
             token_ratio=args.token_ratio,
             selection=args.selection,
+            prompt_ratio=args.prompt_ratio,
             seed=args.seed,
             lora=lora,
             activation_compression=compression,
         )
     selection = None
     if args.token_ratio is not None:
-        selection = TokenSelectionConfig(token_ratio=args.token_ratio, selection=args.selection, seed=args.seed)
+        selection = TokenSelectionConfig(
+            token_ratio=args.token_ratio, selection=args.selection, prompt_ratio=args.prompt_ratio, seed=args.seed
+        )
     own = {} if bits is None else {"activation_compression": compression}
     return SlimFitConfig(
         task_type="CAUSAL_LM",
@@ -96,7 +101,8 @@ def train_config(args: argparse.Namespace):
 
 
 def measured_key(args: argparse.Namespace) -> dict:
-    """The key of a setting in planner/measured.json: what decides how it trains, not the LoRA's size."""
+    """The key of a setting in planner/measured.json: what decides how it trains, not the LoRA's size nor the prompt
+    ratio (docs/planner.md: the evidence names those it was measured with)."""
     slimfit = args.method == "slimfit"
     bits = args.compression_bits
     if bits is None:
@@ -149,7 +155,11 @@ def test_the_methods_defaults_are_filled_in_once(flags):
     args = checked_train_args(flags)
     recipe = Recipe.from_train_args(args)
     assert recipe == Recipe(method=args.method)
-    assert (recipe.token_ratio, recipe.selection) == (args.token_ratio, args.selection)
+    assert (recipe.token_ratio, recipe.selection, recipe.prompt_ratio) == (
+        args.token_ratio,
+        args.selection,
+        args.prompt_ratio,
+    )
     assert (recipe.freeze_ratio, recipe.catch_up) == (args.freeze_ratio, args.catch_up)
 
 
@@ -180,6 +190,9 @@ def test_the_measured_tables_keys_read_back():
         ({"method": "lora", "lora_r": 0}, "Recipe.lora_r=0 with method 'lora' trains nothing"),
         ({"lora_r": 0, "lora_alpha": 4.0}, "Recipe.lora_alpha needs LoRA"),
         ({"token_ratio": 0.0}, r"Recipe.token_ratio must be a float in \(0, 1\]"),
+        ({"prompt_ratio": 1.5}, r"Recipe.prompt_ratio must be a float in \[0, 1\]"),
+        ({"selection": "random", "prompt_ratio": 0.3}, "Recipe.prompt_ratio applies to selection 'answer'"),
+        ({"method": "slimfit", "prompt_ratio": 0.3}, "Recipe.prompt_ratio applies to selection 'answer'"),
         ({"compression_bits": 3}, "Recipe.compression_bits must be one of"),
         ({"lora_alpha": math.inf}, "Recipe.lora_alpha must be a finite float > 0"),
     ],

@@ -1,13 +1,18 @@
-"""selection="answer": every position whose prediction carries a loss label first, the rest of the budget at random.
+"""selection="answer": every position whose prediction carries a loss label and `prompt_ratio` of the others, within
+the budget; the labelled ones first where it is short.
 
-Definition (README, TokenTune): a causal LM's position t carries a loss label when labels[t + 1] != -100 (the logit
-at t is scored against the next token), so the answer positions of a prompt-completion example run from the last
-prompt token to the last-but-one completion token. Forced positions (first and last real token) are taken first
-and count toward the budget; when what is left is smaller than the answer, a uniformly random subset of the answer
-is taken; when it is larger, every answer position and a uniformly random subset of the other real positions.
+Definition (docs/methods.md, TokenTune): a causal LM's position t carries a loss label when labels[t + 1] != -100
+(the logit at t is scored against the next token), so the answer positions of a prompt-completion example run from
+the last prompt token to the last-but-one completion token. A row of n real tokens, f of them labelled or forced
+(first and last real token), trains min(budget, f + ceil(prompt_ratio * (n - f))) positions (at least its forced
+ones). Forced positions are taken first; when what is left is smaller than the answer, a uniformly random subset of
+the answer is taken; when it is larger, every answer position and a uniformly random subset of the other real
+positions.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -29,19 +34,22 @@ def _case(draw):
     real = draw(_bools(batch, length))
     answer = draw(_bools(batch, length))
     budget = draw(st.integers(1, 16))
-    return real, answer, budget, draw(st.booleans()), draw(st.integers(0, 2**31))
+    prompt_ratio = draw(st.sampled_from([0.0, 0.1, 0.3, 0.5, 1.0]) | st.floats(0.0, 1.0))
+    return real, answer, budget, prompt_ratio, draw(st.booleans()), draw(st.integers(0, 2**31))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(_case())
 def test_answer_rule_against_its_definition(case):
-    real, answer, budget, keep_last, seed = case
+    real, answer, budget, prompt_ratio, keep_last, seed = case
     forced = forced_positions(real, keep_first=True, keep_last=keep_last)
-    config = TokenTuneConfig(num_tokens=budget, selection="answer")
+    config = TokenTuneConfig(num_tokens=budget, selection="answer", prompt_ratio=prompt_ratio)
     mask = draw_selection(config, real, forced, answer, torch.Generator().manual_seed(seed))
     for row in range(real.shape[0]):
-        n_forced = int((forced[row] & real[row]).sum())
-        wanted = max(min(budget, int(real[row].sum())), n_forced)
+        n_real, n_forced = int(real[row].sum()), int((forced[row] & real[row]).sum())
+        first = int(((answer[row] | forced[row]) & real[row]).sum())
+        share = first + math.ceil(prompt_ratio * (n_real - first))
+        wanted = max(min(budget, n_real, share), n_forced)
         assert int(mask[row].sum()) == wanted
         assert not (mask[row] & ~real[row]).any() and not (forced[row] & ~mask[row]).any()
         free_answer = answer[row] & real[row] & ~forced[row]
@@ -85,6 +93,47 @@ def test_budget_larger_than_the_answer_fills_the_rest_uniformly_from_the_prompt(
     # 3 of the 11 other positions (1..11) each draw: p = 3/11.
     p = 3 / 11
     assert (freq[0, 1:12] - p).abs().max() < 5 * (p * (1 - p) / 4000) ** 0.5
+
+
+def test_the_default_trains_every_answer_position_and_a_share_of_the_prompt():
+    """The defaults (token_ratio 0.5, prompt_ratio 0.3) on a 40-token row with a 4-position answer: the answer, the
+    forced first and last token and ceil(0.3 * 34) = 11 prompt positions, fewer than the budget's 20; a row whose
+    answer is longer than the budget trains 20, answer first."""
+    real = torch.ones(2, 40, dtype=torch.bool)
+    answer = torch.zeros_like(real)
+    answer[0, 30:34] = True
+    answer[1, 5:35] = True  # 30 answer positions: more than ceil(0.5 * 40) = 20
+    forced = forced_positions(real, keep_first=True, keep_last=True)
+    config = TokenTuneConfig()
+    assert (config.token_ratio, config.prompt_ratio) == (0.5, 0.3)
+    for seed in range(20):
+        mask = draw_selection(config, real, forced, answer, torch.Generator().manual_seed(seed))
+        assert mask.sum(dim=1).tolist() == [2 + 4 + 11, 20]
+        assert mask[0, 30:34].all() and not (mask[1] & ~answer[1] & ~forced[1]).any()
+
+
+def test_prompt_ratio_one_fills_the_budget_as_before_the_field():
+    real = torch.ones(1, 40, dtype=torch.bool)
+    answer = torch.zeros_like(real)
+    answer[0, 30:34] = True
+    forced = forced_positions(real, keep_first=True, keep_last=True)
+    for ratio, wanted in ((0.3, 12), (0.5, 20)):
+        config = TokenTuneConfig(token_ratio=ratio, prompt_ratio=1.0)
+        mask = draw_selection(config, real, forced, answer, torch.Generator().manual_seed(0))
+        assert int(mask.sum()) == wanted and mask[0, 30:34].all()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"prompt_ratio": 1.5}, r"TokenTuneConfig\.prompt_ratio.*\[0, 1\].*1\.5"),
+        ({"prompt_ratio": -0.1}, r"TokenTuneConfig\.prompt_ratio.*-0\.1"),
+        ({"prompt_ratio": 0.3, "selection": "random"}, r"prompt_ratio applies to selection='answer' only"),
+    ],
+)
+def test_prompt_ratio_refusals_name_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        TokenTuneConfig(**fields)
 
 
 def test_unknown_selection_names_the_field_and_the_rules():

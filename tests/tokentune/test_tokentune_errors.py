@@ -65,7 +65,7 @@ def test_invalid_config_values(kwargs, field):
 
 
 def test_valid_config_values_are_normalised():
-    assert TokenTuneConfig().token_ratio == pytest.approx(0.3)  # the paper's default
+    assert (TokenTuneConfig().token_ratio, TokenTuneConfig().prompt_ratio) == (0.5, 0.3)  # the defaults
     assert TokenTuneConfig(token_ratio=1).token_ratio == 1.0
     assert TokenTuneConfig(num_tokens=16).num_tokens == 16
     config = TokenTuneConfig(lora={"r": 4, "target_modules": ["q_proj"]})

@@ -272,8 +272,9 @@ def test_answer_selection_picks_labelled_positions_first():
     for mask in _masks(answer, batch, 5):
         assert not (mask & ~forced & ~labelled).any(), "an unlabelled position was drawn before labelled ones"
         assert (mask & labelled).sum() >= 3 * 4
-    # With more tokens than labelled positions, every labelled position is taken, the rest filled randomly.
-    big = tokentune_model("llama", num_tokens=14, selection="answer")
+    # With more tokens than labelled positions (and prompt_ratio 1), every labelled position is taken, the rest
+    # filled randomly.
+    big = tokentune_model("llama", num_tokens=14, selection="answer", prompt_ratio=1.0)
     for mask in _masks(big, batch, 3):
         assert not (labelled & real & ~mask).any()
         assert mask.sum(dim=1).tolist() == [14, min(14, int(real[1].sum())), 14]
@@ -311,10 +312,12 @@ def _selection_case(draw):
     batch, length = draw(st.integers(1, 4)), draw(st.integers(1, 12))
     real, labelled = draw(_bool_matrix(batch, length)), draw(_bool_matrix(batch, length))
     selection = draw(st.sampled_from(["random", "answer"]))
+    # the whole budget; other prompt ratios: test_answer_selection.py
+    fill = {"prompt_ratio": 1.0} if selection == "answer" else {}
     if draw(st.booleans()):
-        config = TokenTuneConfig(token_ratio=draw(st.floats(0.01, 1.0)), selection=selection)
+        config = TokenTuneConfig(token_ratio=draw(st.floats(0.01, 1.0)), selection=selection, **fill)
     else:
-        config = TokenTuneConfig(num_tokens=draw(st.integers(1, 15)), selection=selection)
+        config = TokenTuneConfig(num_tokens=draw(st.integers(1, 15)), selection=selection, **fill)
     keep_first, keep_last = draw(st.booleans()), draw(st.booleans())
     return config, real, labelled, keep_first, keep_last, draw(st.integers(0, 2**31))
 

@@ -235,8 +235,14 @@ def test_adapter_config_json_is_byte_identical_to_the_recorded_one(name, tmp_pat
 @pytest.mark.parametrize("name", ["tokentune", "slimfit"])
 def test_a_folder_saved_by_the_earlier_code_loads_as_the_same_config(name):
     """The earlier sidecar repeats the LoRA settings: they are ignored, the LoRA is adapter_config.json's. SlimFit's
-    holds `token_selection` under its earlier name `tokentune`."""
+    holds `token_selection` under its earlier name `tokentune`. Saved before `prompt_ratio` existed, the selection
+    loads with prompt_ratio 1.0: the rule it trained with (the budget filled with prompt tokens)."""
     config = _recorded_configs()[name]
+    if name == "tokentune":
+        config = dataclasses.replace(config, prompt_ratio=1.0)
+    else:
+        selection = dataclasses.replace(config.token_selection, prompt_ratio=1.0)
+        config = dataclasses.replace(config, token_selection=selection)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loaded = peft_slim.load_config(os.path.join(SAVED, name))
