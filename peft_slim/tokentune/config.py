@@ -16,7 +16,7 @@ class TokenTuneConfig(MethodConfig, TokenSelectionConfig):
     """Configuration for [`TokenTuneModel`].
 
     The forward pass sees every token; gradients flow only through a selected subset of positions, so
-    activations are cached only for that subset. The selection fields (`token_ratio` or `num_tokens`,
+    activations are cached only for that subset. The selection fields (`token_ratio` or `num_tokens`, `prompt_ratio`,
     `selection`, `seed`) are those of [`TokenSelectionConfig`]. Through PEFT the LoRA adapter `lora` is trained;
     with `peft_slim.tokentune_` (no `lora`), the model's own weights (all, or those named by `trainable_modules`).
     """
