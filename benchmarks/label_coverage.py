@@ -88,7 +88,8 @@ def main(argv=None) -> dict:
     header = ["task", "train rows"] + [f"labelled kept at {ratio}" for ratio in args.ratios]
     header += ["ratio keeping all: median", "p90", "max"]
     defaults = TokenSelectionConfig()
-    header += [f"defaults ({defaults.token_ratio:g}, prompt {defaults.prompt_ratio:g}): tokens trained", "labelled kept"]
+    rule = f"defaults ({defaults.token_ratio:g}, prompt {defaults.prompt_ratio:g})"
+    header += [f"{rule}: tokens trained", "labelled kept"]
     text = "\n\n".join(
         [
             "# Loss kept by answer-first selection",
