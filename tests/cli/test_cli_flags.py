@@ -196,6 +196,7 @@ def test_help_lists_both_groups_and_shows_each_default_once(capsys, monkeypatch)
     assert [flag for flag in HELP_FLAGS.split() if flag not in text] == []
 
 
-HELP_FLAGS = """--model --gguf-file --dataset --method --token-ratio --prompt-ratio --selection --freeze-ratio --catch-up
---lora-r --lora-alpha --lora-target-modules --compression-bits --gradient-checkpointing --max-length --max-steps --num-epochs
---batch-size --gradient-accumulation-steps --learning-rate --bf16 --seed --output --config"""
+HELP_FLAGS = """--model --gguf-file --dataset --method --token-ratio --prompt-ratio --selection --freeze-ratio
+--catch-up --lora-r --lora-alpha --lora-target-modules --compression-bits --gradient-checkpointing
+--max-length --max-steps --num-epochs --batch-size --gradient-accumulation-steps --learning-rate
+--bf16 --seed --output --config"""
