@@ -39,7 +39,8 @@ MIB = 2**20
 def describe(recipe: Recipe) -> str:
     parts = [recipe.method]
     if recipe.token_ratio is not None:
-        parts.append(f"token ratio {recipe.token_ratio:g} ({recipe.selection})")
+        prompt = f", prompt ratio {recipe.prompt_ratio:g}" if recipe.prompt_ratio is not None else ""
+        parts.append(f"token ratio {recipe.token_ratio:g} ({recipe.selection}{prompt})")
     if recipe.freeze_ratio is not None:
         parts.append(f"freeze ratio {recipe.freeze_ratio:g}, catch-up {recipe.catch_up}")
     parts.append(f"LoRA r={recipe.lora_r}" if recipe.uses_lora else "base weights")
