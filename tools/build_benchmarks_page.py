@@ -44,6 +44,7 @@ HEADLINE_METHOD, HEADLINE_BASELINE = "tokentune", "lora+ckpt+labelled-head"
 TASK_NAMES = {
     "qa": "QA pairs, 64 tokens",
     "pydocs": "Python docs paragraphs, 96 tokens",
+    "longqa": "QA pairs behind long prompts (548-678 tokens, the answer 2% of a row)",
     "pydocs-full": "Python docs, every position labelled, 256 tokens",
 }
 
