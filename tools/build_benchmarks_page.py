@@ -8,8 +8,8 @@ file, which the benchmark wrote in the same call as its ``.json`` (``benchmarks/
 dropped, headings moved one level down and figure links pointed at benchmarks/results/; ``{{sft.json}}`` is the SFT
 table rendered from ``sft.json`` by ``benchmarks.reports.sft_markdown``; ``{{budget.json}}`` the equal-budget tables
 rendered from ``budget/budget.json`` by ``benchmarks.reports.budget_markdown``. The README's headline table (between
-the two marker comments): TokenTune's defaults against TRL's baseline, one row per task of
-``budget_trl/budget.json`` and ``budget_trl_longqa/budget.json``.
+the two marker comments): TokenTune's defaults against the fastest baseline, one row per task of the harness runs
+in ``budget_rule/<task>/harness.json``.
 tests/project/test_docs.py checks both are up to date.
 
 It also writes ``peft_slim/planner/measured.json``, the equal-budget results the planner ranks its settings by
