@@ -150,16 +150,6 @@ def _task_means(report: dict, name: str) -> dict:
     return tasks
 
 
-def earlier_rule(flags: list[str]) -> list[str]:
-    """The flags of an equal-budget run, which ran before ``--prompt-ratio`` existed: one that selected answer tokens
-    first filled its whole token ratio (``--prompt-ratio 1``)."""
-    method = flags[flags.index("--method") + 1] if "--method" in flags else "tokentune"  # the command's default
-    selects = method == "tokentune" or "--token-ratio" in flags
-    if selects and "--prompt-ratio" not in flags and "random" not in flags:
-        return [*flags, "--prompt-ratio", "1"]
-    return flags
-
-
 def measured(report: dict, trl_head: dict[str, dict] | None = None) -> dict:
     """What ``peft_slim.planner`` ranks by: per method of ``report`` (budget.json), its ``peft-slim train``
     setting and, per task, the mean over seeds of its ratios against LoRA + checkpointing, with the provenance.
@@ -177,8 +167,11 @@ def measured(report: dict, trl_head: dict[str, dict] | None = None) -> dict:
     for name, flags in report["methods"].items():
         if name in report.get("probes", {}):  # a benchmark probe chose its tokens: no train flags reach it
             continue
-        flags = earlier_rule(flags)
         args = parse_flags(flags)
+        if args.prompt_ratio is not None and "--prompt-ratio" not in flags:
+            # run before --prompt-ratio existed: its answer-first selection filled the whole token ratio
+            flags = [*flags, "--prompt-ratio", "1"]
+            args = parse_flags(flags)
         tasks = _task_means(report, name)
         if tasks:
             lora = {"r": args.lora_r, "alpha": None, "target_modules": None}
